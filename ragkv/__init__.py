@@ -1,0 +1,29 @@
+"""ragkv: precomputed, compressed, shared KV caches for retrieval-augmented generation."""
+
+from ragkv.errors import (
+    CacheMissError,
+    CodecError,
+    IncompatibleCacheError,
+    RagkvError,
+    StoreUnavailableError,
+    UnsupportedModelError,
+)
+from ragkv.types import Chunk, ChunkKey, ChunkKV, EncodedChunk, GenerationResult, GenerationStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheMissError",
+    "Chunk",
+    "ChunkKV",
+    "ChunkKey",
+    "CodecError",
+    "EncodedChunk",
+    "GenerationResult",
+    "GenerationStats",
+    "IncompatibleCacheError",
+    "RagkvError",
+    "StoreUnavailableError",
+    "UnsupportedModelError",
+    "__version__",
+]

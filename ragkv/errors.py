@@ -1,0 +1,46 @@
+"""The errors ragkv raises. Callers act on the few classes here; bad arguments raise ValueError/TypeError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "RagkvError",
+    "CacheMissError",
+    "CodecError",
+    "StoreUnavailableError",
+    "IncompatibleCacheError",
+    "UnsupportedModelError",
+    "CatalogError",
+    "ContextTooLongError",
+]
+
+
+class RagkvError(Exception):
+    """Root of every error ragkv raises on purpose."""
+
+
+class CacheMissError(RagkvError):
+    """A chunk's cache entry is absent (or was unusable and has been treated as absent)."""
+
+
+class CodecError(RagkvError):
+    """Bytes that are not a valid, intact ragkv bitstream: truncated, corrupted, foreign or too new."""
+
+
+class IncompatibleCacheError(CodecError):
+    """An intact bitstream that was made for another model, shape or format version than the caller's."""
+
+
+class StoreUnavailableError(RagkvError):
+    """A storage tier cannot be reached (down, timed out, refused)."""
+
+
+class CatalogError(RagkvError):
+    """The catalog database is unreachable or its schema does not match this version of ragkv."""
+
+
+class UnsupportedModelError(RagkvError):
+    """The model's architecture lacks something ragkv needs (the message names what)."""
+
+
+class ContextTooLongError(RagkvError, ValueError):
+    """A prompt does not fit in the model's context window."""

@@ -1,0 +1,208 @@
+"""The few frozen records that cross module boundaries.
+
+This module imports no torch at run time, so ``ragkv.cache`` (which never imports torch) can use
+its key records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ragkv.digests import Digest, fields_digest, sha256_hex
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ChunkKV",
+    "ChunkKey",
+    "EncodedChunk",
+    "Chunk",
+    "GenerationStats",
+    "GenerationResult",
+    "DEFAULT_TENANT",
+]
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKV:
+    """One chunk's KV cache, as the model produced it.
+
+    Keys are stored after RoPE, rotated at ``positions``; moving the chunk elsewhere is
+    ``ModelAdapter.rerotate``'s job.
+    """
+
+    keys: torch.Tensor  # [layers, kv_heads, tokens, head_dim], post-RoPE
+    values: torch.Tensor  # [layers, kv_heads, tokens, head_dim]
+    positions: torch.Tensor  # [tokens] int64: the positions the keys were rotated at
+    model_fingerprint: str  # ModelAdapter.fingerprint of the model that computed it
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 4 or self.keys.shape != self.values.shape:
+            raise ValueError(
+                "ChunkKV keys and values must both be [layers, kv_heads, tokens, head_dim]; got "
+                f"{tuple(self.keys.shape)} and {tuple(self.values.shape)}"
+            )
+        if self.positions.dim() != 1 or self.positions.shape[0] != self.keys.shape[2]:
+            raise ValueError(
+                f"ChunkKV positions must be [tokens={self.keys.shape[2]}]; got {tuple(self.positions.shape)}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.keys.shape[1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.keys.shape[3])
+
+    def slice(self, start: int, end: int) -> ChunkKV:
+        """Tokens ``start:end`` of this chunk (views, no copy)."""
+        return ChunkKV(
+            keys=self.keys[:, :, start:end],
+            values=self.values[:, :, start:end],
+            positions=self.positions[start:end],
+            model_fingerprint=self.model_fingerprint,
+        )
+
+    def to(self, device: Any = None, dtype: Any = None) -> ChunkKV:
+        """Return a copy on ``device`` / in ``dtype`` (positions stay int64)."""
+        return ChunkKV(
+            keys=self.keys.to(device=device, dtype=dtype),
+            values=self.values.to(device=device, dtype=dtype),
+            positions=self.positions.to(device=device),
+            model_fingerprint=self.model_fingerprint,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """Everything that decides whether a stored chunk cache can be reused.
+
+    ``digest`` is sha256 over all fields, tenant included, so entries of different tenants,
+    models, prefixes or codecs never collide.
+    """
+
+    model_fingerprint: str  # weights + architecture of the generator
+    tokenizer_fingerprint: str  # vocabulary and special tokens
+    prefix_digest: Digest  # tokens of the shared prefix the chunk was computed after
+    tokens_digest: Digest  # the chunk's own token ids
+    codec: str  # codec name in the registry, e.g. "raw"
+    level: int  # codec quality level
+    format_version: int  # bitstream format version
+    tenant: str = DEFAULT_TENANT  # namespace; tenants never see each other's entries
+
+    @property
+    def digest(self) -> Digest:
+        return fields_digest(
+            [
+                ("model", self.model_fingerprint),
+                ("tokenizer", self.tokenizer_fingerprint),
+                ("prefix", self.prefix_digest),
+                ("tokens", self.tokens_digest),
+                ("codec", self.codec),
+                ("level", self.level),
+                ("format", self.format_version),
+                ("tenant", self.tenant),
+            ]
+        )
+
+    @property
+    def namespace(self) -> str:
+        """A short digest of the tenant, used as the storage key's prefix."""
+        return tenant_namespace(self.tenant)
+
+    @property
+    def storage_key(self) -> str:
+        """``<namespace>/<digest>``: what tiers store the bytes under."""
+        return f"{self.namespace}/{self.digest}"
+
+
+def tenant_namespace(tenant: str) -> str:
+    """The storage-key prefix of ``tenant`` (16 hex chars of its digest)."""
+    if not tenant:
+        raise ValueError("tenant must be a non-empty string")
+    return sha256_hex(b"ragkv-tenant:" + tenant.encode("utf-8"))[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedChunk:
+    """A chunk's KV as bytes: ``data`` is one complete, self-describing bitstream."""
+
+    codec: str  # codec name in the registry
+    level: int  # quality level
+    num_tokens: int  # tokens in the chunk
+    data: bytes  # magic, version, header, payload, checksum
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of a document, as retrieved and as stored in the catalog."""
+
+    chunk_id: Digest  # digest of (doc_id, ordinal, text)
+    doc_id: Digest  # digest of the document's source and content
+    ordinal: int  # index of the chunk in its document
+    text: str  # exact text of the chunk
+    token_ids: tuple[int, ...]  # the generator's tokens for ``text``, tokenized on its own
+    source: str = ""  # where the document came from (path or name)
+    score: float | None = None  # retrieval similarity, when retrieved
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """What one answer cost and what it reused."""
+
+    ttft_ms: float = 0.0  # question in to first token out
+    prompt_tokens: int = 0  # tokens in the whole prompt (prefix + chunks + suffix)
+    reused_tokens: int = 0  # chunk tokens whose cached KV was used as loaded
+    recomputed_tokens: int = 0  # chunk tokens recomputed by selective fusion
+    prefilled_chunk_tokens: int = 0  # chunk tokens prefilled because no cache existed
+    bytes_loaded: int = 0  # encoded bytes read from the store
+    generated_tokens: int = 0  # answer tokens
+    total_ms: float = 0.0  # question in to last token out
+    cache_hits: int = 0  # chunks found in the store
+    cache_misses: int = 0  # chunks computed at query time
+    fusion: str = "naive"  # how chunk caches were fused
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {
+            "ttft_ms": round(self.ttft_ms, 2),
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "prefilled_chunk_tokens": self.prefilled_chunk_tokens,
+            "bytes_loaded": self.bytes_loaded,
+            "generated_tokens": self.generated_tokens,
+            "total_ms": round(self.total_ms, 2),
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "fusion": self.fusion,
+        }
+        d.update(self.extra)
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """An answer and its stats."""
+
+    text: str
+    stats: GenerationStats
+    token_ids: tuple[int, ...] = ()
+    sources: tuple[Chunk, ...] = ()
