@@ -1,0 +1,152 @@
+"""Fusion: turn a cached prefix and independently computed chunk caches into one prompt cache.
+
+Chunk caches computed on their own lack attention to the chunks before them. Fusion re-rotates
+each chunk to its offset, then recomputes a selected subset of chunk tokens layer by layer
+through the model's own decoder layers (their queries see the whole fused cache with the exact
+causal mask, their fresh K/V replace the cached entries), as CacheBlend does, with selection
+strategies from a registry (see ``ragkv.selection``).
+
+Shapes: K/V are ``[layers, kv_heads, tokens, head_dim]``; hidden states ``[1, q, hidden]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from ragkv.model import ModelAdapter, ScatterCache, concat_kv
+from ragkv.selection import FusionConfig, SelectionState, get_strategy
+from ragkv.types import ChunkKV
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FusionInput", "FusedContext", "fuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class FusionInput:
+    """What fusion needs for one prompt."""
+
+    prefix: ChunkKV  # exact KV of the shared prefix, positions 0..P-1
+    chunks: Sequence[ChunkKV]  # each chunk's cached KV, at whatever positions it was computed
+    chunk_ids: Sequence[Sequence[int]]  # each chunk's token ids (to embed recomputed tokens)
+    suffix_ids: Sequence[int] = ()  # question + generation prompt (query-aware selection reads it)
+
+
+@dataclass(slots=True)
+class FusedContext:
+    """The fused prompt cache, ready for the suffix."""
+
+    cache: DynamicCache  # holds prefix + chunks, positions 0..N-1
+    num_tokens: int  # N
+    recomputed_tokens: int  # chunk tokens recomputed through every layer after the check layers
+    chunk_tokens: int  # all chunk tokens
+    selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # final slots
+
+
+def _place(adapter: ModelAdapter, inp: FusionInput) -> tuple[ChunkKV, torch.Tensor, torch.Tensor]:
+    """Re-rotate chunks to their offsets and concatenate; return (kv, chunk slots, chunk token ids)."""
+    parts, slots, ids = [inp.prefix], [], []
+    offset = inp.prefix.num_tokens
+    if len(inp.chunks) != len(inp.chunk_ids):
+        raise ValueError("FusionInput needs one token-id list per chunk")
+    for kv, tok in zip(inp.chunks, inp.chunk_ids, strict=True):
+        if kv.num_tokens != len(tok):
+            raise ValueError(f"chunk cache has {kv.num_tokens} tokens but {len(tok)} token ids were given")
+        parts.append(adapter.rerotate(kv, offset))
+        slots.append(torch.arange(offset, offset + kv.num_tokens))
+        ids.append(torch.as_tensor(list(tok), dtype=torch.long))
+        offset += kv.num_tokens
+    empty = torch.zeros(0, dtype=torch.long)
+    return concat_kv(parts), (torch.cat(slots) if slots else empty), (torch.cat(ids) if ids else empty)
+
+
+def _to_dynamic(adapter: ModelAdapter, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
+    cache = DynamicCache(config=adapter.model.config)
+    for i in range(keys.shape[0]):
+        cache.update(keys[i : i + 1], values[i : i + 1], i)
+    return cache
+
+
+def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Per-token relative L2 deviation ``[q]`` between ``[1, H, q, D]`` tensors."""
+    diff = (fresh.float() - cached.float()).pow(2).sum(dim=(0, 1, 3))
+    return (diff / cached.float().pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)).sqrt()
+
+
+@torch.no_grad()
+def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = None) -> FusedContext:
+    """Fuse ``inp`` into one cache, recomputing the tokens ``config``'s strategy selects."""
+    config = config or FusionConfig()
+    strategy = get_strategy(config.method)
+    kv, slots, ids = _place(adapter, inp)
+    n_chunk = int(slots.numel())
+    keys = kv.keys.to(device=adapter.device, dtype=adapter.dtype).contiguous()
+    values = kv.values.to(device=adapter.device, dtype=adapter.dtype).contiguous()
+    state = SelectionState.start(config, inp, n_chunk)
+    active = strategy.initial(state)  # indices into the chunk tokens
+    if n_chunk == 0 or active.numel() == 0:
+        return FusedContext(_to_dynamic(adapter, keys, values), kv.num_tokens, 0, n_chunk)
+
+    num_layers = adapter.spec.num_layers
+    checks = set(strategy.check_layers(state, num_layers))
+    cache = ScatterCache(keys, values)
+    slots_dev = slots.to(adapter.device)
+    hidden = adapter.embed(ids[active])
+    probe = strategy.wants_query_attention and len(inp.suffix_ids) > 0
+    for layer in range(num_layers):
+        pos = slots_dev[active]
+        mask = adapter.causal_mask(pos, kv.num_tokens, hidden.dtype)
+        pe = adapter.position_embeddings(pos, hidden)
+        if layer in checks:
+            old_k = cache.layers[layer].keys[:, :, pos].clone()
+            old_v = cache.layers[layer].values[:, :, pos].clone()
+        hidden = adapter.run_layer(layer, hidden, pos, cache, pe, mask)
+        if layer in checks:
+            state.observe(
+                layer,
+                active,
+                k_dev=_deviation(cache.layers[layer].keys[:, :, pos], old_k),
+                v_dev=_deviation(cache.layers[layer].values[:, :, pos], old_v),
+            )
+            if probe and layer == min(checks):
+                state.query_attention = _question_attention(adapter, cache, inp, layer, n_chunk, slots_dev)
+            keep = strategy.select(state, layer)  # positions within `active` to keep
+            active, hidden = active[keep], hidden[:, keep.to(hidden.device)]
+            if active.numel() == 0:
+                break
+    k_all, v_all = cache.stacked()
+    recomputed = int(active.numel())
+    return FusedContext(
+        _to_dynamic(adapter, k_all, v_all), kv.num_tokens, recomputed, n_chunk, selected=slots[active.cpu()]
+    )
+
+
+def _question_attention(
+    adapter: ModelAdapter, cache: ScatterCache, inp: FusionInput, upto: int, n_chunk: int, slots: torch.Tensor
+) -> torch.Tensor:
+    """Attention the question's tokens pay each chunk token at layer ``upto`` (summed over heads), ``[n_chunk]``.
+
+    Runs the suffix through layers ``0..upto`` on a copy of the check-layer caches (the fused
+    cache itself is not touched) and reads the attention weights at ``upto``.
+    """
+    n_ctx = cache.layers[0].keys.shape[-2]
+    q_ids = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)
+    keys = torch.cat([cache.layers[i].keys for i in range(upto + 1)])
+    values = torch.cat([cache.layers[i].values for i in range(upto + 1)])
+    pad = torch.zeros(keys.shape[0], keys.shape[1], len(q_ids), keys.shape[3], dtype=keys.dtype, device=keys.device)
+    probe_cache = ScatterCache(torch.cat([keys, pad], dim=2), torch.cat([values, pad.clone()], dim=2))
+    pos = torch.arange(n_ctx, n_ctx + len(q_ids), device=adapter.device)
+    hidden = adapter.embed(q_ids)
+    mask = adapter.causal_mask(pos, n_ctx + len(q_ids), hidden.dtype)
+    pe = adapter.position_embeddings(pos, hidden)
+    for layer in range(upto):
+        hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask)
+    with adapter.attention_probe(upto) as probe:
+        adapter.run_layer(upto, hidden, pos, probe_cache, pe, mask)
+    weights = probe.weights  # [kv_len] summed over heads and question tokens
+    return weights[slots].float().cpu()

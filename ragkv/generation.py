@@ -1,0 +1,111 @@
+"""Token generation on a prepared cache: greedy or sampled, streamed, with stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
+
+    from ragkv.model import ModelAdapter
+
+__all__ = ["GenerationConfig", "decode_loop", "stream_text"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationConfig:
+    """How to pick answer tokens."""
+
+    max_new_tokens: int = 128  # hard cap on answer tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling mass (sampling only)
+    top_k: int = 0  # keep the k most likely tokens (0 = all; sampling only)
+    stop: tuple[str, ...] = ()  # stop before any of these strings appears in the answer
+    seed: int | None = None  # sampling seed, for reproducible answers
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None) -> int:
+    # logits: [vocab] fp32
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0:
+        kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+def decode_loop(
+    adapter: ModelAdapter, cache: Cache, first_logits: torch.Tensor, start: int, cfg: GenerationConfig
+) -> Iterator[int]:
+    """Yield answer token ids one at a time (stops at EOS or ``max_new_tokens``).
+
+    Args:
+        adapter: the model.
+        cache: the prompt's cache, appended to as tokens are generated.
+        first_logits: ``[vocab]`` logits of the prompt's last position.
+        start: position of the first generated token.
+        cfg: sampling settings.
+    """
+    gen = None
+    if cfg.temperature > 0:
+        gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else torch.Generator()
+        if cfg.seed is None:
+            gen.seed()
+    eos = adapter.eos_token_ids
+    logits = first_logits
+    for i in range(cfg.max_new_tokens):
+        tok = _pick(logits, cfg, gen)
+        if tok in eos:
+            return
+        yield tok
+        if i + 1 < cfg.max_new_tokens:
+            logits = adapter.forward([tok], cache, start + i)[-1]
+
+
+def stream_text(adapter: ModelAdapter, tokens: Iterator[int], stop: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+    """Turn a token stream into text deltas, holding back text that may start a stop string.
+
+    Yields ``(delta, token_id)``; a delta may be empty while a multi-byte character or a possible
+    stop string is incomplete. Stops (without emitting it) at the first stop string.
+    """
+    ids: list[int] = []
+    emitted = ""
+    hold = max((len(s) for s in stop), default=0)
+    for tok in tokens:
+        ids.append(tok)
+        text = adapter.decode(ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence; wait for the next token
+            yield "", tok
+            continue
+        cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+        if cut >= 0:
+            if cut > len(emitted):
+                yield text[len(emitted) : cut], tok
+            return
+        safe = len(text) - hold if hold else len(text)
+        if safe > len(emitted):
+            yield text[len(emitted) : safe], tok
+            emitted = text[:safe]
+        else:
+            yield "", tok
+    text = adapter.decode(ids)
+    if len(text) > len(emitted):
+        yield text[len(emitted) :], -1

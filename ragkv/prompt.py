@@ -1,0 +1,51 @@
+"""How a RAG prompt is laid out as token segments.
+
+A prompt is ``prefix | chunk_1 | ... | chunk_k | suffix``. The prefix (system prompt and the
+opening of the user turn) is shared by every query, so chunk caches are computed after it. Each
+chunk and the suffix are tokenized segment by segment, so a chunk's tokens are the same at index
+time and at query time (no separator that tokenizes differently in context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PromptLayout", "DEFAULT_SYSTEM"]
+
+DEFAULT_SYSTEM = (
+    "You are a helpful assistant. Answer the question using only the documents given. "
+    "Be brief and precise."
+)
+_SENTINEL = "\x00RAGKV_CONTENT\x00"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLayout:
+    """The texts around the chunks, rendered once from the tokenizer's chat template."""
+
+    prefix: str  # system turn + opening of the user turn + documents preamble
+    chunk_end: str  # written after each chunk's text
+    question_start: str  # written before the question
+    suffix_end: str  # after the question: end of the user turn and the generation prompt
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, system: str = DEFAULT_SYSTEM) -> PromptLayout:
+        """Split the chat template around the user message; a plain text layout without a template."""
+        preamble = "Documents:\n\n"
+        if getattr(tokenizer, "chat_template", None):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": _SENTINEL}]
+            rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            before, after = rendered.split(_SENTINEL)
+            return cls(prefix=before + preamble, chunk_end="\n\n", question_start="Question: ", suffix_end=after)
+        bos = tokenizer.bos_token or ""
+        return cls(prefix=f"{bos}{system}\n\n{preamble}", chunk_end="\n\n", question_start="Question: ",
+                   suffix_end="\nAnswer:")
+
+    def chunk_text(self, text: str) -> str:
+        """The exact text a chunk contributes to the prompt."""
+        return text + self.chunk_end
+
+    def suffix_text(self, question: str) -> str:
+        """The exact text after the chunks."""
+        return self.question_start + question + self.suffix_end

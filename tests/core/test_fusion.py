@@ -1,0 +1,138 @@
+"""Fusion exactness: 100% = full prefill, 0% = naive reuse, a subset = the slow obvious loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ragkv.fusion import FusionInput, fuse
+from ragkv.model import ModelAdapter
+from ragkv.selection import FusionConfig, SelectionState, available_strategies, get_strategy
+from tests.core.test_model import _ids
+
+
+def _prompt(adapter: ModelAdapter, sizes=(20, 17, 23), seed: int = 0):
+    prefix = _ids(9, seed)
+    chunk_ids = [_ids(n, seed + 10 + i) for i, n in enumerate(sizes)]
+    suffix = _ids(5, seed + 99)
+    pre = adapter.prefill_kv(prefix)
+    chunks = [adapter.prefill_kv(c, past=[pre]) for c in chunk_ids]  # each alone after the prefix
+    return prefix, chunk_ids, suffix, FusionInput(pre, chunks, chunk_ids, suffix)
+
+
+def _suffix_logits_from(adapter, fused, suffix):
+    return adapter.forward(suffix, fused.cache, fused.num_tokens)
+
+
+def test_full_recompute_equals_full_prefill(tiny_adapter):
+    prefix, chunk_ids, suffix, inp = _prompt(tiny_adapter)
+    fused = fuse(tiny_adapter, inp, FusionConfig(method="full"))
+    assert fused.recomputed_tokens == sum(map(len, chunk_ids))
+    ref = tiny_adapter.forward(prefix + sum(chunk_ids, []) + suffix, tiny_adapter.build_cache([]), 0)
+    torch.testing.assert_close(_suffix_logits_from(tiny_adapter, fused, suffix), ref[-len(suffix):],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_zero_recompute_equals_naive_reuse(tiny_adapter):
+    _, chunk_ids, suffix, inp = _prompt(tiny_adapter)
+    for cfg in (FusionConfig(method="naive"), FusionConfig(method="blend", ratio=0.0)):
+        fused = fuse(tiny_adapter, inp, cfg)
+        assert fused.recomputed_tokens == 0
+        offset, placed = inp.prefix.num_tokens, [inp.prefix]
+        for kv in inp.chunks:
+            placed.append(tiny_adapter.rerotate(kv, offset))
+            offset += kv.num_tokens
+        naive = tiny_adapter.suffix_logits(placed, suffix)
+        torch.testing.assert_close(_suffix_logits_from(tiny_adapter, fused, suffix), naive, atol=1e-4, rtol=1e-4)
+
+
+def _slow_layer(layer, hidden, pos, keys, values, cos_sin):
+    """One Llama decoder layer for the tokens at ``pos``, written out: project, rotate, write K/V at
+    their slots, then attend one query at a time over keys at slots <= its position."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)  # [1, q, d]
+    q = attn.q_proj(x).view(1, len(pos), -1, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(1, len(pos), -1, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(1, len(pos), -1, attn.head_dim).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+    keys[:, :, pos], values[:, :, pos] = k, v
+    groups = q.shape[1] // keys.shape[1]
+    out = torch.zeros_like(q)
+    for j, p in enumerate(pos.tolist()):
+        kk = keys[0, :, : p + 1].repeat_interleave(groups, 0)  # [Hq, p+1, D]
+        vv = values[0, :, : p + 1].repeat_interleave(groups, 0)
+        w = torch.softmax((q[0, :, j : j + 1] @ kk.transpose(1, 2)) * attn.scaling, dim=-1)
+        out[0, :, j] = (w @ vv)[:, 0]
+    h = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, len(pos), -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+@pytest.mark.parametrize("method", ["blend", "blend_sink", "gradual", "sink", "random", "budget"])
+def test_selective_recompute_equals_slow_loop(llama_adapter, method):
+    a = llama_adapter
+    _, chunk_ids, suffix, inp = _prompt(a)
+    cfg = FusionConfig(method=method, ratio=0.3, narrow_layer=2, budget=0.05)
+    fused = fuse(a, inp, cfg)
+    # the slow path replays the same selection decisions layer by layer with explicit attention
+    slots = torch.arange(inp.prefix.num_tokens, fused.num_tokens)
+    placed = [inp.prefix]
+    for kv in inp.chunks:
+        placed.append(a.rerotate(kv, int(slots[0]) + sum(c.num_tokens for c in placed[1:])))
+    ref = a.build_cache(placed)
+    keys = [layer.keys.clone() for layer in ref.layers]
+    values = [layer.values.clone() for layer in ref.layers]
+    strategy, state = get_strategy(method), SelectionState.start(cfg, inp, len(slots))
+    active = strategy.initial(state)
+    checks = set(strategy.check_layers(state, a.spec.num_layers))
+    hidden = a.embed(torch.tensor(sum(chunk_ids, []))[active])
+    with torch.no_grad():
+        for i, layer in enumerate(a.model.model.layers):
+            pos = slots[active]
+            old_k, old_v = keys[i][:, :, pos].clone(), values[i][:, :, pos].clone()
+            hidden = _slow_layer(layer, hidden, pos, keys[i], values[i], a.position_embeddings(pos, hidden))
+            if i in checks:
+                dk = ((keys[i][:, :, pos] - old_k).pow(2).sum((0, 1, 3)) / old_k.pow(2).sum((0, 1, 3))).sqrt()
+                dv = ((values[i][:, :, pos] - old_v).pow(2).sum((0, 1, 3)) / old_v.pow(2).sum((0, 1, 3))).sqrt()
+                state.observe(i, active, dk, dv)
+                keep = strategy.select(state, i)
+                active, hidden = active[keep], hidden[:, keep]
+    assert fused.recomputed_tokens == active.numel()
+    assert torch.equal(fused.selected, slots[active])
+    for i, layer in enumerate(fused.cache.layers):
+        torch.testing.assert_close(layer.keys, keys[i], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.values, values[i], atol=1e-4, rtol=1e-4)
+
+
+def test_query_aware_selection_runs_and_respects_budget(tiny_adapter):
+    _, chunk_ids, suffix, inp = _prompt(tiny_adapter)
+    n = sum(map(len, chunk_ids))
+    fused = fuse(tiny_adapter, inp, FusionConfig(method="query", ratio=0.25))
+    assert fused.recomputed_tokens == round(0.25 * n)
+    starts = [0, 20, 37]  # sinks forced in
+    sel = (fused.selected - inp.prefix.num_tokens).tolist()
+    assert all(s in sel and s + 1 in sel for s in starts)
+
+
+def test_recompute_reduces_error_vs_naive(llama_adapter):
+    prefix, chunk_ids, suffix, inp = _prompt(llama_adapter, sizes=(40, 40, 40))
+    full = llama_adapter.forward(prefix + sum(chunk_ids, []) + suffix, llama_adapter.build_cache([]), 0)
+    ref = torch.log_softmax(full[-len(suffix):], -1)
+
+    def kl(method, ratio):
+        fused = fuse(llama_adapter, inp, FusionConfig(method=method, ratio=ratio))
+        got = torch.log_softmax(_suffix_logits_from(llama_adapter, fused, suffix), -1)
+        return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+    assert kl("blend", 0.5) < kl("naive", 0.0)
+    assert kl("blend", 1.0) < 1e-6
+
+
+def test_unknown_method_lists_choices():
+    with pytest.raises(ValueError, match="blend"):
+        get_strategy("nope")
+    assert {"naive", "full", "blend", "blend_sink", "sink", "gradual", "query", "budget"} <= set(
+        available_strategies()
+    )
+    with pytest.raises(ValueError, match="ratio"):
+        FusionConfig(ratio=1.5)

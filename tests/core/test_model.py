@@ -1,0 +1,135 @@
+"""Model adapter exactness on tiny random models of every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragkv.errors import ContextTooLongError, UnsupportedModelError
+from ragkv.model import ArchSpec, ModelAdapter, concat_kv
+from ragkv.types import ChunkKV
+from tests.conftest import make_model
+
+ATOL = 1e-4  # fp32; the re-rotation itself is exact to ~1e-6, layer recomputation adds the rest
+
+
+def _ids(n: int, seed: int, vocab: int = 250) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def _shifted_kv(adapter: ModelAdapter, ids: list[int], start: int):
+    """KV of ``ids`` computed with positions start.. (an empty cache shifted in position)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=adapter.model.config)
+    adapter.forward(ids, cache, start)
+    kv = adapter.cache_to_kv(cache, 0, len(ids), adapter.fingerprint)
+    return ChunkKV(kv.keys, kv.values, torch.arange(start, start + len(ids)), kv.model_fingerprint)
+
+
+def test_arch_spec_reads_config(tiny_adapter):
+    s = tiny_adapter.spec
+    assert (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim) == (4, 4, 2, 16)
+
+
+def test_rerotate_matches_keys_computed_in_place(tiny_adapter):
+    """RoPE attention depends on relative positions only, so a sequence computed at positions
+    100.. has the same hidden states; its keys must equal the keys computed at 0.. re-rotated
+    by +100 at every layer."""
+    ids = _ids(40, 1)
+    at0 = _shifted_kv(tiny_adapter, ids, 0)
+    at100 = _shifted_kv(tiny_adapter, ids, 100)
+    moved = tiny_adapter.rerotate(at0, 100)
+    assert torch.equal(moved.positions, torch.arange(100, 140))
+    for layer in range(tiny_adapter.spec.num_layers):
+        torch.testing.assert_close(moved.keys[layer], at100.keys[layer], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(moved.values, at100.values, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 512, "rope_theta": 10000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "rope_theta": 10000.0},
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    ],
+    ids=["llama3", "yarn", "linear"],
+)
+def test_rerotate_exact_for_scaled_rope(tiny_tokenizer, rope):
+    model = make_model("llama", len(tiny_tokenizer), rope_parameters=rope)
+    adapter = ModelAdapter(model, tiny_tokenizer)
+    assert adapter.spec.rope_type == rope["rope_type"]
+    ids = _ids(30, 2)
+    moved = adapter.rerotate(_shifted_kv(adapter, ids, 7), 900)
+    target = _shifted_kv(adapter, ids, 900)
+    torch.testing.assert_close(moved.keys, target.keys, atol=ATOL, rtol=1e-4)
+    back = adapter.rerotate(moved, 7)
+    torch.testing.assert_close(back.keys, _shifted_kv(adapter, ids, 7).keys, atol=ATOL, rtol=1e-4)
+
+
+def test_first_chunk_after_prefix_reproduces_full_prefill(tiny_adapter):
+    prefix, c1, c2 = _ids(12, 3), _ids(25, 4), _ids(20, 5)
+    full = tiny_adapter.prefill_kv(prefix + c1 + c2)
+    pre = tiny_adapter.prefill_kv(prefix)
+    first = tiny_adapter.prefill_kv(c1, past=[pre])
+    assert torch.equal(first.positions, torch.arange(12, 37))
+    ref = full.slice(12, 37)
+    torch.testing.assert_close(first.keys, ref.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_assembled_from_in_place_chunks_gives_full_logits(tiny_adapter):
+    prefix, c1, c2, suffix = _ids(10, 6), _ids(20, 7), _ids(15, 8), _ids(6, 9)
+    pre = tiny_adapter.prefill_kv(prefix)
+    k1 = tiny_adapter.prefill_kv(c1, past=[pre])
+    k2 = tiny_adapter.prefill_kv(c2, past=[pre, k1])
+    assembled = tiny_adapter.suffix_logits([pre, k1, k2], suffix)
+    full = tiny_adapter.forward(prefix + c1 + c2 + suffix, tiny_adapter.build_cache([]), 0)[-len(suffix):]
+    torch.testing.assert_close(assembled, full, atol=1e-4, rtol=1e-4)
+
+
+def test_build_cache_rejects_unplaced_chunks(llama_adapter):
+    pre = llama_adapter.prefill_kv(_ids(5, 1))
+    lone = llama_adapter.prefill_kv(_ids(5, 2))  # positions 0..4, not 5..9
+    with pytest.raises(ValueError, match="rerotate"):
+        llama_adapter.build_cache([pre, lone])
+    with pytest.raises(ValueError, match="different models"):
+        concat_kv([pre, type(pre)(pre.keys, pre.values, pre.positions, "other")])
+
+
+def test_context_too_long_is_a_clear_error(llama_adapter):
+    with pytest.raises(ContextTooLongError, match="context"):
+        llama_adapter.check_context(llama_adapter.spec.max_context + 1)
+
+
+def test_unsupported_model_names_what_is_missing(tiny_tokenizer):
+    class NotADecoder(torch.nn.Module):
+        config = type("C", (), {"model_type": "toy", "num_hidden_layers": 1, "num_attention_heads": 1,
+                                "hidden_size": 4, "vocab_size": 8})()
+
+    with pytest.raises(UnsupportedModelError, match="embed_tokens"):
+        ArchSpec.from_model(NotADecoder())
+
+
+def test_sliding_window_layers_unsupported(tiny_tokenizer):
+    model = make_model("qwen2", len(tiny_tokenizer), use_sliding_window=True, sliding_window=16,
+                       max_window_layers=1)
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        ArchSpec.from_model(model)
+
+
+def test_fingerprints_are_stable_and_weight_specific(tiny_tokenizer):
+    a = ModelAdapter(make_model("llama", len(tiny_tokenizer), seed=0), tiny_tokenizer)
+    b = ModelAdapter(make_model("llama", len(tiny_tokenizer), seed=0), tiny_tokenizer)
+    c = ModelAdapter(make_model("llama", len(tiny_tokenizer), seed=1), tiny_tokenizer)
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    assert a.tokenizer_fingerprint == c.tokenizer_fingerprint
+
+
+def test_chat_segments_tokenize_to_the_rendered_prompt(llama_adapter):
+    pre, chunks, suf = llama_adapter.chat_segments(None, ["alpha text", "beta"], "why?")
+    text = llama_adapter.decode(pre + sum(chunks, []) + suf, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n") and "alpha text\n\nbeta\n\n" in text
+    assert text.endswith("Question: why?<|im_end|>\n<|im_start|>assistant\n")
