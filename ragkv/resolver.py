@@ -77,6 +77,7 @@ def _load_gguf(alias: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
     logger.info("loading %s from %s (first load converts the GGUF file)", alias, gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=dtype or torch.float32)
+    model = _dequantized_copy(model)
     try:
         converted.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=converted.parent, prefix=".tmp-"))
@@ -84,9 +85,24 @@ def _load_gguf(alias: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
         tok.save_pretrained(tmp)
         shutil.rmtree(converted, ignore_errors=True)
         os.replace(tmp, converted)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # a read-only cache dir only costs the next load time
         logger.warning("could not save the converted model under %s: %s", converted.parent, e)
     return model, tok
+
+
+def _dequantized_copy(model: Any) -> Any:
+    """The same weights in a plain model: transformers refuses to save a GGUF-loaded model as is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    plain_cfg = AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(plain_cfg, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=False)
+    plain.tie_weights()
+    plain.generation_config = model.generation_config
+    return plain.eval()
 
 
 def resolve(name: str, dtype: torch.dtype | str | None = None) -> tuple[Any, Any, str]:

