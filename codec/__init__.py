@@ -1,1 +1,32 @@
-"""ragkv.codec."""
+"""ragkv.codec: a chunk's KV cache to a self-describing, checksummed bitstream and back.
+
+>>> import torch
+>>> from ragkv.types import ChunkKV
+>>> kv = ChunkKV(torch.zeros(2, 1, 3, 4), torch.ones(2, 1, 3, 4), torch.arange(3), "m")
+>>> decode(encode(kv, "raw").data).values.sum().item()
+24.0
+"""
+
+
+from ragkv.codec import int4 as _int4  # noqa: F401
+from ragkv.codec import int8 as _int8  # noqa: F401
+from ragkv.codec import raw as _raw  # noqa: F401
+from ragkv.codec.api import decode, encode
+from ragkv.codec.base import Codec
+from ragkv.codec.bitstream import FORMAT_VERSION, read_header
+from ragkv.codec.header import BitstreamHeader
+from ragkv.codec.payload import CodecPayload
+from ragkv.codec.registry import available_codecs, get_codec, register_codec
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BitstreamHeader",
+    "Codec",
+    "CodecPayload",
+    "available_codecs",
+    "decode",
+    "encode",
+    "get_codec",
+    "read_header",
+    "register_codec",
+]

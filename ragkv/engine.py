@@ -20,7 +20,7 @@ from ragkv.types import Chunk, ChunkKV, GenerationResult, GenerationStats, tenan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineConfig", "RagKV", "default_data_dir"]
+__all__ = ["AnswerStream", "CachedText", "EngineConfig", "RagKV", "default_data_dir"]
 
 
 def default_data_dir() -> Path:
@@ -30,6 +30,13 @@ def default_data_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "ragkv"
+
+
+@dataclass(frozen=True, slots=True)
+class CachedText:
+    """A prompt segment whose KV cache is stored (or computed once and stored) by ragkv."""
+
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,35 +150,70 @@ class RagKV:
     def generate_stream(self, chunk_texts: Sequence[str], question: str, *, mode: str = "reuse",
                         generation: GenerationConfig | None = None, fusion: FusionConfig | None = None,
                         ) -> Iterator[tuple[str, GenerationStats | None]]:
-        """Answer ``question`` over the given chunk texts. Yields ``(delta, None)`` then ``("", stats)``.
+        """Answer ``question`` over the given chunk texts in ragkv's prompt layout.
 
-        The lower-level entry the framework integrations use: any chunk text works; known chunks
-        are loaded from the store, unknown ones are computed and stored for next time.
+        Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``. Chunks found in the
+        store are loaded; unknown ones are computed now and stored for next time.
         """
+        suffix = self.adapter.encode(self.retriever.layout.suffix_text(question))
+        middle = [(list(self.retriever.chunk_token_ids(t)), True) for t in chunk_texts]
+        return self._generate(self.retriever.prefix_ids, middle, suffix, mode, generation, fusion)
+
+    def generate_segments(self, segments: Sequence[str | CachedText], *, generation: GenerationConfig | None = None,
+                          fusion: FusionConfig | None = None) -> Iterator[tuple[str, GenerationStats | None]]:
+        """Generate from a whole prompt given as segments (what the framework integrations call).
+
+        The prompt is the concatenation of ``segments`` (chat special tokens included). Plain
+        strings are prefilled; ``CachedText`` segments reuse (or compute and store) the cache of
+        exactly that text. Each segment is tokenized on its own. With no ``CachedText`` this is a
+        plain prefill of the whole prompt, exactly like the model alone.
+        """
+        segs = [s for s in segments if (s.text if isinstance(s, CachedText) else s)]
+        cached_at = [i for i, s in enumerate(segs) if isinstance(s, CachedText)]
+        if not cached_at:
+            return self._generate([], [], self.adapter.encode("".join(segs)), "full", generation, fusion)  # type: ignore[arg-type]
+        first, last = cached_at[0], cached_at[-1]
+        prefix = self.adapter.encode("".join(segs[:first])) if first else []  # type: ignore[arg-type]
+        middle = [(self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
+                  for s in segs[first : last + 1]]
+        suffix = self.adapter.encode("".join(segs[last + 1 :]))  # type: ignore[arg-type]
+        if not suffix:
+            raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
+        return self._generate(prefix, middle, suffix, "reuse", generation, fusion)
+
+    def warm(self, chunk_texts: Sequence[str]) -> int:
+        """Make sure the cache of each text (tokenized on its own) is stored; return how many were computed."""
+        computed = 0
+        for text in chunk_texts:
+            ids = self.adapter.encode(text)
+            if ids:
+                computed += self.retriever.ensure(ids)
+        return computed
+
+    def _generate(self, prefix: list[int], middle: list[tuple[list[int], bool]], suffix: list[int], mode: str,
+                  generation: GenerationConfig | None, fusion: FusionConfig | None,
+                  ) -> Iterator[tuple[str, GenerationStats | None]]:
+        """The query path: prefix | middle segments (cached or not) | suffix -> streamed answer."""
         gen = generation or GenerationConfig()
+        fusion = fusion or self.config.fusion
         t0 = time.perf_counter()
-        lay = self.retriever.layout
-        chunk_ids = [self.retriever.chunk_token_ids(t) for t in chunk_texts]
-        suffix = self.adapter.encode(lay.suffix_text(question))
-        prefix_ids = self.retriever.prefix_ids
-        n_prompt = len(prefix_ids) + sum(map(len, chunk_ids)) + len(suffix)
-        self.adapter.check_context(n_prompt + gen.max_new_tokens)
-        stats = GenerationStats(prompt_tokens=n_prompt, fusion="full" if mode == "full" else
-                                (fusion or self.config.fusion).method)
+        ids = prefix + [t for seg, _ in middle for t in seg] + suffix
+        self.adapter.check_context(len(ids) + gen.max_new_tokens)
+        stats = GenerationStats(prompt_tokens=len(ids), fusion="full" if mode == "full" else fusion.method)
         with torch.inference_mode():
             if mode == "full":
                 cache = self.adapter.build_cache([])
-                logits = self.adapter.forward(prefix_ids + [t for c in chunk_ids for t in c] + suffix, cache, 0)
-                stats.prefilled_chunk_tokens = sum(map(len, chunk_ids))
+                logits = self.adapter.forward(ids, cache, 0)
+                stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
             else:
-                cache, logits = self._fused_prefill(chunk_ids, suffix, fusion or self.config.fusion, stats)
-            tokens = decode_loop(self.adapter, cache, logits[-1], n_prompt, gen)
+                cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)
+            tokens = decode_loop(self.adapter, cache, logits[-1], len(ids), gen)
             first = True
-            for delta, _tok in stream_text(self.adapter, tokens, gen.stop):
+            for delta, tok in stream_text(self.adapter, tokens, gen.stop):
                 if first:
                     stats.ttft_ms = (time.perf_counter() - t0) * 1000
                     first = False
-                stats.generated_tokens += 1 if _tok >= 0 else 0
+                stats.generated_tokens += tok >= 0
                 if delta:
                     yield delta, None
         if first:
@@ -179,21 +221,30 @@ class RagKV:
         stats.total_ms = (time.perf_counter() - t0) * 1000
         yield "", stats
 
-    def _fused_prefill(self, chunk_ids: list[tuple[int, ...]], suffix: list[int], fusion: FusionConfig,
-                       stats: GenerationStats) -> tuple[Any, torch.Tensor]:
+    def _fused_prefill(self, prefix: list[int], middle: list[tuple[list[int], bool]], suffix: list[int],
+                       fusion: FusionConfig, stats: GenerationStats) -> tuple[Any, torch.Tensor]:
+        if prefix == self.retriever.prefix_ids:
+            prefix_kv = self.retriever.prefix_kv()
+        else:
+            prefix_kv = self.adapter.prefill_kv(prefix) if prefix else self.adapter.empty_kv()
         loaded: list[ChunkKV] = []
-        for ids in chunk_ids:
-            got = self.retriever.load(ids)
+        hit_tokens = 0
+        for seg, cached in middle:
+            if not cached:  # plain text between chunks: computed in place by fusion
+                loaded.append(self.adapter.empty_kv(len(seg)))
+                continue
+            got = self.retriever.load(seg)
             loaded.append(got.kv)
             if got.hit:
                 stats.cache_hits += 1
                 stats.bytes_loaded += got.nbytes
+                hit_tokens += len(seg)
             else:
                 stats.cache_misses += 1
-                stats.prefilled_chunk_tokens += len(ids)
-        # chunks computed just now are exact only at their own offset; fusion treats all alike
-        fused = fuse(self.adapter, FusionInput(self.retriever.prefix_kv(), loaded, chunk_ids, suffix), fusion)
-        hit_tokens = sum(len(ids) for ids, kv in zip(chunk_ids, loaded, strict=True)) - stats.prefilled_chunk_tokens
+                stats.prefilled_chunk_tokens += len(seg)
+        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix,
+                          forced=[not cached for _, cached in middle])
+        fused = fuse(self.adapter, inp, fusion)
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
         logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)

@@ -35,6 +35,7 @@ class FusionInput:
     chunks: Sequence[ChunkKV]  # each chunk's cached KV, at whatever positions it was computed
     chunk_ids: Sequence[Sequence[int]]  # each chunk's token ids (to embed recomputed tokens)
     suffix_ids: Sequence[int] = ()  # question + generation prompt (query-aware selection reads it)
+    forced: Sequence[bool] = ()  # per chunk: True = no cache (placeholder KV), recompute every token
 
 
 @dataclass(slots=True)
@@ -43,8 +44,9 @@ class FusedContext:
 
     cache: DynamicCache  # holds prefix + chunks, positions 0..N-1
     num_tokens: int  # N
-    recomputed_tokens: int  # chunk tokens recomputed through every layer after the check layers
+    recomputed_tokens: int  # cached chunk tokens recomputed through every layer after the check layers
     chunk_tokens: int  # all chunk tokens
+    forced_tokens: int = 0  # tokens of uncached segments, computed through every layer
     selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # final slots
 
 
@@ -88,7 +90,8 @@ def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = 
     keys = kv.keys.to(device=adapter.device, dtype=adapter.dtype).contiguous()
     values = kv.values.to(device=adapter.device, dtype=adapter.dtype).contiguous()
     state = SelectionState.start(config, inp, n_chunk)
-    active = strategy.initial(state)  # indices into the chunk tokens
+    forced = _forced_tokens(inp)
+    active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
     if n_chunk == 0 or active.numel() == 0:
         return FusedContext(_to_dynamic(adapter, keys, values), kv.num_tokens, 0, n_chunk)
 
@@ -115,15 +118,32 @@ def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = 
             )
             if probe and layer == min(checks):
                 state.query_attention = _question_attention(adapter, cache, inp, layer, n_chunk, slots_dev)
+            is_forced = torch.isin(active, forced)
+            state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
             keep = strategy.select(state, layer)  # positions within `active` to keep
+            keep = _union(keep, torch.nonzero(is_forced).flatten())
             active, hidden = active[keep], hidden[:, keep.to(hidden.device)]
             if active.numel() == 0:
                 break
     k_all, v_all = cache.stacked()
-    recomputed = int(active.numel())
-    return FusedContext(
-        _to_dynamic(adapter, k_all, v_all), kv.num_tokens, recomputed, n_chunk, selected=slots[active.cpu()]
-    )
+    recomputed = int(active.numel()) - int(forced.numel())
+    return FusedContext(_to_dynamic(adapter, k_all, v_all), kv.num_tokens, recomputed, n_chunk,
+                        forced_tokens=int(forced.numel()), selected=slots[active.cpu()])
+
+
+def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sorted union of two index tensors."""
+    return torch.unique(torch.cat([a.cpu(), b.cpu()])) if b.numel() else a
+
+
+def _forced_tokens(inp: FusionInput) -> torch.Tensor:
+    """Indices (among chunk tokens) of the tokens of uncached segments."""
+    out, start = [], 0
+    for i, ids in enumerate(inp.chunk_ids):
+        if i < len(inp.forced) and inp.forced[i]:
+            out.append(torch.arange(start, start + len(ids)))
+        start += len(ids)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def _question_attention(

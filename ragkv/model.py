@@ -363,6 +363,19 @@ class ModelAdapter:
             cache.update(keys[i : i + 1].clone(), values[i : i + 1].clone(), i)
         return cache
 
+    def empty_kv(self, num_tokens: int = 0, start: int = 0) -> ChunkKV:
+        """A placeholder ChunkKV of zeros (``num_tokens`` tokens at positions ``start..``)."""
+        s = self.spec
+        z = torch.zeros(s.num_layers, s.num_kv_heads, num_tokens, s.head_dim, dtype=self.dtype, device=self.device)
+        return ChunkKV(z, z.clone(), torch.arange(start, start + num_tokens), self.fingerprint)
+
+    @staticmethod
+    def crop_cache(cache: Cache, num_tokens: int) -> None:
+        """Drop everything after the first ``num_tokens`` slots of every layer (in place)."""
+        for layer in cache.layers:
+            layer.keys = layer.keys[..., :num_tokens, :]
+            layer.values = layer.values[..., :num_tokens, :]
+
     @staticmethod
     def cache_to_kv(cache: Cache, start: int, end: int, fingerprint: str) -> ChunkKV:
         keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])

@@ -170,6 +170,13 @@ class KVRetriever:
             ))
         return chunks
 
+    def ensure(self, token_ids: Sequence[int]) -> bool:
+        """Store the chunk's cache unless present (and promote it to the fast tiers); True if computed."""
+        computed, _ = self._ensure_stored(token_ids)
+        if not computed:
+            self.store.get(self.chunk_key(token_ids, self.config.codec, self.config.level).storage_key)
+        return computed
+
     def _ensure_stored(self, token_ids: Sequence[int]) -> tuple[bool, int]:
         """Compute and store the chunk's cache at every index level unless all are stored."""
         keys = [(c, lvl, self.chunk_key(token_ids, c, lvl)) for c, lvl in self.config.index_levels]
@@ -181,7 +188,7 @@ class KVRetriever:
 
     def _put(self, kv: ChunkKV, key: ChunkKey, codec_name: str, level: int) -> int:
         enc = codec.encode(kv, codec_name, level)
-        self.store.put(key.storage_key, enc.data)
+        self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens))
         self.catalog.record_entry(key.storage_key, tenant=self.config.tenant, tokens_digest=key.tokens_digest,
                                   codec=codec_name, level=level, nbytes=enc.nbytes, num_tokens=kv.num_tokens)
         return enc.nbytes

@@ -98,7 +98,7 @@ def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tu
     first = int(logits[-1].argmax())
     full_ttft = (time.perf_counter() - t0) * 1000
     answer = list(decode_loop(adapter, cache, logits[-1], n + len(suffix), gen)) or [first]
-    cache.crop(n + len(suffix))
+    adapter.crop_cache(cache, n + len(suffix))
     ref = torch.cat([logits[-1:], adapter.forward(answer[:-1], cache, n + len(suffix))])[: len(answer)]
 
     pre = adapter.prefill_kv(prefix)
@@ -116,7 +116,7 @@ def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tu
         int(logits[-1].argmax())
         ttft = (time.perf_counter() - t0) * 1000
         own = list(decode_loop(adapter, fused.cache, logits[-1], n + len(suffix), gen))
-        fused.cache.crop(n + len(suffix))
+        adapter.crop_cache(fused.cache, n + len(suffix))
         got = torch.cat([logits[-1:], adapter.forward(answer[:-1], fused.cache, n + len(suffix))])[: len(answer)]
         kl, top1 = _kl_top1(ref, got)
         rows.append(dict(method=method, recompute_ratio=fused.recomputed_tokens / max(1, fused.chunk_tokens),

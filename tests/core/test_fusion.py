@@ -136,3 +136,23 @@ def test_unknown_method_lists_choices():
     )
     with pytest.raises(ValueError, match="ratio"):
         FusionConfig(ratio=1.5)
+
+
+@pytest.mark.parametrize("method", ["naive", "blend_sink"])
+def test_uncached_segments_are_computed_in_place(llama_adapter, method):
+    """Segments with no cache (placeholder zeros) are recomputed through every layer: if every
+    segment is uncached, any method gives full prefill exactly."""
+    a = llama_adapter
+    prefix, chunk_ids, suffix, inp = _prompt(a)
+    zeros = [a.empty_kv(len(c)) for c in chunk_ids]
+    forced = FusionInput(inp.prefix, zeros, chunk_ids, suffix, forced=[True] * len(chunk_ids))
+    fused = fuse(a, forced, FusionConfig(method=method, ratio=0.2))
+    assert fused.forced_tokens == sum(map(len, chunk_ids)) and fused.recomputed_tokens == 0
+    ref = a.forward(prefix + sum(chunk_ids, []) + suffix, a.build_cache([]), 0)[-len(suffix):]
+    torch.testing.assert_close(_suffix_logits_from(a, fused, suffix), ref, atol=1e-4, rtol=1e-4)
+    # one uncached segment among cached ones: its tokens are always recomputed, on top of the budget
+    mixed = FusionInput(inp.prefix, [inp.chunks[0], zeros[1], inp.chunks[2]], chunk_ids, suffix,
+                        forced=[False, True, False])
+    fused = fuse(a, mixed, FusionConfig(method=method, ratio=0.2))
+    sel = set((fused.selected - inp.prefix.num_tokens).tolist())
+    assert set(range(20, 37)) <= sel and fused.forced_tokens == 17

@@ -1,0 +1,81 @@
+"""``BytesDisk``: a diskcache serialization strategy that stores bytes and nothing else.
+
+diskcache's default ``Disk`` pickles any value that is not str/bytes/int/float and unpickles
+whatever it finds. Stored KV must never be pickled (unpickling runs code), so this strategy
+stores only ``bytes`` values under ``str`` keys and refuses to decode anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from typing import Any
+
+from diskcache import Disk
+from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
+
+__all__ = ["BytesDisk"]
+
+
+class BytesDisk(Disk):  # type: ignore[misc]  # diskcache ships no type hints
+    """Keys are str, values are bytes: small ones inline in SQLite, large ones in files.
+
+    Differences from ``diskcache.Disk``:
+
+    * any other key or value type raises ``TypeError`` (instead of being pickled), and rows
+      that hold a pickle (written by someone else) raise ``ValueError`` instead of loading;
+    * the ``size`` column holds the value's length for inline values too (diskcache writes 0),
+      so the tier's byte budget counts every value;
+    * a file write that fails (disk full) removes its partial file before re-raising, so a
+      failed write leaves nothing behind. diskcache inserts the row only after the file is
+      complete, so readers never see a half-written value.
+    """
+
+    def put(self, key: Any) -> tuple[Any, bool]:
+        if type(key) is not str:
+            raise TypeError(f"BytesDisk keys are str; got {type(key).__name__}")
+        return key, True
+
+    def get(self, key: Any, raw: bool) -> Any:
+        if not raw:
+            raise ValueError("refusing to unpickle a diskcache key written by another program")
+        return key
+
+    def store(self, value: Any, read: bool, key: Any = UNKNOWN) -> tuple[int, int, str | None, Any]:
+        if type(value) is not bytes:
+            raise TypeError(f"BytesDisk stores bytes; got {type(value).__name__}")
+        if len(value) < self.min_file_size:
+            return len(value), MODE_RAW, None, sqlite3.Binary(value)
+        filename, full_path = self.filename(key, value)
+        self.write_file(full_path, value)
+        return len(value), MODE_BINARY, filename, None
+
+    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
+        if mode == MODE_RAW and isinstance(value, bytes | memoryview):
+            return bytes(value)
+        if mode == MODE_BINARY and filename is not None and not read:
+            with open(os.path.join(self._directory, filename), "rb") as reader:
+                return reader.read()
+        raise ValueError(f"refusing to decode a diskcache value of mode {mode} (ragkv stores bytes only)")
+
+    def write_file(self, full_path: str, data: bytes) -> None:
+        """Write ``data`` to a new file at ``full_path``; on failure leave no file behind."""
+        directory = os.path.dirname(full_path)
+        for attempt in range(10):
+            os.makedirs(directory, exist_ok=True)
+            try:
+                writer = open(full_path, "xb")  # noqa: SIM115 - closed below, removed on failure
+            except FileNotFoundError:
+                # Another process removed the (empty) directory between makedirs and open.
+                if attempt == 9:
+                    raise
+                continue
+            try:
+                with writer:
+                    writer.write(data)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(full_path)
+                raise
+            return

@@ -1,0 +1,86 @@
+"""The catalog's tables (SQLAlchemy Core). Bump ``SCHEMA_VERSION`` with every change."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+__all__ = ["SCHEMA_VERSION", "metadata", "meta", "documents", "chunks", "entries", "TABLE_NAMES"]
+
+SCHEMA_VERSION = 1
+
+# Row ids are FAISS ids: 64-bit, never reused after a delete (SQLite AUTOINCREMENT, PostgreSQL
+# identity), so a stale vector can never point at a newer chunk. SQLite needs the exact type
+# INTEGER for its rowid alias.
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+metadata = MetaData()
+
+meta = Table(
+    "ragkv_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", String(256), nullable=False),
+)
+
+documents = Table(
+    "ragkv_documents",
+    metadata,
+    Column("row", RowId, primary_key=True, autoincrement=True),
+    Column("doc_id", String(64), nullable=False, index=True),
+    Column("tenant", String(256), nullable=False),
+    Column("source", Text, nullable=False),
+    Column("content_digest", String(64), nullable=False),
+    Column("title", Text, nullable=False),
+    Column("num_chunks", Integer, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    UniqueConstraint("tenant", "source", name="uq_ragkv_documents_tenant_source"),
+    sqlite_autoincrement=True,
+)
+
+chunks = Table(
+    "ragkv_chunks",
+    metadata,
+    Column("row", RowId, primary_key=True, autoincrement=True),
+    Column("document_row", RowId, ForeignKey("ragkv_documents.row", ondelete="CASCADE"), nullable=False),
+    Column("tenant", String(256), nullable=False),
+    Column("doc_id", String(64), nullable=False),
+    Column("chunk_id", String(64), nullable=False),
+    Column("ordinal", Integer, nullable=False),
+    Column("text", Text, nullable=False),
+    Column("token_ids", LargeBinary, nullable=False),  # little-endian uint32 each
+    Column("source", Text, nullable=False),
+    Index("ix_ragkv_chunks_document_row", "document_row"),
+    Index("ix_ragkv_chunks_doc_id", "doc_id"),
+    Index("ix_ragkv_chunks_tenant_row", "tenant", "row"),
+    sqlite_autoincrement=True,
+)
+
+entries = Table(
+    "ragkv_entries",
+    metadata,
+    Column("storage_key", String(96), primary_key=True),
+    Column("tenant", String(256), nullable=False, index=True),
+    Column("tokens_digest", String(64), nullable=False, index=True),
+    Column("codec", String(64), nullable=False),
+    Column("level", Integer, nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("num_tokens", Integer, nullable=False),
+    Column("hits", BigInteger, nullable=False, default=0),
+    Column("created_at", Float, nullable=False),
+    Column("last_access", Float, nullable=False),
+)
+
+TABLE_NAMES = frozenset(t.name for t in metadata.sorted_tables)

@@ -1,0 +1,244 @@
+"""``DiskTier``: a local directory through diskcache, bytes only (``disk:///path`` or a path)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import sqlite3
+import time
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import diskcache
+
+from ragkv.cache.bytes_disk import BytesDisk
+from ragkv.cache.config import TierConfig
+from ragkv.cache.entry_meta import EntryMeta
+from ragkv.cache.policy import EvictionPolicy, policy_for
+from ragkv.cache.tier import Tier
+from ragkv.errors import StoreUnavailableError
+
+__all__ = ["DiskTier"]
+
+logger = logging.getLogger(__name__)
+
+# "disk full" from the filesystem or from SQLite: the write is refused, not a tier failure.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# diskcache's own culling is off (policy "none"): it culls ten rows at a time once the whole
+# database file passes its limit, which overshoots and ignores tenants. _KVCache evicts instead.
+_DISKCACHE_SETTINGS: dict[str, Any] = {
+    "eviction_policy": "none",
+    "size_limit": 2**62,
+    "statistics": False,
+    "tag_index": False,
+}
+
+
+def _namespace_range(namespace: str) -> tuple[str, str]:
+    # Keys are "<ns>/<digest>"; "0" sorts right after "/", so [ns/, ns0) is exactly one namespace.
+    return f"{namespace}/", f"{namespace}0"
+
+
+class _KVCache(diskcache.Cache):  # type: ignore[misc]
+    """diskcache.Cache plus exact, per-namespace, policy-driven eviction and access tracking.
+
+    Uses diskcache's documented ``Cache`` table (key, size, access_time, access_count, tag,
+    filename, expire_time) through the subclass's SQL connection.
+    """
+
+    def touch(self, keys: list[str]) -> None:
+        """Count a read of ``keys`` (hits + 1, last access now), best effort."""
+        marks = ",".join("?" * len(keys))
+        query = f"UPDATE Cache SET access_time = ?, access_count = access_count + 1 WHERE raw = 1 AND key IN ({marks})"
+        try:
+            self._sql(query, (time.time(), *keys))
+        except sqlite3.OperationalError as e:  # busy beyond the timeout: the read still counts
+            logger.debug("disk tier: could not record access: %s", e)
+
+    def usage(self, namespace: str | None = None) -> tuple[int, int]:
+        """(entries, value bytes) of one namespace, or of the whole cache."""
+        query, args = "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM Cache", tuple[str, ...]()
+        if namespace is not None:
+            query, args = f"{query} WHERE key >= ? AND key < ?", _namespace_range(namespace)
+        ((count, nbytes),) = self._sql(query, args).fetchall()
+        return int(count), int(nbytes)
+
+    def namespace_keys(self, namespace: str) -> list[str]:
+        """Live keys of one namespace, sorted."""
+        rows = self._sql(
+            "SELECT key FROM Cache WHERE raw = 1 AND key >= ? AND key < ?"
+            " AND (expire_time IS NULL OR expire_time > ?) ORDER BY key",
+            (*_namespace_range(namespace), time.time()),
+        ).fetchall()
+        return [key for (key,) in rows]
+
+    def store(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        cost: float | None,
+        expire: float | None,
+        limits: tuple[int, int],
+        policy: EvictionPolicy,
+    ) -> tuple[bool, int]:
+        """Evict within ``key``'s namespace until ``value`` fits, then store it, atomically.
+
+        Args:
+            limits: (whole-cache byte budget, per-namespace byte budget).
+
+        Returns:
+            (stored, number evicted). Not stored (nothing evicted) when the namespace's own
+            entries cannot make room.
+        """
+        namespace, removed_files = key[:16], []
+        with self.transact():  # BEGIN IMMEDIATE: one writer at a time, across processes
+            old = self._sql("SELECT size FROM Cache WHERE raw = 1 AND key = ?", (key,)).fetchall()
+            old_nbytes = int(old[0][0]) if old else 0
+            total = self.usage()[1] - old_nbytes + len(value)
+            space = self.usage(namespace)[1] - old_nbytes + len(value)
+            need = max(total - limits[0], space - limits[1], 0)
+            victims: list[EntryMeta] = []
+            if need:
+                victims = policy.victims(self._candidates(namespace, exclude=key), need)
+                if sum(v.nbytes for v in victims) < need:
+                    return False, 0
+            for victim in victims:
+                rows = self._sql("SELECT rowid, filename FROM Cache WHERE raw = 1 AND key = ?", (victim.key,))
+                for rowid, filename in rows.fetchall():
+                    self._sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                    removed_files.append(filename)
+            self.set(key, value, expire=expire, tag=cost)
+        # Files go only after the commit, so a rolled-back eviction never points at a lost file.
+        for filename in removed_files:
+            if filename is not None:
+                self._disk.remove(filename)
+        return True, len(victims)
+
+    def _candidates(self, namespace: str, exclude: str) -> list[EntryMeta]:
+        rows = self._sql(
+            "SELECT key, size, access_count, access_time, tag FROM Cache"
+            " WHERE raw = 1 AND key >= ? AND key < ? AND key != ?",
+            (*_namespace_range(namespace), exclude),
+        ).fetchall()
+        return [
+            EntryMeta(key, int(size), int(hits), float(last), None if tag is None else float(tag))
+            for key, size, hits, last, tag in rows
+        ]
+
+
+class DiskTier(Tier):
+    """Values in a local directory (diskcache: SQLite index, large values in files).
+
+    URL: ``disk:///var/cache/ragkv?max_bytes=64GiB&tenant_max_bytes=8GiB&policy=cost&ttl=86400``
+    or a plain path. Several processes may share the directory: writes are serialized by
+    SQLite's lock, bounded by ``timeout`` (seconds).
+
+    Eviction is exact and stays inside the writing tenant's namespace, as in ``MemoryTier``. A
+    value that cannot fit (too large, or the disk itself is full) is refused: ``put`` returns
+    False and the tier is left as it was.
+    """
+
+    accepts: ClassVar[frozenset[str]] = frozenset(
+        {"writable", "timeout", "max_bytes", "tenant_max_bytes", "policy", "ttl"}
+    )
+    default_timeout: ClassVar[float | None] = 10.0
+    default_max_bytes: ClassVar[int] = 16 << 30
+
+    def __init__(self, config: TierConfig) -> None:
+        super().__init__(config)
+        if not config.location:
+            raise ValueError("a disk tier needs a directory: disk:///path/to/kv or a plain path")
+        self._max_bytes = config.max_bytes if config.max_bytes is not None else self.default_max_bytes
+        self._tenant_max_bytes = min(config.tenant_max_bytes or self._max_bytes, self._max_bytes)
+        self._policy = policy_for(config.policy)
+        try:
+            self._cache = _KVCache(config.location, timeout=self.timeout or 60.0, disk=BytesDisk, **_DISKCACHE_SETTINGS)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreUnavailableError(f"cannot open disk tier at {config.location}: {e}") from e
+
+    @property
+    def directory(self) -> str:
+        """The directory holding the index and the value files."""
+        return str(self._cache.directory)
+
+    def _get(self, key: str) -> bytes | None:
+        return self._get_many([key]).get(key)
+
+    def _get_many(self, keys: list[str]) -> dict[str, bytes]:
+        found: dict[str, bytes] = {}
+        with self._translate("get"):
+            for key in keys:
+                try:
+                    value = self._cache.get(key, default=None)
+                except ValueError as e:  # a row BytesDisk will not decode (e.g. a pickle)
+                    logger.warning("disk tier %s: ignoring entry %s: %s", self.name, key, e)
+                    self._add(errors=1)
+                    continue
+                if value is not None:
+                    found[key] = value
+        if found:
+            self._cache.touch(list(found))
+        return found
+
+    def _put(self, key: str, value: bytes, cost: float | None) -> bool:
+        if len(value) > self._tenant_max_bytes:
+            return False
+        try:
+            with self._translate("put"):
+                if self.config.ttl is not None:
+                    self._cache.expire()
+                stored, evicted = self._cache.store(
+                    key,
+                    value,
+                    cost=cost,
+                    expire=self.config.ttl,
+                    limits=(self._max_bytes, self._tenant_max_bytes),
+                    policy=self._policy,
+                )
+        except _DiskFullError as e:
+            logger.warning("disk tier %s is full; refused a %d-byte write: %s", self.name, len(value), e)
+            self._add(errors=1)
+            return False
+        self._record_evictions(evicted)
+        return stored
+
+    def _delete(self, key: str) -> bool:
+        with self._translate("delete"):
+            return bool(self._cache.delete(key))
+
+    def _contains(self, key: str) -> bool:
+        with self._translate("contains"):
+            return key in self._cache
+
+    def _keys(self, namespace: str) -> Iterator[str]:
+        with self._translate("keys"):
+            return iter(self._cache.namespace_keys(namespace))
+
+    def _usage(self) -> tuple[int | None, int | None]:
+        with self._translate("stats"):
+            return self._cache.usage()
+
+    def _close(self) -> None:
+        self._cache.close()
+
+    @contextlib.contextmanager
+    def _translate(self, op: str) -> Iterator[None]:
+        """Turn diskcache/SQLite/OS failures into ragkv errors at the tier boundary."""
+        try:
+            yield
+        except diskcache.Timeout as e:
+            raise StoreUnavailableError(f"disk tier {self.name}: {op} timed out waiting for the lock") from e
+        except sqlite3.Error as e:
+            if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                raise _DiskFullError(str(e)) from e
+            raise StoreUnavailableError(f"disk tier {self.name}: {op} failed: {e}") from e
+        except OSError as e:
+            if e.errno in _FULL_ERRNOS:
+                raise _DiskFullError(str(e)) from e
+            raise StoreUnavailableError(f"disk tier {self.name}: {op} failed: {e}") from e
+
+
+class _DiskFullError(StoreUnavailableError):
+    """The filesystem or SQLite ran out of space (put refuses the value)."""

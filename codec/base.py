@@ -1,0 +1,63 @@
+"""The interface every codec implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from ragkv.codec.header import BitstreamHeader
+from ragkv.codec.payload import CodecPayload
+
+__all__ = ["Codec"]
+
+
+class Codec(ABC):
+    """Turns a chunk's keys and values into payload sections and back.
+
+    A codec sees tensors and bytes only; framing, checksums, positions and the model fingerprint
+    are the bitstream layer's job. Subclasses set ``name`` and ``levels`` and are made known with
+    :func:`ragkv.codec.register_codec`. Codecs are stateless: one instance serves every call.
+    """
+
+    name: ClassVar[str]  # registry name, stored in every bitstream the codec writes
+    levels: ClassVar[tuple[int, ...]]  # quality levels, lowest = most faithful
+    default_level: ClassVar[int] = 0
+
+    @abstractmethod
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
+        """Encode one chunk.
+
+        Args:
+            keys: ``[layers, kv_heads, tokens, head_dim]`` on CPU, floating point, finite.
+            values: same shape as ``keys``.
+            level: one of ``self.levels``.
+
+        Returns:
+            The payload sections and the parameters the decoder needs.
+        """
+
+    @abstractmethod
+    def decode(
+        self,
+        header: BitstreamHeader,
+        sections: Sequence[memoryview],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode one chunk's payload.
+
+        Args:
+            header: the checked header; ``header.shape`` is the shape to return.
+            sections: the payload sections, read-only views.
+            device: where the returned tensors go; dequantization runs there.
+            dtype: dtype of the returned tensors.
+
+        Returns:
+            ``(keys, values)``, each ``[layers, kv_heads, tokens, head_dim]``.
+
+        Raises:
+            CodecError: the sections do not decode to what the header says.
+        """

@@ -1,0 +1,60 @@
+"""``int8``: symmetric 8-bit quantization with one fp16 scale per token and head (baseline)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.codec.base import Codec
+from ragkv.codec.header import BitstreamHeader
+from ragkv.codec.payload import CodecPayload
+from ragkv.codec.registry import register_codec
+from ragkv.errors import CodecError
+
+__all__ = ["Int8Codec"]
+
+
+@register_codec
+class Int8Codec(Codec):
+    """Uniform int8, scale = absmax / 127 per ``(layer, head, token)`` over ``head_dim``.
+
+    The baseline CacheGen compares against. Per-token scales were measured against one scale
+    per channel and chunk (see the codec report in docs/benchmarks.md): per-token costs 3% more
+    bytes and follows the tokens whose magnitude differs from the rest (the first token).
+
+    Sections: keys' scales ``[L, H, T, 1]`` fp16, keys ``[L, H, T, D]`` int8, then the same for
+    values.
+    """
+
+    name: ClassVar[str] = "int8"
+    levels: ClassVar[tuple[int, ...]] = (0,)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
+        sections: list[bytes] = []
+        for x in (keys, values):
+            x = x.float()
+            # fp16 scale, rounded first, so the decoder's scale is the one the encoder used.
+            scale = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-8).half()
+            q = torch.round(x / scale.float()).clamp_(-127, 127).to(torch.int8)
+            sections += [to_bytes(scale), to_bytes(q)]
+        return CodecPayload(sections=tuple(sections))
+
+    def decode(
+        self,
+        header: BitstreamHeader,
+        sections: Sequence[memoryview],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(sections) != 4:
+            raise CodecError(f"int8 payload has {len(sections)} sections; 4 expected")
+        shape = header.shape
+        out = []
+        for scales, symbols in (sections[0:2], sections[2:4]):
+            scale = from_section(scales, torch.float16, (*shape[:3], 1), device, dtype)
+            q = from_section(symbols, torch.int8, shape, device)
+            out.append(q.to(dtype).mul_(scale))
+        return out[0], out[1]

@@ -1,0 +1,54 @@
+"""``raw``: keys and values as fp16, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.codec.base import Codec
+from ragkv.codec.header import BitstreamHeader
+from ragkv.codec.payload import CodecPayload
+from ragkv.codec.registry import register_codec
+from ragkv.errors import CodecError
+
+__all__ = ["RawCodec"]
+
+
+@register_codec
+class RawCodec(Codec):
+    """fp16 keys then fp16 values, row-major: the reference every lossy codec is measured against.
+
+    fp16 inputs round-trip bit-exactly. Wider inputs are rounded to fp16; values outside fp16's
+    range are refused rather than turned into infinities.
+    """
+
+    name: ClassVar[str] = "raw"
+    levels: ClassVar[tuple[int, ...]] = (0,)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
+        sections = []
+        for t in (keys, values):
+            half = t.to(torch.float16)
+            if not bool(torch.isfinite(half).all()):
+                raise ValueError(
+                    "KV values exceed the fp16 range, so the raw codec cannot store them; "
+                    "use a quantizing codec (int8, cachegen)"
+                )
+            sections.append(to_bytes(half))
+        return CodecPayload(sections=tuple(sections))
+
+    def decode(
+        self,
+        header: BitstreamHeader,
+        sections: Sequence[memoryview],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(sections) != 2:
+            raise CodecError(f"raw payload has {len(sections)} sections; 2 expected")
+        keys = from_section(sections[0], torch.float16, header.shape, device, dtype)
+        values = from_section(sections[1], torch.float16, header.shape, device, dtype)
+        return keys, values

@@ -1,0 +1,204 @@
+"""What the framework adapters share: per-engine chunk registry and lock, prompt rendering, generation.
+
+Every adapter ends in :func:`stream`: a finished prompt string (chat special tokens included) is
+cut into segments around the chunk texts registered for that engine, and the engine generates
+from the segments. A prompt with no registered chunk is one plain segment, which the engine
+prefills like the model alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ragkv.integrations._segments import ChunkRegistry
+
+if TYPE_CHECKING:
+    from ragkv.engine import RagKV
+    from ragkv.generation import GenerationConfig
+    from ragkv.types import GenerationStats
+
+__all__ = [
+    "EngineState",
+    "aiterate",
+    "STATS_KEY",
+    "default_engine",
+    "engine_state",
+    "render_chat",
+    "render_completion",
+    "stream",
+    "summarize",
+    "warm",
+]
+
+T = TypeVar("T")
+
+STATS_KEY = "ragkv"  # the key stats live under in every framework's metadata dict
+
+_SUMMED = ("prompt_tokens", "reused_tokens", "recomputed_tokens", "prefilled_chunk_tokens", "bytes_loaded",
+           "generated_tokens", "cache_hits", "cache_misses", "chunks_in_prompt")
+
+
+@dataclass(slots=True)
+class EngineState:
+    """What the adapters keep per engine object."""
+
+    registry: ChunkRegistry = field(default_factory=ChunkRegistry)  # chunk texts handed to frameworks
+    # Generation and warming are serialized per engine: the engine's store, catalog and model are
+    # not documented as safe under concurrent calls, and LangChain's batch runs calls in threads.
+    # A plain Lock (not RLock) because an abandoned stream may be closed from another thread.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_STATES: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+_DEFAULT: list[RagKV] = []
+
+
+def engine_state(engine: RagKV) -> EngineState:
+    """The registry and lock of ``engine`` (created on first use, dropped with the engine)."""
+    with _STATES_LOCK:
+        state = _STATES.get(engine)
+        if state is None:
+            state = _STATES[engine] = EngineState()
+        return state
+
+
+def default_engine() -> RagKV:
+    """A process-wide ``RagKV()`` with every default (default model, data dir and store), built once."""
+    with _STATES_LOCK:
+        if not _DEFAULT:
+            from ragkv.engine import RagKV
+
+            _DEFAULT.append(RagKV())
+        return _DEFAULT[0]
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
+    """The prompt string of ``messages`` (``{"role", "content"}`` dicts), ready for the assistant's turn.
+
+    Uses the tokenizer's chat template; without one, a plain ``role: content`` transcript.
+    """
+    if not messages:
+        raise ValueError("no messages to answer; pass at least one user message")
+    if getattr(tokenizer, "chat_template", None):
+        return str(tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                 add_generation_prompt=True))
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join([*lines, "assistant:"])
+
+
+def render_completion(tokenizer: Any, prompt: str, *, chat_template: bool) -> str:
+    """``prompt`` as one user turn of the chat template, or as is (raw completion)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return render_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return prompt
+
+
+def stream(engine: RagKV, prompt: str, generation: GenerationConfig) -> Iterator[tuple[str, GenerationStats | None]]:
+    """Generate from ``prompt``, reusing the caches of the registered chunks it contains.
+
+    Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``; ``stats.extra``
+    gains ``chunks_in_prompt`` (how many segments were cached chunks).
+    """
+    from ragkv.engine import CachedText
+
+    if not prompt:
+        raise ValueError("the prompt is empty; pass some text")
+    state = engine_state(engine)
+    segments = state.registry.split(prompt)
+    found = sum(isinstance(s, CachedText) for s in segments)
+    with state.lock:
+        for delta, stats in engine.generate_segments(segments, generation=generation):
+            if stats is not None:
+                stats.extra["chunks_in_prompt"] = found
+            yield delta, stats
+
+
+def warm(engine: RagKV, texts: Sequence[str]) -> int:
+    """Register ``texts`` and make sure their caches are stored and in the fast tiers; return how many were computed.
+
+    The form warmed is the stripped text plus the separator: how frameworks lay out every chunk
+    but the last, and the form ragkv's own index stores.
+    """
+    from ragkv.integrations._segments import SEPARATOR
+
+    state = engine_state(engine)
+    state.registry.add(texts)
+    min_chars = state.registry.config.min_chars
+    forms = list(dict.fromkeys(t.strip() + SEPARATOR for t in texts if len(t.strip()) >= min_chars))
+    if not forms:
+        return 0
+    with state.lock:
+        return engine.warm(forms)
+
+
+def summarize(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One stats dict for several generations (refine, tree_summarize, condense steps).
+
+    Counters are summed; ``ttft_ms`` is the first call's (when the first answer token appeared);
+    ``calls`` keeps each call's own stats.
+    """
+    out: dict[str, Any] = {"llm_calls": len(calls), "ttft_ms": calls[0]["ttft_ms"] if calls else 0.0}
+    for key in _SUMMED:
+        out[key] = sum(int(c.get(key, 0)) for c in calls)
+    out["total_ms"] = round(sum(float(c.get("total_ms", 0.0)) for c in calls), 2)
+    out["calls"] = [dict(c) for c in calls]
+    return out
+
+
+_END = object()
+
+
+async def aiterate(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Run the iterator ``make()`` on one worker thread and yield its items to the event loop.
+
+    One thread for the whole stream, not one executor call per item: the engine's generator holds
+    ``torch.inference_mode`` (thread-local) and the engine lock across its yields, so it must be
+    resumed on the thread that started it. Stopping early closes the iterator on that thread.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+    stop = threading.Event()
+
+    def post(item: Any, err: BaseException | None = None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, err))
+        except RuntimeError:  # the loop is gone; nobody is listening any more
+            stop.set()
+
+    def produce() -> None:
+        try:
+            it = make()
+            try:
+                for item in it:
+                    post(item)
+                    if stop.is_set():
+                        break
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+        except BaseException as e:  # handed to the consumer, raised there
+            post(_END, e)
+            return
+        post(_END)
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(produce,), name="ragkv-generate",
+                              daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, err = await queue.get()
+            if item is _END:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()

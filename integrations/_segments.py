@@ -1,0 +1,203 @@
+"""Finding registered chunk texts in a prompt, and cutting the prompt into segments around them.
+
+Frameworks build prompts by string formatting: retrieved texts are stripped, joined with blank
+lines and pasted into a template. The engine takes the finished prompt as segments, plain text
+to prefill and ``CachedText`` to load from the chunk store. This module is the step between:
+given the texts a framework was handed (the registry) and the prompt it produced, it claims every
+span of the prompt that is exactly one of those texts, or a tolerated variant of one:
+
+1. the text as registered;
+2. the text stripped of surrounding whitespace (every LlamaIndex synthesizer strips chunks);
+3. one paragraph of the text, when the framework split the text apart (pieces shorter than
+   ``min_chars`` are left alone: too likely to occur by chance, too short to pay off).
+
+Each form is also tried with the blank-line separator appended, because that is how ragkv lays a
+chunk out at index time (``PromptLayout.chunk_end``) and how both frameworks join documents: a
+chunk from ragkv's own index followed by a separator in the prompt is then found in the form
+whose cache was precomputed.
+
+A segment is only ever a verbatim slice of the prompt, so a match is never wrong; text that is
+not found in any form stays plain and is prefilled, exactly as a plain model would.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ragkv.engine import CachedText
+
+__all__ = ["SEPARATOR", "ChunkRegistry", "MatchConfig", "Segment", "chunk_forms", "split_prompt"]
+
+SEPARATOR = "\n\n"  # ragkv's chunk_end, LangChain's document_separator, LlamaIndex's repack join
+
+Segment = str | CachedText
+
+# Match priority: lower claims first; within a priority, longer forms claim first.
+_EXACT, _STRIPPED, _PIECE = 0, 1, 2
+_ANCHOR = 16  # characters of a form looked up in the prompt's window set before a full find()
+_ANCHOR_ABOVE = 64  # below this many forms, plain find() is cheaper than building the window set
+
+
+@dataclass(frozen=True, slots=True)
+class MatchConfig:
+    """How tolerant chunk finding is."""
+
+    min_chars: int = 32  # forms shorter than this (separator excluded) are never matched
+    pieces: bool = True  # also match single paragraphs of a registered text
+
+    def __post_init__(self) -> None:
+        if self.min_chars < 1:
+            raise ValueError("min_chars must be >= 1; it guards against matching short texts by chance")
+
+
+def chunk_forms(text: str, config: MatchConfig = MatchConfig()) -> list[tuple[int, str]]:
+    """The ``(priority, form)`` pairs a registered ``text`` may appear as in a prompt.
+
+    >>> for priority, form in chunk_forms(" Some text. ", MatchConfig(min_chars=5)):
+    ...     print(priority, repr(form))
+    0 ' Some text. \\n\\n'
+    0 ' Some text. '
+    1 'Some text.\\n\\n'
+    1 'Some text.'
+
+    """
+    out: list[tuple[int, str]] = []
+    seen: set[str] = set()
+
+    def add(priority: int, form: str) -> None:
+        if len(form.strip()) < config.min_chars:
+            return
+        for f in (form + SEPARATOR, form):
+            if f not in seen:
+                seen.add(f)
+                out.append((priority, f))
+
+    add(_EXACT, text)
+    stripped = text.strip()
+    add(_STRIPPED, stripped)
+    if config.pieces:
+        paragraphs = [p.strip() for p in stripped.split(SEPARATOR)]
+        if len(paragraphs) > 1:
+            for p in paragraphs:
+                add(_PIECE, p)
+    return out
+
+
+def _claim_order(forms: Iterable[tuple[int, str]]) -> list[str]:
+    """Forms in claiming order: by priority, then longest first (ties broken by text, for determinism)."""
+    best: dict[str, int] = {}
+    for priority, form in forms:
+        best[form] = min(priority, best.get(form, priority))
+    return [f for f, _ in sorted(best.items(), key=lambda kv: (kv[1], -len(kv[0]), kv[0]))]
+
+
+def _find_spans(prompt: str, ordered_forms: Sequence[str]) -> list[tuple[int, int]]:
+    """Greedy non-overlapping occurrences of ``ordered_forms`` in ``prompt``, sorted by start."""
+    starts: list[int] = []
+    ends: list[int] = []
+    windows: set[str] | None = None
+    if len(ordered_forms) > _ANCHOR_ABOVE:
+        windows = {prompt[i : i + _ANCHOR] for i in range(max(0, len(prompt) - _ANCHOR + 1))}
+    for form in ordered_forms:
+        if windows is not None and len(form) >= _ANCHOR and form[:_ANCHOR] not in windows:
+            continue
+        pos = prompt.find(form)
+        while pos >= 0:
+            end = pos + len(form)
+            i = bisect_right(starts, pos)
+            free = (i == 0 or ends[i - 1] <= pos) and (i == len(starts) or starts[i] >= end)
+            if free:
+                starts.insert(i, pos)
+                ends.insert(i, end)
+            pos = prompt.find(form, end if free else pos + 1)
+    return list(zip(starts, ends, strict=True))
+
+
+def split_prompt(prompt: str, texts: Iterable[str], *, config: MatchConfig = MatchConfig(),
+                 require_suffix: bool = True) -> list[Segment]:
+    """Cut ``prompt`` into plain and cached segments around the registered ``texts`` it contains.
+
+    The segments always concatenate back to ``prompt``. With ``require_suffix`` a match that ends
+    the prompt stays plain (the engine needs some text after the last cached chunk).
+
+    >>> chunk = "Apples grow on trees in orchards."
+    >>> split_prompt("Context:\\n" + chunk + "\\n\\nQ: where?", [chunk], config=MatchConfig(min_chars=8))
+    ['Context:\\n', CachedText(text='Apples grow on trees in orchards.\\n\\n'), 'Q: where?']
+    >>> split_prompt("nothing known here", [chunk])
+    ['nothing known here']
+    """
+    forms = _claim_order(f for t in texts for f in chunk_forms(t, config))
+    return _assemble(prompt, _find_spans(prompt, forms) if forms else [], require_suffix)
+
+
+class ChunkRegistry:
+    """The chunk texts a framework was handed, most recently registered last; thread-safe.
+
+    Bounded (least recently registered texts are forgotten first) so a long-running process does
+    not scan an ever-growing list for every prompt.
+
+    Args:
+        capacity: how many texts to remember.
+        config: how tolerant matching is.
+    """
+
+    def __init__(self, capacity: int = 4096, config: MatchConfig = MatchConfig()) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity, self.config = capacity, config
+        self._texts: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ordered: list[str] | None = None  # claiming order of all forms, rebuilt after a change
+
+    def add(self, texts: Iterable[str]) -> None:
+        """Register ``texts`` (re-registering one makes it the most recent)."""
+        if isinstance(texts, str):
+            raise TypeError("ChunkRegistry.add takes a list of texts; wrap a single text in a list")
+        with self._lock:
+            for t in texts:
+                if not isinstance(t, str):
+                    raise TypeError(f"chunk texts must be str, got {type(t).__name__}")
+                self._texts[t] = None
+                self._texts.move_to_end(t)
+            while len(self._texts) > self.capacity:
+                self._texts.popitem(last=False)
+            self._ordered = None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._texts.clear()
+            self._ordered = None
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __contains__(self, text: object) -> bool:
+        return text in self._texts
+
+    def split(self, prompt: str, *, require_suffix: bool = True) -> list[Segment]:
+        """``split_prompt`` over the registered texts."""
+        with self._lock:
+            if self._ordered is None:
+                self._ordered = _claim_order(f for t in self._texts for f in chunk_forms(t, self.config))
+            ordered = self._ordered
+        spans = _find_spans(prompt, ordered) if ordered else []
+        return _assemble(prompt, spans, require_suffix)
+
+
+def _assemble(prompt: str, spans: list[tuple[int, int]], require_suffix: bool) -> list[Segment]:
+    if require_suffix and spans and spans[-1][1] == len(prompt):
+        spans = spans[:-1]
+    segments: list[Segment] = []
+    cursor = 0
+    for start, end in spans:
+        if start > cursor:
+            segments.append(prompt[cursor:start])
+        segments.append(CachedText(prompt[start:end]))
+        cursor = end
+    if cursor < len(prompt) or not segments:
+        segments.append(prompt[cursor:])
+    return segments

@@ -1,0 +1,241 @@
+"""Catalog on SQLite (and PostgreSQL, marker ``postgres``): API, tenants, restarts, concurrent writers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from ragkv.cache.catalog import Catalog, DocumentRecord, EntryRecord
+from ragkv.errors import CatalogError
+from tests.cache.cache_testing import document, make_key
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "postgres":
+        url: str = request.getfixturevalue("postgres_url")
+        return url
+    return str(tmp_path / "catalog.db")
+
+
+@pytest.fixture
+def catalog(catalog_url: str) -> Iterator[Catalog]:
+    with Catalog(catalog_url) as c:
+        yield c
+
+
+def test_replace_and_read_back_a_document(catalog: Catalog) -> None:
+    doc, chunks = document("a.txt", 3)
+    rows = catalog.replace_document(doc, chunks)
+    assert len(rows) == 3 and rows == sorted(rows)
+    assert catalog.get_document("a.txt") == doc
+    assert catalog.chunks_by_rows(rows) == chunks
+    assert catalog.chunks_for_document(doc.doc_id) == chunks
+    assert catalog.all_chunk_rows() == rows
+    assert catalog.documents() == [doc]
+
+
+def test_chunks_by_rows_keeps_order_and_skips_unknown_rows(catalog: Catalog) -> None:
+    doc, chunks = document("a.txt", 4)
+    rows = catalog.replace_document(doc, chunks)
+    asked = [rows[3], 999_999, rows[0], rows[2]]
+    assert [c.ordinal for c in catalog.chunks_by_rows(asked)] == [3, 0, 2]
+    assert catalog.chunks_by_rows([]) == []
+
+
+def test_replacing_gives_new_rows_and_never_reuses_old_ones(catalog: Catalog) -> None:
+    doc, chunks = document("a.txt", 3)
+    old_rows = catalog.replace_document(doc, chunks)
+    new_doc, new_chunks = document("a.txt", 2, version="v2")
+    new_rows = catalog.replace_document(new_doc, new_chunks)
+    assert not set(old_rows) & set(new_rows)
+    assert catalog.chunks_by_rows(old_rows) == []
+    assert catalog.get_document("a.txt") == new_doc
+    assert catalog.all_chunk_rows() == new_rows
+    assert catalog.remove_document("a.txt") == new_rows
+    rows_after = catalog.replace_document(*document("b.txt", 1))
+    assert rows_after[0] > max(new_rows)  # deleted ids stay retired: FAISS ids stay unambiguous
+    assert catalog.remove_document("missing.txt") == []
+
+
+def test_tenants_are_kept_apart(catalog: Catalog) -> None:
+    a_rows = catalog.replace_document(*document("same.txt", 2, tenant="alice"))
+    b_doc, b_chunks = document("same.txt", 3, tenant="bob")
+    b_rows = catalog.replace_document(b_doc, b_chunks)
+    assert catalog.chunks_by_rows(a_rows + b_rows, tenant="bob") == b_chunks
+    assert catalog.all_chunk_rows("alice") == a_rows
+    assert catalog.get_document("same.txt", "carol") is None
+    assert [d.tenant for d in catalog.documents("bob")] == ["bob"]
+    assert catalog.remove_document("same.txt", "alice") == a_rows
+    assert catalog.get_document("same.txt", "bob") == b_doc
+
+
+def test_chunks_for_a_doc_id_held_by_several_tenants_need_the_tenant(catalog: Catalog) -> None:
+    doc, chunks = document("x.txt", 2)
+    catalog.replace_document(doc, chunks)
+    twin = DocumentRecord(doc.doc_id, "bob", "x.txt", doc.content_digest, doc.title, 2)
+    catalog.replace_document(twin, chunks)
+    with pytest.raises(ValueError, match="tenant="):
+        catalog.chunks_for_document(doc.doc_id)
+    assert catalog.chunks_for_document(doc.doc_id, tenant="bob") == chunks
+
+
+def test_replace_document_checks_its_arguments(catalog: Catalog) -> None:
+    doc, chunks = document("a.txt", 2)
+    with pytest.raises(ValueError, match="num_chunks"):
+        catalog.replace_document(doc, chunks[:1])
+    other, _ = document("b.txt", 0)
+    with pytest.raises(ValueError, match="doc_id"):
+        catalog.replace_document(DocumentRecord(other.doc_id, "default", "a.txt", "c", "t", 2), chunks)
+    assert catalog.get_document("a.txt") is None
+    empty, _ = document("empty.txt", 0)
+    assert catalog.replace_document(empty, []) == []
+
+
+def test_entries_are_recorded_idempotently_and_touched(catalog: Catalog) -> None:
+    key = make_key(1)
+    fields = {"tenant": "default", "tokens_digest": "t" * 64, "codec": "raw", "level": 0, "num_tokens": 300}
+    catalog.record_entry(key, nbytes=1000, **fields)  # type: ignore[arg-type]
+    catalog.touch_entries([key, key, make_key(404)])
+    catalog.record_entry(key, nbytes=900, **fields)  # type: ignore[arg-type]  # re-encoded
+    assert catalog.has_entry(key) and not catalog.has_entry(make_key(2))
+    [entry] = catalog.entries()
+    assert isinstance(entry, EntryRecord)
+    assert (entry.storage_key, entry.nbytes, entry.hits, entry.num_tokens) == (key, 900, 1, 300)
+    assert entry.last_access >= entry.created_at
+    assert catalog.entries("bob") == []
+    catalog.remove_entry(key)
+    catalog.remove_entry(key)
+    assert catalog.entries() == []
+
+
+def test_an_entry_must_live_in_its_tenants_namespace(catalog: Catalog) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        catalog.record_entry(
+            make_key(1, "alice"),
+            tenant="bob",
+            tokens_digest="t",
+            codec="raw",
+            level=0,
+            nbytes=1,
+            num_tokens=1,
+        )
+
+
+def test_a_schema_version_mismatch_is_a_clear_error(catalog_url: str) -> None:
+    Catalog(catalog_url).close()
+    url = catalog_url if "://" in catalog_url else f"sqlite:///{catalog_url}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE ragkv_meta SET value = '999' WHERE key = 'schema_version'"))
+    engine.dispose()
+    with pytest.raises(CatalogError, match="schema version 999, this ragkv uses 1"):
+        Catalog(catalog_url)
+
+
+def test_foreign_tables_without_a_version_are_refused(tmp_path: Path) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'c.db'}")
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE ragkv_chunks (x INTEGER)"))
+    engine.dispose()
+    with pytest.raises(CatalogError, match="no schema version"):
+        Catalog(str(tmp_path / "c.db"))
+
+
+def test_an_unreachable_database_is_a_catalog_error() -> None:
+    with pytest.raises(CatalogError, match="127.0.0.1:1"):
+        Catalog("postgresql+psycopg://u:secret@127.0.0.1:1/db", timeout_s=1)
+
+
+def test_unsupported_databases_are_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported catalog database 'mysql'"):
+        Catalog("mysql://u@h/db")
+
+
+def test_passwords_are_not_shown() -> None:
+    with pytest.raises(CatalogError) as info:
+        Catalog("postgresql+psycopg://u:secret@127.0.0.1:1/db", timeout_s=1)
+    assert "secret" not in str(info.value)
+
+
+RUN = textwrap.dedent(
+    """
+    import os, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from tests.cache.cache_testing import document
+    from ragkv.cache.catalog import Catalog
+    from ragkv.types import tenant_namespace
+    url, action, name, count, go = sys.argv[2:7]
+    with Catalog(url) as catalog:
+        while not os.path.exists(go):  # start together with the other writer
+            time.sleep(0.01)
+        if action == "write":
+            for i in range(int(count)):
+                doc, chunks = document(f"{name}-{i}.txt", 3)
+                rows = catalog.replace_document(doc, chunks)
+                assert catalog.chunks_by_rows(rows) == chunks
+                key = f"{tenant_namespace('default')}/{doc.doc_id}"
+                catalog.record_entry(
+                    key, tenant="default", tokens_digest="t", codec="raw", level=0, nbytes=i, num_tokens=3
+                )
+        else:
+            print(",".join(str(r) for r in catalog.all_chunk_rows()))
+    """
+)
+
+
+def run_all(url: str, tmp_path: Path, *jobs: tuple[str, str, int]) -> list[str]:
+    """Run catalog jobs (action, name, count) in processes that start work at the same moment."""
+    root, go = str(Path(__file__).parents[2]), tmp_path / "go"
+    go.unlink(missing_ok=True)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RUN, root, url, action, name, str(count), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for action, name, count in jobs
+    ]
+    go.touch()
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(out.strip())
+    return outputs
+
+
+def test_the_catalog_survives_a_process_restart(tmp_path: Path) -> None:
+    url = str(tmp_path / "catalog.db")
+    run_all(url, tmp_path, ("write", "first", 2))
+    with Catalog(url) as catalog:
+        rows = catalog.all_chunk_rows()
+        assert len(rows) == 6 and len(catalog.entries()) == 2
+        catalog.replace_document(*document("parent.txt", 1))
+    assert run_all(url, tmp_path, ("read", "-", 0)) == [",".join(str(r) for r in rows + [max(rows) + 1])]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_two_writer_processes_at_once(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    url = request.getfixturevalue("postgres_url") if backend == "postgres" else str(tmp_path / "catalog.db")
+    run_all(url, tmp_path, ("write", "left", 25), ("write", "right", 25))
+    with Catalog(url) as catalog:
+        assert len(catalog.documents()) == 50
+        rows = catalog.all_chunk_rows()
+        assert len(rows) == len(set(rows)) == 150
+        assert len(catalog.entries()) == 50
+        for doc in catalog.documents():
+            assert len(catalog.chunks_for_document(doc.doc_id)) == 3
+
+
+def test_in_memory_catalog() -> None:
+    with Catalog(":memory:") as catalog:
+        rows = catalog.replace_document(*document("a.txt", 2))
+        assert len(catalog.chunks_by_rows(rows)) == 2

@@ -1,0 +1,222 @@
+"""DiskTier: exact eviction on disk, tenants, a full disk, no pickles, sharing between processes."""
+
+from __future__ import annotations
+
+import errno
+import io
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import pytest
+
+from ragkv.cache import bytes_disk
+from ragkv.cache.disk import DiskTier
+from ragkv.cache.registry import open_tier
+from ragkv.types import tenant_namespace
+from tests.cache.cache_testing import make_key
+
+
+def disk(path: Path, query: str = "") -> DiskTier:
+    tier = open_tier(f"disk://{path}{'?' + query if query else ''}")
+    assert isinstance(tier, DiskTier)
+    return tier
+
+
+def keys_of(tier: DiskTier, tenant: str = "default") -> set[str]:
+    return set(tier.keys(tenant_namespace(tenant)))
+
+
+def test_plain_path_opens_a_disk_tier(tmp_path: Path) -> None:
+    tier = open_tier(str(tmp_path / "kv"))
+    assert isinstance(tier, DiskTier)
+    assert tier.directory == str(tmp_path / "kv")
+    tier.close()
+
+
+def test_lru_eviction_order_on_disk(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "max_bytes=400")
+    a, b, c, d, e, f = (make_key(x) for x in "abcdef")
+    for key in (a, b, c, d):
+        assert tier.put(key, b"x" * 100)
+    tier.get(a)
+    evicted = []
+    for key in (e, f):
+        before = keys_of(tier)
+        assert tier.put(key, b"y" * 100)
+        evicted += sorted(before - keys_of(tier))
+    assert evicted == [b, c]
+    assert keys_of(tier) == {d, a, e, f}
+    assert (tier.stats().evictions, tier.stats().bytes_stored) == (2, 400)
+    tier.close()
+
+
+def test_cost_aware_eviction_order_on_disk(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "max_bytes=900&policy=cost")
+    k = {name: make_key(name) for name in ("cheap", "hot", "dear", "big", "plain", "new1", "new2")}
+    tier.put(k["cheap"], b"x" * 100, cost=10)  # (0+1)*10/100 = 0.1
+    tier.put(k["hot"], b"x" * 100, cost=10)  # (9+1)*10/100 = 1.0 after 9 reads
+    tier.put(k["dear"], b"x" * 100, cost=300)  # 3.0
+    tier.put(k["big"], b"x" * 400, cost=200)  # 0.5
+    tier.put(k["plain"], b"x" * 200)  # cost = bytes -> 1.0
+    for _ in range(9):
+        tier.get(k["hot"])
+    order = []
+    for name in ("new1", "new2"):
+        before = keys_of(tier)
+        assert tier.put(k[name], b"n" * 100, cost=50)  # 0.5
+        order.append(sorted(before - keys_of(tier)))
+    assert order == [[k["cheap"]], [k["big"]]]
+    tier.close()
+
+
+def test_large_values_go_to_files_and_count_in_the_budget(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "max_bytes=200000")
+    tier.put(make_key(1), b"f" * 100_000)  # over diskcache's 32 KiB inline limit: a file
+    tier.put(make_key(2), b"s" * 1000)  # inline in SQLite
+    assert tier.stats().bytes_stored == 101_000
+    assert tier.put(make_key(3), b"g" * 100_000)  # evicts key 1 (least recent)
+    assert keys_of(tier) == {make_key(2), make_key(3)}
+    assert len(list((tmp_path).rglob("*.val"))) == 1  # key 1's file is gone
+    tier.close()
+
+
+def test_oversize_value_is_refused(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "max_bytes=1000")
+    tier.put(make_key(1), b"x" * 500)
+    assert tier.put(make_key(2), b"x" * 1001) is False
+    assert keys_of(tier) == {make_key(1)}
+    tier.close()
+
+
+def test_tenants_do_not_evict_each_other_on_disk(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "max_bytes=300")
+    tier.put(make_key(0, "bob"), b"b" * 100)
+    tier.put(make_key(1, "bob"), b"b" * 100)
+    tier.put(make_key(0, "alice"), b"a" * 100)
+    assert tier.put(make_key(1, "alice"), b"a" * 100)  # evicts alice's own entry
+    assert tier.put(make_key(2, "alice"), b"a" * 200) is False  # would need bob's
+    assert keys_of(tier, "bob") == {make_key(0, "bob"), make_key(1, "bob")}
+    assert keys_of(tier, "alice") == {make_key(1, "alice")}
+    tier.close()
+
+
+class _FullDiskFile(io.BufferedWriter):
+    """Writes half of what it is given, then fails like a full disk."""
+
+    def write(self, data: Any) -> int:
+        super().write(bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_refuses_the_write_and_leaves_no_partial_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = disk(tmp_path)
+    tier.put(make_key(1), b"o" * 50_000)
+    files_before = sorted(tmp_path.rglob("*.val"))
+
+    def full_open(path: str, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        return _FullDiskFile(io.FileIO(path, mode))
+
+    monkeypatch.setattr(bytes_disk, "open", full_open, raising=False)
+    assert tier.put(make_key(2), b"n" * 50_000) is False
+    assert tier.put(make_key(1), b"r" * 50_000) is False  # a replacement fails too...
+    monkeypatch.undo()
+    assert tier.get(make_key(1)) == b"o" * 50_000  # ...and the old value is intact
+    assert tier.get(make_key(2)) is None
+    assert sorted(tmp_path.rglob("*.val")) == files_before
+    assert tier.stats().errors == 2
+    assert "is full" in caplog.text
+    tier.close()
+
+
+class _Payload:
+    """If this were ever unpickled it would leave a mark."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path(self.marker).touch, ())
+
+
+def test_pickled_values_written_by_others_are_never_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "unpickled"
+    foreign = diskcache.Cache(str(tmp_path / "kv"))
+    foreign.set(make_key(1), _Payload(str(marker)))
+    foreign.set(make_key(2), b"fine")
+    foreign.close()
+    tier = disk(tmp_path / "kv")
+    assert tier.get(make_key(1)) is None
+    assert tier.get_many([make_key(1), make_key(2)]) == {make_key(2): b"fine"}
+    assert not marker.exists()
+    assert tier.stats().errors == 2
+    tier.close()
+
+
+def test_non_bytes_never_reach_diskcache(tmp_path: Path) -> None:
+    disk_ = bytes_disk.BytesDisk(str(tmp_path))
+    with pytest.raises(TypeError):
+        disk_.store({"a": 1}, read=False)
+    with pytest.raises(TypeError):
+        disk_.put(("tuple", "key"))
+
+
+def test_entries_survive_reopen(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "max_bytes=10000")
+    tier.put(make_key(1), b"persisted")
+    tier.close()
+    again = disk(tmp_path, "max_bytes=10000")
+    assert again.get(make_key(1)) == b"persisted"
+    assert again.stats().entries == 1
+    again.close()
+
+
+def test_ttl_expires_entries(tmp_path: Path) -> None:
+    tier = disk(tmp_path, "ttl=0.05")
+    tier.put(make_key(1), b"soon gone")
+    time.sleep(0.1)
+    assert tier.get(make_key(1)) is None
+    assert list(tier.keys(tenant_namespace("default"))) == []
+    tier.close()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from ragkv.cache.registry import open_tier
+    from ragkv.digests import sha256_hex
+    from ragkv.types import tenant_namespace
+    tier = open_tier(sys.argv[1])
+    worker = sys.argv[2]
+    ns = tenant_namespace("default")
+    for i in range(60):
+        key = f"{ns}/{sha256_hex(f'{worker}-{i}'.encode())}"
+        assert tier.put(key, worker.encode() * 1000)
+        value = tier.get(key)
+        assert value is None or value == worker.encode() * 1000
+    tier.close()
+    """
+)
+
+
+def test_two_processes_share_a_directory_within_budget(tmp_path: Path) -> None:
+    url = f"disk://{tmp_path}?max_bytes=20000"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, url, worker], stderr=subprocess.PIPE) for worker in ("a", "b")
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+    tier = disk(tmp_path, "max_bytes=20000")
+    stats = tier.stats()
+    assert stats.bytes_stored is not None and 0 < stats.bytes_stored <= 20000
+    for key in tier.keys(tenant_namespace("default")):
+        value = tier.get(key)
+        assert value is not None and value in (b"a" * 1000, b"b" * 1000)
+    tier.close()

@@ -1,0 +1,53 @@
+"""Engines on the tiny random model for the framework integration tests (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.generation import GenerationConfig
+from ragkv.retriever.documents import Document
+from ragkv.retriever.embedder import HashingEmbedder
+
+DOCS = [
+    Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
+    Document("mem:boats", "Boats float on water and carry people. " * 10 + "\n\nSails catch the wind. " * 9, "boats"),
+    Document("mem:clocks", "Clocks measure time with gears and springs. " * 11, "clocks"),
+]
+GEN = GenerationConfig(max_new_tokens=6)
+
+
+def make_engine(data_dir: Path, adapter, **kw) -> RagKV:
+    cfg = EngineConfig(data_dir=data_dir, top_k=2, min_chunk_tokens=40, max_chunk_tokens=120,
+                       store=("memory://", str(data_dir / "kv")), **kw)
+    return RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64))
+
+
+def plain_text(rag: RagKV, prompt: str, max_new_tokens: int) -> str:
+    """What the engine generates from ``prompt`` as one plain segment (the model alone)."""
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    return "".join(delta for delta, _ in rag.generate_segments([prompt], generation=gen))
+
+
+@pytest.fixture
+def rag(tmp_path, llama_adapter):
+    """A fresh engine with nothing indexed."""
+    with make_engine(tmp_path, llama_adapter) as engine:
+        yield engine
+
+
+@pytest.fixture
+def indexed_rag(rag):
+    """A fresh engine with DOCS indexed."""
+    rag.index(DOCS, progress=False)
+    return rag
+
+
+@pytest.fixture(scope="module")
+def shared_rag(tmp_path_factory, llama_adapter):
+    """One indexed engine for a whole module (the standard suites build many models on it)."""
+    with make_engine(tmp_path_factory.mktemp("ragkv"), llama_adapter) as engine:
+        engine.index(DOCS, progress=False)
+        yield engine
