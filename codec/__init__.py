@@ -7,7 +7,7 @@
 24.0
 """
 
-
+from ragkv.codec import cachegen as _cachegen  # noqa: F401  (registers the codec)
 from ragkv.codec import int4 as _int4  # noqa: F401
 from ragkv.codec import int8 as _int8  # noqa: F401
 from ragkv.codec import raw as _raw  # noqa: F401

@@ -8,16 +8,12 @@ import warnings
 
 import numpy as np
 import torch
-import zstandard
 
 from ragkv.errors import CodecError
 
 # Payloads are little-endian; the helpers below reinterpret memory directly.
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("ragkv.codec supports little-endian machines only")
-
-_ZSTD_DECOMPRESSOR = zstandard.ZstdDecompressor()
-
 
 def to_bytes(t: torch.Tensor) -> bytes:
     """The raw little-endian bytes of ``t`` (row-major)."""
@@ -62,24 +58,3 @@ def from_section(
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
-
-
-def zstd_compress(data: bytes, level: int) -> bytes:
-    """One zstd frame holding ``data``, with its size recorded (deterministic for a given level)."""
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    return cctx.compress(data)
-
-
-def zstd_decompress(frame: memoryview | bytes, size: int) -> bytes:
-    """Decompress one frame that must hold exactly ``size`` bytes.
-
-    Raises:
-        CodecError: the frame is damaged or decodes to another size.
-    """
-    try:
-        out = _ZSTD_DECOMPRESSOR.decompress(frame, max_output_size=size)
-    except zstandard.ZstdError as e:
-        raise CodecError(f"entropy-coded stream is corrupt: {e}") from e
-    if len(out) != size:
-        raise CodecError(f"entropy-coded stream decoded to {len(out)} bytes; {size} expected")
-    return out

@@ -100,18 +100,20 @@ def render_completion(tokenizer: Any, prompt: str, *, chat_template: bool) -> st
     return prompt
 
 
-def stream(engine: RagKV, prompt: str, generation: GenerationConfig) -> Iterator[tuple[str, GenerationStats | None]]:
+def stream(engine: RagKV, prompt: str, generation: GenerationConfig, *,
+           reuse_chunks: bool = True) -> Iterator[tuple[str, GenerationStats | None]]:
     """Generate from ``prompt``, reusing the caches of the registered chunks it contains.
 
     Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``; ``stats.extra``
-    gains ``chunks_in_prompt`` (how many segments were cached chunks).
+    gains ``chunks_in_prompt`` (how many segments were cached chunks). ``reuse_chunks=False``
+    prefills the whole prompt like the plain model (the baseline).
     """
     from ragkv.engine import CachedText
 
     if not prompt:
         raise ValueError("the prompt is empty; pass some text")
     state = engine_state(engine)
-    segments = state.registry.split(prompt)
+    segments = state.registry.split(prompt) if reuse_chunks else [prompt]
     found = sum(isinstance(s, CachedText) for s in segments)
     with state.lock:
         for delta, stats in engine.generate_segments(segments, generation=generation):

@@ -83,6 +83,7 @@ class _RagKVModel:
     top_k: int
     seed: int | None
     stop: list[str] | None
+    reuse_chunks: bool
 
     def _engine(self) -> RagKV:
         return self.engine if self.engine is not None else _bridge.default_engine()
@@ -109,6 +110,10 @@ class _RagKVModel:
             stop=tuple(dict.fromkeys(s for s in stops if s)), seed=kwargs.get("seed", self.seed),
         )
 
+    def _deltas(self, prompt: str, gen: GenerationConfig) -> Iterator[tuple[str, Stats | None]]:
+        for delta, stats in _bridge.stream(self._engine(), prompt, gen, reuse_chunks=self.reuse_chunks):
+            yield delta, (stats.as_dict() if stats is not None else None)
+
     def _finish(self, stats: Stats, gen: GenerationConfig) -> str:
         return "length" if stats["generated_tokens"] >= gen.max_new_tokens else "stop"
 
@@ -133,9 +138,6 @@ def _usage(stats: Stats) -> UsageMetadata:
                          input_token_details={"cache_read": hit, "cache_creation": stats["prefilled_chunk_tokens"]})
 
 
-def _deltas(engine: RagKV, prompt: str, gen: GenerationConfig) -> Iterator[tuple[str, Stats | None]]:
-    for delta, stats in _bridge.stream(engine, prompt, gen):
-        yield delta, (stats.as_dict() if stats is not None else None)
 
 
 class ChatRagKV(_RagKVModel, BaseChatModel):
@@ -149,6 +151,7 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
         max_tokens: answer length cap.
         temperature, top_p, top_k, seed: sampling (temperature 0 = greedy).
         stop: stop strings, merged with each call's ``stop``.
+        reuse_chunks: False prefills every prompt whole, like the plain model (a baseline).
     """
 
     model_config = ConfigDict(populate_by_name=True)
@@ -161,6 +164,7 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: list[str] | None = None
+    reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
     streaming: bool = False  # stream through callbacks on invoke
 
     @property
@@ -182,7 +186,7 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         gen = self._generation(stop, kwargs)
         parts, stats = [], {}
-        for delta, d in _deltas(self._engine(), self._prompt(messages), gen):
+        for delta, d in self._deltas(self._prompt(messages), gen):
             parts.append(delta)
             stats = d or stats
         meta = self._response_metadata(stats, gen)
@@ -213,7 +217,7 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
                 kwargs: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
         """One chunk per piece of answer text, then a last empty chunk with usage and stats."""
         gen = self._generation(stop, kwargs)
-        for delta, stats in _deltas(self._engine(), self._prompt(messages), gen):
+        for delta, stats in self._deltas(self._prompt(messages), gen):
             if stats is None:
                 if delta:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
@@ -240,7 +244,8 @@ class RagKVLLM(_RagKVModel, LLM):
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: list[str] | None = None
-    chat_template: bool = True
+    reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
+    chat_template: bool = True  # False: raw completion
 
     @property
     def _llm_type(self) -> str:
@@ -260,7 +265,7 @@ class RagKVLLM(_RagKVModel, LLM):
     def _one(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Generation:
         gen = self._generation(stop, kwargs)
         parts, stats = [], {}
-        for delta, d in _deltas(self._engine(), self._prompt(prompt), gen):
+        for delta, d in self._deltas(self._prompt(prompt), gen):
             parts.append(delta)
             stats = d or stats
         info = {"finish_reason": self._finish(stats, gen), _bridge.STATS_KEY: stats}
@@ -296,7 +301,7 @@ class RagKVLLM(_RagKVModel, LLM):
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
         gen = self._generation(stop, kwargs)
-        for delta, stats in _deltas(self._engine(), self._prompt(prompt), gen):
+        for delta, stats in self._deltas(self._prompt(prompt), gen):
             if stats is None:
                 if delta:
                     yield GenerationChunk(text=delta)

@@ -83,6 +83,7 @@ class RagKVLLM(CustomLLM):
     seed: int | None = Field(default=None, description="sampling seed")
     stop: list[str] = Field(default_factory=list, description="stop strings")
     chat_template: bool = Field(default=True, description="wrap completion prompts in the chat template")
+    reuse_chunks: bool = Field(default=True, description="False: prefill every prompt whole (a baseline)")
 
     def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
         super().__init__(engine=engine if engine is not None else _bridge.default_engine(), **kwargs)
@@ -121,7 +122,7 @@ class RagKVLLM(CustomLLM):
         gen = self._generation(kwargs)
 
         def run() -> Iterator[tuple[str, dict[str, Any] | None]]:
-            for delta, stats in _bridge.stream(self.engine, prompt, gen):
+            for delta, stats in _bridge.stream(self.engine, prompt, gen, reuse_chunks=self.reuse_chunks):
                 if stats is None:
                     yield delta, None
                 else:

@@ -37,11 +37,11 @@ def _engine(data_dir: Path | None, model: str, store: str | None, catalog: str |
     fcfg = EngineConfig().fusion
     if fusion or ratio is not None:
         fcfg = replace(fcfg, **{k: v for k, v in (("method", fusion), ("ratio", ratio)) if v is not None})
+    kwargs: dict[str, Any] = {"top_k": top_k} if top_k else {}
     cfg = EngineConfig(
         data_dir=data_dir or default_data_dir(), model=model,
         store=tuple(u for u in (store or "").split(",") if u.strip()),
-        catalog=catalog or os.environ.get("RAGKV_CATALOG"), tenant=tenant, fusion=fcfg,
-        top_k=top_k or EngineConfig.top_k,
+        catalog=catalog or os.environ.get("RAGKV_CATALOG"), tenant=tenant, fusion=fcfg, **kwargs,
     )
     return RagKV(cfg)
 

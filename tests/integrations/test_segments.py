@@ -88,7 +88,8 @@ def test_partially_overlapping_texts_keep_one_and_leave_the_rest_plain():
 
 
 def test_short_texts_are_never_matched():
-    assert split_prompt("the cat sat on the mat", ["cat"], config=MatchConfig(min_chars=8)) == ["the cat sat on the mat"]
+    prompt = "the cat sat on the mat"
+    assert split_prompt(prompt, ["cat"], config=MatchConfig(min_chars=8)) == [prompt]
 
 
 def test_a_chunk_ending_the_prompt_stays_plain_when_a_suffix_is_required():

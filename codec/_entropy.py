@@ -1,0 +1,96 @@
+"""The entropy stage of ``cachegen``: one zstd frame per stream, decoded in parallel (private).
+
+Measured on quantized KV symbols of SmolLM2-135M (380-token chunks, one stream per layer and
+K/V): zstd's btultra strategy lands within 1% of the order-0 empirical entropy of each stream,
+where level 3 is 9-16% above it; constriction's rANS reached the entropy exactly but decoded at
+14 M symbols/s against 800-1000 for zstd. Matches are kept (min_match 7) because they pay on long
+zero runs at the coarse levels.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import zstandard
+
+from ragkv.errors import CodecError
+
+_PARAMS = zstandard.ZstdCompressionParameters(
+    window_log=17,
+    chain_log=16,
+    hash_log=16,
+    search_log=1,
+    min_match=7,
+    target_length=16,
+    strategy=zstandard.STRATEGY_BTULTRA,
+    write_content_size=True,
+    write_checksum=False,
+)
+_LOCAL = threading.local()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+_PARALLEL_MIN_BYTES = 1 << 16  # below this the thread hand-off costs more than it saves
+
+
+def compress_streams(streams: Sequence[bytes], level: int = 0) -> list[bytes]:
+    """One zstd frame per stream; ``level`` 0 picks the tuned parameters."""
+    if level:
+        cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    else:
+        cctx = zstandard.ZstdCompressor(compression_params=_PARAMS)
+    return [cctx.compress(s) for s in streams]
+
+
+def zstd_compress(data: bytes, level: int) -> bytes:
+    """One zstd frame holding ``data`` at a plain zstd ``level`` (deterministic)."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+
+
+def zstd_decompress(frame: memoryview | bytes, size: int) -> bytes:
+    """Decompress one frame that must hold exactly ``size`` bytes.
+
+    Raises:
+        CodecError: the frame is damaged or decodes to another size.
+    """
+    return _decompress_one((frame, size))
+
+
+def _decompress_one(job: tuple[memoryview | bytes, int]) -> bytes:
+    frame, size = job
+    dctx = getattr(_LOCAL, "dctx", None)
+    if dctx is None:
+        # A ZstdDecompressor is not thread-safe: one per thread.
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
+    try:
+        out = dctx.decompress(frame, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"entropy-coded stream is corrupt: {e}") from e
+    if len(out) != size:
+        raise CodecError(f"entropy-coded stream decoded to {len(out)} bytes; {size} expected")
+    return out
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            workers = max(1, min(8, os.cpu_count() or 1))
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-codec")
+        return _POOL
+
+
+def decompress_streams(frames: Sequence[memoryview | bytes], sizes: Sequence[int]) -> list[bytes]:
+    """Decompress each frame, which must hold exactly its size in bytes.
+
+    zstd releases the GIL while it decodes, so large jobs run on a small shared thread pool.
+
+    Raises:
+        CodecError: a frame is damaged or decodes to another size.
+    """
+    jobs = list(zip(frames, sizes, strict=True))
+    if sum(sizes) < _PARALLEL_MIN_BYTES or len(jobs) < 2:
+        return [_decompress_one(job) for job in jobs]
+    return list(_pool().map(_decompress_one, jobs))

@@ -1,0 +1,190 @@
+"""``cachegen``: CacheGen-style KV codec: layer-wise quantization and an entropy coder.
+
+What it does, and why (every step was measured on and off; see the codec report in
+docs/benchmarks.md):
+
+- The first token of a chunk is stored as fp16. It is often an attention sink whose keys and
+  values are far smaller than the rest; folded into shared statistics it ruins them.
+- Every other value is uniformly quantized, ``q = round(x / step) - m``, where ``m`` is the
+  channel's mean in steps (mean removal centres each channel's symbols, so one probability
+  table fits a whole layer). Steps come from the data's spread and a per-level
+  :class:`StepSchedule`: one step per layer for keys, one per channel for values, each depth
+  third with its own multiplier.
+- Step sizes are stored as 1/8-octave codes (one byte per channel), means as int16 step counts.
+- Symbols of each (K/V, layer) form one stream, token-major ``[heads, tokens, head_dim]``, coded
+  as one zstd frame (see ``_entropy``). Streams decode in parallel threads; dequantization is
+  two torch passes on the target device.
+- Token-delta coding of the symbols was measured and left out: it did not pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ragkv.codec._entropy import compress_streams, decompress_streams, zstd_compress, zstd_decompress
+from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.codec.base import Codec
+from ragkv.codec.header import BitstreamHeader
+from ragkv.codec.payload import CodecPayload
+from ragkv.codec.registry import register_codec
+from ragkv.codec.schedule import StepSchedule
+from ragkv.errors import CodecError
+
+__all__ = ["CacheGenCodec", "LEVELS"]
+
+LEVELS: dict[int, StepSchedule] = {
+    0: StepSchedule(key_steps=(1 / 6, 1 / 6, 1 / 6), value_steps=(1 / 6, 1 / 3, 1 / 3)),
+    1: StepSchedule(key_steps=(1 / 3, 1 / 3, 1 / 3), value_steps=(1 / 3, 1.0, 1.0)),
+    2: StepSchedule(key_steps=(1 / 2, 1 / 2, 1 / 2), value_steps=(1 / 2, 1.5, 1.5)),
+    3: StepSchedule(key_steps=(1 / 1.5, 1 / 1.5, 1 / 1.5), value_steps=(1 / 1.5, 2.0, 2.0)),
+}
+
+_SIGMA_FLOOR = 1e-6  # channels that never vary still need a positive step
+_CODE_BIAS = 128  # step = 2 ** ((code - 128) / 8): 2**-16 .. 2**16 in 1/8-octave steps
+_CODE_PER_OCTAVE = 8
+_SYMBOL_LIMIT = 32767  # symbols and means are int16; steps grow until they fit
+
+
+@register_codec
+class CacheGenCodec(Codec):
+    """Layer-wise quantization with sigma-derived steps, entropy-coded with zstd.
+
+    Sections: ``first`` fp16 ``[2, L, H, 1, D]`` (the first token's keys and values); ``tables``
+    (zstd: step codes uint8 ``[2, L, H, D]`` then means int16 ``[2, L, H, D]``); then one zstd
+    stream per (K/V, layer) holding ``[H, T - 1, D]`` symbols, int8, or int16 as two byte planes
+    where ``params["widths"]`` says 2.
+    """
+
+    name: ClassVar[str] = "cachegen"
+    levels: ClassVar[tuple[int, ...]] = tuple(LEVELS)
+    default_level: ClassVar[int] = 1
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
+        num_layers, _, num_tokens, _ = keys.shape
+        if num_tokens == 0:
+            return CodecPayload(sections=(), params={"widths": []})
+        first = to_bytes(torch.stack([keys[:, :, :1], values[:, :, :1]]).half())
+        if num_tokens == 1:
+            return CodecPayload(sections=(first,), params={"widths": []})
+        schedule = LEVELS[level]
+        codes, means, streams, widths = [], [], [], []
+        for x, relative, per_layer in ((keys, schedule.key_steps, True), (values, schedule.value_steps, False)):
+            y = x[:, :, 1:].float()  # y: [L, H, T-1, D]
+            rel = torch.tensor([relative[schedule.group(i, num_layers)] for i in range(num_layers)])
+            code, mean, q = _quantize(y, rel.view(-1, 1, 1, 1), per_layer)
+            codes.append(code)
+            means.append(mean)
+            for layer in range(num_layers):
+                data, width = _symbol_bytes(q[layer])
+                streams.append(data)
+                widths.append(width)
+        tables = to_bytes(torch.stack(codes)) + to_bytes(torch.stack(means))
+        sections = (first, zstd_compress(tables, 19), *compress_streams(streams, schedule.zstd_level))
+        return CodecPayload(sections=sections, params={"widths": widths})
+
+    def decode(
+        self,
+        header: BitstreamHeader,
+        sections: Sequence[memoryview],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        num_layers, heads, num_tokens, head_dim = header.shape
+        widths = header.params.get("widths")
+        expected_sections = 0 if num_tokens == 0 else (1 if num_tokens == 1 else 2 + 2 * num_layers)
+        expected_widths = 0 if num_tokens < 2 else 2 * num_layers
+        if (
+            len(sections) != expected_sections
+            or not isinstance(widths, list)
+            or len(widths) != expected_widths
+            or not all(w in (1, 2) and not isinstance(w, bool) for w in widths)
+        ):
+            raise CodecError("cachegen payload is malformed (sections or stream widths)")
+        out = torch.empty((2, num_layers, heads, num_tokens, head_dim), dtype=dtype, device=device)
+        if num_tokens == 0:
+            return out[0], out[1]
+        out[:, :, :, :1] = from_section(sections[0], torch.float16, (2, num_layers, heads, 1, head_dim),
+                                        device, dtype)
+        if num_tokens > 1:
+            body = out[:, :, :, 1:]  # body: [2, L, H, T-1, D]
+            step, offset = _tables(sections[1], body.shape, device, dtype)
+            body.copy_(_symbols(sections[2:], widths, body.shape))
+            body.mul_(step).add_(offset)
+        return out[0], out[1]
+
+
+def _step_value(code: torch.Tensor) -> torch.Tensor:
+    """Step sizes from their codes; exact powers of two to the 1/8, so encoder and decoder agree."""
+    return torch.exp2((code.float() - _CODE_BIAS) / _CODE_PER_OCTAVE)
+
+
+def _quantize(
+    y: torch.Tensor, rel: torch.Tensor, per_layer: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``y`` ``[L, H, N, D]``; returns step codes and means ``[L, H, D]`` and symbols.
+
+    ``per_layer`` gives every channel of a layer the same step (the geometric mean of the
+    channel sigmas times ``rel``); otherwise each channel's step is its own sigma times ``rel``.
+    """
+    sigma = y.std(dim=2, correction=0, keepdim=True).clamp_min(_SIGMA_FLOOR)  # [L, H, 1, D]
+    if per_layer:
+        sigma = torch.exp(torch.log(sigma).mean(dim=(1, 3), keepdim=True)).expand_as(sigma)
+    target = torch.log2(sigma * rel) * _CODE_PER_OCTAVE + _CODE_BIAS
+    code = target.round().clamp(0, 255).to(torch.int32)
+    mean_x = y.mean(dim=2, keepdim=True)
+    while True:
+        step = _step_value(code)
+        mean = torch.round(mean_x / step)
+        q = torch.round(y / step) - mean
+        too_big = (q.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT) | (mean.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
+        if not bool(too_big.any()):
+            break
+        if bool((code[too_big] >= 255).any()):
+            raise ValueError("KV values are too large for the cachegen codec; use raw or int8")
+        # Rare (outliers thousands of steps out): coarsen the offending layers one octave.
+        code[too_big] = (code[too_big] + _CODE_PER_OCTAVE).clamp(max=255)
+    return code.squeeze(2).to(torch.uint8), mean.squeeze(2).to(torch.int16), q.to(torch.int16)
+
+
+def _symbol_bytes(q: torch.Tensor) -> tuple[bytes, int]:
+    """One stream's symbols as bytes: int8 when they fit, else int16 as low then high byte plane."""
+    if int(q.min()) >= -128 and int(q.max()) <= 127:
+        return to_bytes(q.to(torch.int8)), 1
+    planes = q.contiguous().view(torch.uint8).view(-1, 2).t()  # little-endian: row 0 is the low byte
+    return to_bytes(planes), 2
+
+
+def _tables(
+    section: memoryview, body_shape: torch.Size, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps and mean offsets ``[2, L, H, 1, D]`` (float, on ``device``) from the tables section."""
+    two, num_layers, heads, _, head_dim = body_shape
+    count = two * num_layers * heads * head_dim
+    raw = zstd_decompress(section, 3 * count)
+    code = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, count=count).copy())
+    mean = torch.from_numpy(np.frombuffer(raw, dtype="<i2", offset=count).copy())
+    shape = (two, num_layers, heads, 1, head_dim)
+    step = _step_value(code).view(shape)
+    offset = mean.float().view(shape) * step
+    return step.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)
+
+
+def _symbols(frames: Sequence[memoryview], widths: Sequence[int], body_shape: torch.Size) -> torch.Tensor:
+    """All streams' symbols as one CPU tensor ``[2, L, H, T-1, D]`` (int8, or int16 if any is wide)."""
+    _, _, heads, tokens, head_dim = body_shape
+    per_stream = heads * tokens * head_dim
+    raw = decompress_streams(frames, [per_stream * w for w in widths])
+    wide = any(w == 2 for w in widths)
+    flat = np.empty(len(raw) * per_stream, dtype=np.int16 if wide else np.int8)
+    for i, (data, width) in enumerate(zip(raw, widths, strict=True)):
+        dest = flat[i * per_stream : (i + 1) * per_stream]
+        if width == 1:
+            dest[:] = np.frombuffer(data, dtype=np.int8)
+        else:
+            planes = np.frombuffer(data, dtype=np.uint8).reshape(2, per_stream)
+            dest.view(np.uint8).reshape(per_stream, 2)[:] = planes.T
+    return torch.from_numpy(flat).view(body_shape)
