@@ -210,12 +210,25 @@ def bench_codec(prompts: Prompts = None, model: Model = "smollm2-135m", out: Jso
 
 @bench_app.command("store")
 def bench_store(store: Annotated[str, typer.Option("--store", help="Tier URLs, comma-separated.")] = "memory://",
-                out: JsonOut = None) -> None:
-    """Put/get throughput and latency per tier for chunk-sized blobs."""
+                out: JsonOut = None,
+                model: Annotated[str | None, typer.Option("--model", help="Also time assembling k chunks' caches "
+                                                          "from each tier against prefilling them.")] = None,
+                k: Annotated[int, typer.Option("--k", help="Chunks to assemble.")] = 4,
+                codec_name: Annotated[str, typer.Option("--codec")] = "raw",
+                level: Annotated[int, typer.Option("--level")] = 0) -> None:
+    """Put/get throughput and latency per tier for chunk-sized blobs (and assembly vs prefill)."""
     from ragkv.bench.store import format_table, run_store_bench
 
-    rows = run_store_bench([u for u in store.split(",") if u])
+    urls = [u for u in store.split(",") if u]
+    rows = run_store_bench(urls)
     typer.echo(format_table(rows))
+    if model:
+        from ragkv.bench.assemble import format_assemble_table, run_assemble_bench
+        from ragkv.model import load_model
+
+        assembled = run_assemble_bench(load_model(model), urls, k=k, codec_name=codec_name, level=level)
+        typer.echo("\n" + format_assemble_table(assembled))
+        rows = rows + assembled
     _write_rows(rows, out)
 
 
