@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import zstandard
@@ -33,6 +33,7 @@ _LOCAL = threading.local()
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _PARALLEL_MIN_BYTES = 1 << 16  # below this the thread hand-off costs more than it saves
+_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
 def compress_streams(streams: Sequence[bytes], level: int = 0) -> list[bytes]:
@@ -77,20 +78,36 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            workers = max(1, min(8, os.cpu_count() or 1))
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-codec")
+            _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="ragkv-codec")
         return _POOL
 
 
-def decompress_streams(frames: Sequence[memoryview | bytes], sizes: Sequence[int]) -> list[bytes]:
-    """Decompress each frame, which must hold exactly its size in bytes.
+def decompress_streams(
+    frames: Sequence[memoryview | bytes],
+    sizes: Sequence[int],
+    sink: Callable[[int, bytes], None],
+) -> None:
+    """Decompress each frame (which must hold exactly its size) and hand it to ``sink(index, data)``.
 
-    zstd releases the GIL while it decodes, so large jobs run on a small shared thread pool.
+    zstd and numpy release the GIL, so large jobs run on a small shared thread pool, one batch
+    of consecutive streams per worker (a task per stream cost more in hand-offs than it saved).
+    ``sink`` runs on the worker threads and must only touch its own stream's output.
 
     Raises:
         CodecError: a frame is damaged or decodes to another size.
     """
-    jobs = list(zip(frames, sizes, strict=True))
-    if sum(sizes) < _PARALLEL_MIN_BYTES or len(jobs) < 2:
-        return [_decompress_one(job) for job in jobs]
-    return list(_pool().map(_decompress_one, jobs))
+    if len(frames) != len(sizes):
+        raise CodecError(f"{len(frames)} coded streams for {len(sizes)} expected")
+
+    def run(indices: range) -> None:
+        for i in indices:
+            sink(i, _decompress_one((frames[i], sizes[i])))
+
+    pool = _pool()
+    workers = _WORKERS
+    if sum(sizes) < _PARALLEL_MIN_BYTES or len(frames) < 2 or workers < 2:
+        run(range(len(frames)))
+        return
+    bounds = [len(frames) * k // workers for k in range(workers + 1)]
+    for future in [pool.submit(run, range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]:
+        future.result()

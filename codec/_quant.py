@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -17,11 +18,13 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return flat[0::2] | (flat[1::2] << 4)
 
 
-def unpack_nibbles(packed: torch.Tensor, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`: ``count`` values as uint8, flat.
+def unpack_nibbles(packed: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_nibbles` (in numpy, for the decoder): ``count`` uint8 values, flat.
 
-    >>> unpack_nibbles(torch.tensor([33, 15], dtype=torch.uint8), 3).tolist()
+    >>> unpack_nibbles(np.array([33, 15], dtype=np.uint8), 3).tolist()
     [1, 2, 15]
     """
-    out = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)
+    out = np.empty(2 * packed.size, dtype=np.uint8)
+    np.bitwise_and(packed, 0x0F, out=out[0::2])
+    np.right_shift(packed, 4, out=out[1::2])
     return out[:count]

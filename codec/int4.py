@@ -6,11 +6,12 @@ import math
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ragkv.codec._quant import pack_nibbles, unpack_nibbles
-from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.codec._tensors import dequantize, section_array, to_bytes
 from ragkv.codec.base import Codec
 from ragkv.codec.header import BitstreamHeader
 from ragkv.codec.payload import CodecPayload
@@ -65,13 +66,11 @@ class Int4Codec(Codec):
                 continue
             gshape = _grouped_shape(header.shape, dim, group)
             tshape = (*gshape[:-2], 1, gshape[-1]) if dim == 2 else (*gshape[:-1], 1)
-            step = from_section(steps, torch.float16, tshape, device, dtype)
-            low = from_section(lows, torch.float16, tshape, device, dtype)
+            step = section_array(steps, "<f2", math.prod(tshape)).reshape(tshape).astype(np.float32)
+            low = section_array(lows, "<f2", math.prod(tshape)).reshape(tshape).astype(np.float32)
             count = math.prod(gshape)
-            nibbles = from_section(packed, torch.uint8, ((count + 1) // 2,), device)
-            q = unpack_nibbles(nibbles, count).view(gshape)
-            x = torch.addcmul(low, q.to(dtype), step)
-            out.append(_ungrouped(x, dim, header.shape))
+            q = unpack_nibbles(section_array(packed, "u1", (count + 1) // 2), count).reshape(gshape)
+            out.append(_ungrouped(dequantize(q, step, low, device, dtype), dim, header.shape))
         return out[0], out[1]
 
 

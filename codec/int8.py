@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.codec._tensors import dequantize, section_array, to_bytes
 from ragkv.codec.base import Codec
 from ragkv.codec.header import BitstreamHeader
 from ragkv.codec.payload import CodecPayload
@@ -54,7 +56,7 @@ class Int8Codec(Codec):
         shape = header.shape
         out = []
         for scales, symbols in (sections[0:2], sections[2:4]):
-            scale = from_section(scales, torch.float16, (*shape[:3], 1), device, dtype)
-            q = from_section(symbols, torch.int8, shape, device)
-            out.append(q.to(dtype).mul_(scale))
+            scale = section_array(scales, "<f2", math.prod(shape[:3])).reshape(*shape[:3], 1)
+            q = section_array(symbols, "i1", math.prod(shape)).reshape(shape)
+            out.append(dequantize(q, scale.astype(np.float32), None, device, dtype))
         return out[0], out[1]

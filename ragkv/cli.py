@@ -140,10 +140,15 @@ def stats(
     cat = Catalog(cfg.catalog_url())
     docs, entries = cat.documents(tenant), cat.entries(tenant)
     typer.echo(f"catalog {cfg.catalog_url()}: {len(docs)} documents, {sum(d.num_chunks for d in docs)} chunks, "
-               f"{len(entries)} cache entries ({sum(e.nbytes for e in entries) / 1e6:.1f} MB)")
+               f"{len(entries)} cache entries ({sum(e.nbytes for e in entries) / 1e6:.1f} MB, "
+               f"{sum(e.num_tokens for e in entries)} tokens), reused {sum(e.hits for e in entries)} times")
     st = open_store(cfg.store_urls())
+    typer.echo(f"{'tier':<40}{'entries':>9}{'MB':>9}{'hits':>7}{'misses':>8}{'evictions':>10}{'errors':>8}")
     for name, s in st.stats().items():
-        typer.echo(f"  {name}: {s}")
+        entries = "?" if s.entries is None else str(s.entries)
+        mb = "?" if s.bytes_stored is None else f"{s.bytes_stored / 1e6:.1f}"
+        typer.echo(f"{name:<40}{entries:>9}{mb:>9}{s.hits:>7}{s.misses:>8}{s.evictions:>10}{s.errors:>8}")
+    typer.echo("(hits, misses, evictions and errors count this process; entries and MB are the tier's)")
     cat.close()
     st.close()
 
