@@ -74,6 +74,16 @@ def _decompress_one(job: tuple[memoryview | bytes, int]) -> bytes:
     return out
 
 
+def _forget_pool() -> None:
+    # A forked child inherits the pool object but not its threads: jobs would wait forever.
+    global _POOL, _POOL_LOCK
+    _POOL = None
+    _POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:

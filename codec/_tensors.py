@@ -91,9 +91,12 @@ def dequantize(
             np.add(out, offset, out=out)
         t = torch.from_numpy(out)
         return t if dtype == torch.float32 else t.to(dtype)
-    qt = torch.from_numpy(np.ascontiguousarray(q)).to(device)
-    st = torch.from_numpy(np.ascontiguousarray(scale)).to(device=device, dtype=dtype)
-    t = qt.to(dtype).mul_(st)
+    t = _tensor(q).to(device).to(dtype).mul_(_tensor(scale).to(device=device, dtype=dtype))
     if offset is not None:
-        t.add_(torch.from_numpy(np.ascontiguousarray(offset)).to(device=device, dtype=dtype))
+        t.add_(_tensor(offset).to(device=device, dtype=dtype))
     return t
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor of ``a``, copied when ``a`` is a read-only view (torch needs writable memory)."""
+    return torch.from_numpy(np.require(a, requirements=["C", "W"]))

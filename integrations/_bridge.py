@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EngineState",
     "aiterate",
+    "collect",
     "STATS_KEY",
     "default_engine",
     "engine_state",
@@ -138,6 +139,16 @@ def warm(engine: RagKV, texts: Sequence[str]) -> int:
         return 0
     with state.lock:
         return engine.warm(forms)
+
+
+def collect(deltas: Iterator[tuple[str, dict[str, Any] | None]]) -> tuple[str, dict[str, Any]]:
+    """Drain a ``(delta, stats-or-None)`` stream into the whole text and the final stats dict."""
+    parts: list[str] = []
+    stats: dict[str, Any] = {}
+    for delta, d in deltas:
+        parts.append(delta)
+        stats = d if d is not None else stats
+    return "".join(parts), stats
 
 
 def summarize(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

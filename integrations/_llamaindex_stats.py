@@ -64,13 +64,19 @@ def record(sinks: tuple[StatsSink, ...], stats: dict[str, Any]) -> None:
         s.add(stats)
 
 
-def _tracked(id_: str, instance: Any) -> bool:
-    from llama_index.core.base.base_query_engine import BaseQueryEngine
-    from llama_index.core.chat_engine.types import BaseChatEngine
-    from llama_index.core.response_synthesizers.base import BaseSynthesizer
+_tracked_types: tuple[type, ...] = ()
 
+
+def _tracked(id_: str, instance: Any) -> bool:
+    global _tracked_types
+    if not _tracked_types:  # imported on first use: llama_index.core imports are heavy
+        from llama_index.core.base.base_query_engine import BaseQueryEngine
+        from llama_index.core.chat_engine.types import BaseChatEngine
+        from llama_index.core.response_synthesizers.base import BaseSynthesizer
+
+        _tracked_types = (BaseSynthesizer, BaseQueryEngine, BaseChatEngine)
     method = id_.split("-", 1)[0].rsplit(".", 1)[-1]  # span ids are "<Class>.<method>-<uuid>"
-    return method in _TRACKED_METHODS and isinstance(instance, BaseSynthesizer | BaseQueryEngine | BaseChatEngine)
+    return method in _TRACKED_METHODS and isinstance(instance, _tracked_types)
 
 
 class StatsSpanHandler(BaseSpanHandler[BaseSpan]):

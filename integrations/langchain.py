@@ -185,12 +185,9 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         gen = self._generation(stop, kwargs)
-        parts, stats = [], {}
-        for delta, d in self._deltas(self._prompt(messages), gen):
-            parts.append(delta)
-            stats = d or stats
+        text, stats = _bridge.collect(self._deltas(self._prompt(messages), gen))
         meta = self._response_metadata(stats, gen)
-        message = AIMessage(content="".join(parts), usage_metadata=_usage(stats), response_metadata=meta)
+        message = AIMessage(content=text, usage_metadata=_usage(stats), response_metadata=meta)
         return ChatResult(generations=[ChatGeneration(message=message)],
                           llm_output={"model_name": self._name(), _bridge.STATS_KEY: stats})
 
@@ -264,12 +261,9 @@ class RagKVLLM(_RagKVModel, LLM):
 
     def _one(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Generation:
         gen = self._generation(stop, kwargs)
-        parts, stats = [], {}
-        for delta, d in self._deltas(self._prompt(prompt), gen):
-            parts.append(delta)
-            stats = d or stats
+        text, stats = _bridge.collect(self._deltas(self._prompt(prompt), gen))
         info = {"finish_reason": self._finish(stats, gen), _bridge.STATS_KEY: stats}
-        return Generation(text="".join(parts), generation_info=info)
+        return Generation(text=text, generation_info=info)
 
     def _call(self, prompt: str, stop: list[str] | None = None,
               run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> str:

@@ -135,7 +135,7 @@ class RagKVLLM(CustomLLM):
     # ---- completion ----------------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        text, stats = _drain(self._deltas(self._completion_prompt(prompt, formatted), kwargs))
+        text, stats = _bridge.collect(self._deltas(self._completion_prompt(prompt, formatted), kwargs))
         return CompletionResponse(text=text, additional_kwargs={_bridge.STATS_KEY: stats})
 
     @llm_completion_callback()
@@ -146,7 +146,7 @@ class RagKVLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         deltas = self._deltas(self._completion_prompt(prompt, formatted), kwargs)
-        text, stats = await asyncio.to_thread(_drain, deltas)
+        text, stats = await asyncio.to_thread(_bridge.collect, deltas)
         return CompletionResponse(text=text, additional_kwargs={_bridge.STATS_KEY: stats})
 
     @llm_completion_callback()
@@ -163,7 +163,7 @@ class RagKVLLM(CustomLLM):
     # ---- chat ----------------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        text, stats = _drain(self._deltas(self._chat_prompt(messages), kwargs))
+        text, stats = _bridge.collect(self._deltas(self._chat_prompt(messages), kwargs))
         return _chat_response(text, None, stats)
 
     @llm_chat_callback()
@@ -173,7 +173,7 @@ class RagKVLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         deltas = self._deltas(self._chat_prompt(messages), kwargs)
-        text, stats = await asyncio.to_thread(_drain, deltas)
+        text, stats = await asyncio.to_thread(_bridge.collect, deltas)
         return _chat_response(text, None, stats)
 
     @llm_chat_callback()
@@ -185,14 +185,6 @@ class RagKVLLM(CustomLLM):
                 yield item
 
         return gen()
-
-
-def _drain(deltas: Iterator[tuple[str, dict[str, Any] | None]]) -> tuple[str, dict[str, Any]]:
-    parts, stats = [], {}
-    for delta, d in deltas:
-        parts.append(delta)
-        stats = d or stats
-    return "".join(parts), stats
 
 
 def _completion_gen(deltas: Iterator[tuple[str, dict[str, Any] | None]]) -> CompletionResponseGen:
@@ -237,7 +229,8 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
     warm_caches: bool = Field(default=True, description="compute and store missing chunk caches now")
 
     def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
-        super().__init__(engine=engine if engine is not None else _bridge.default_engine(), **kwargs)
+        engine = engine if engine is not None else _bridge.default_engine()
+        super().__init__(engine=engine, **kwargs)  # type: ignore[call-arg]  # a pydantic field
 
     @classmethod
     def class_name(cls) -> str:
@@ -305,7 +298,7 @@ class RagKVEmbedding(BaseEmbedding):
     def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
         engine = engine if engine is not None else _bridge.default_engine()
         kwargs.setdefault("model_name", getattr(engine.embedder, "fingerprint", "ragkv"))
-        super().__init__(engine=engine, **kwargs)
+        super().__init__(engine=engine, **kwargs)  # type: ignore[call-arg]  # a pydantic field
 
     @classmethod
     def class_name(cls) -> str:

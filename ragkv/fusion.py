@@ -100,11 +100,14 @@ def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = 
     cache = ScatterCache(keys, values)
     slots_dev = slots.to(adapter.device)
     hidden = adapter.embed(ids[active])
-    probe = strategy.wants_query_attention and len(inp.suffix_ids) > 0
+    if strategy.wants_query_attention and len(inp.suffix_ids) > 0:
+        state.query_attention = _question_attention(adapter, keys, values, inp.suffix_ids, slots_dev)
+    pos = mask = pe = None
     for layer in range(num_layers):
-        pos = slots_dev[active]
-        mask = adapter.causal_mask(pos, kv.num_tokens, hidden.dtype)
-        pe = adapter.position_embeddings(pos, hidden)
+        if pos is None:  # the active set changed: new positions, mask and rotary tables
+            pos = slots_dev[active]
+            mask = adapter.causal_mask(pos, kv.num_tokens, hidden.dtype)
+            pe = adapter.position_embeddings(pos, hidden)
         if layer in checks:
             old_k = cache.layers[layer].keys[:, :, pos].clone()
             old_v = cache.layers[layer].values[:, :, pos].clone()
@@ -116,18 +119,17 @@ def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = 
                 k_dev=_deviation(cache.layers[layer].keys[:, :, pos], old_k),
                 v_dev=_deviation(cache.layers[layer].values[:, :, pos], old_v),
             )
-            if probe and layer == min(checks):
-                state.query_attention = _question_attention(adapter, cache, inp, layer, n_chunk, slots_dev)
             is_forced = torch.isin(active, forced)
             state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
             keep = strategy.select(state, layer)  # positions within `active` to keep
             keep = _union(keep, torch.nonzero(is_forced).flatten())
             active, hidden = active[keep], hidden[:, keep.to(hidden.device)]
+            pos = None
             if active.numel() == 0:
                 break
-    k_all, v_all = cache.stacked()
+    # the scatter cache's layers are views of `keys`/`values`: they already hold the fused K/V
     recomputed = int(active.numel()) - int(forced.numel())
-    return FusedContext(_to_dynamic(adapter, k_all, v_all), kv.num_tokens, recomputed, n_chunk,
+    return FusedContext(_to_dynamic(adapter, keys, values), kv.num_tokens, recomputed, n_chunk,
                         forced_tokens=int(forced.numel()), selected=slots[active.cpu()])
 
 
@@ -147,26 +149,23 @@ def _forced_tokens(inp: FusionInput) -> torch.Tensor:
 
 
 def _question_attention(
-    adapter: ModelAdapter, cache: ScatterCache, inp: FusionInput, upto: int, n_chunk: int, slots: torch.Tensor
+    adapter: ModelAdapter, keys: torch.Tensor, values: torch.Tensor, suffix_ids: Sequence[int], slots: torch.Tensor
 ) -> torch.Tensor:
-    """Attention the question's tokens pay each chunk token at layer ``upto`` (summed over heads), ``[n_chunk]``.
+    """Attention the question pays each chunk token, per layer: ``[layers, n_chunk]``.
 
-    Runs the suffix through layers ``0..upto`` on a copy of the check-layer caches (the fused
-    cache itself is not touched) and reads the attention weights at ``upto``.
+    Runs the suffix (a few dozen tokens: about 1% of a prefill) through every layer on a copy of
+    the naively placed cache and records the attention weights, normalized per layer.
     """
-    n_ctx = cache.layers[0].keys.shape[-2]
-    q_ids = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)
-    keys = torch.cat([cache.layers[i].keys for i in range(upto + 1)])
-    values = torch.cat([cache.layers[i].values for i in range(upto + 1)])
+    n_ctx = keys.shape[2]
+    q_ids = torch.as_tensor(list(suffix_ids), dtype=torch.long)
     pad = torch.zeros(keys.shape[0], keys.shape[1], len(q_ids), keys.shape[3], dtype=keys.dtype, device=keys.device)
     probe_cache = ScatterCache(torch.cat([keys, pad], dim=2), torch.cat([values, pad.clone()], dim=2))
     pos = torch.arange(n_ctx, n_ctx + len(q_ids), device=adapter.device)
     hidden = adapter.embed(q_ids)
     mask = adapter.causal_mask(pos, n_ctx + len(q_ids), hidden.dtype)
     pe = adapter.position_embeddings(pos, hidden)
-    for layer in range(upto):
-        hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask)
-    with adapter.attention_probe(upto) as probe:
-        adapter.run_layer(upto, hidden, pos, probe_cache, pe, mask)
-    weights = probe.weights  # [kv_len] summed over heads and question tokens
-    return weights[slots].float().cpu()
+    with adapter.attention_probe() as probe:
+        for layer in range(adapter.spec.num_layers):
+            hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask)
+    per_layer = torch.stack([probe.weights[i][slots].float() for i in range(adapter.spec.num_layers)])
+    return (per_layer / per_layer.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()

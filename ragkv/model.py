@@ -145,13 +145,6 @@ class ScatterCache(Cache):
     def set_write_slots(self, layer_idx: int, slots: torch.Tensor) -> None:
         self.layers[layer_idx].write_slots = slots
 
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers' K and V as ``[layers, kv_heads, tokens, head_dim]``."""
-        return (
-            torch.cat([layer.keys for layer in self.layers], dim=0),
-            torch.cat([layer.values for layer in self.layers], dim=0),
-        )
-
 
 def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
     """Concatenate chunk caches along tokens (they must come from one model)."""
@@ -174,11 +167,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class AttentionProbe:
-    """Records the attention weights of one layer while active (see ``ModelAdapter.attention_probe``)."""
+    """Records attention weights while active (see ``ModelAdapter.attention_probe``)."""
 
-    def __init__(self, layer_idx: int) -> None:
-        self.layer_idx = layer_idx
-        self.weights: torch.Tensor | None = None  # [kv_len]: summed over heads and queries
+    def __init__(self, layer_idx: int | None) -> None:
+        self.layer_idx = layer_idx  # None: every layer
+        self.weights: dict[int, torch.Tensor] = {}  # layer -> [kv_len], summed over heads and queries
 
 
 _ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("ragkv_attention_probe", default=None)
@@ -197,8 +190,9 @@ def _probe_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         scores = scores + attention_mask.float()
     probs = scores.softmax(dim=-1)
     probe = _ACTIVE_PROBE.get()
-    if probe is not None and getattr(module, "layer_idx", None) == probe.layer_idx:
-        probe.weights = probs.sum(dim=(0, 1, 2))
+    layer = getattr(module, "layer_idx", None)
+    if probe is not None and layer is not None and probe.layer_idx in (None, layer):
+        probe.weights[layer] = probs.sum(dim=(0, 1, 2))
     return (probs @ v).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -463,8 +457,8 @@ class ModelAdapter:
         return out[0] if isinstance(out, tuple) else out
 
     @contextmanager
-    def attention_probe(self, layer_idx: int) -> Iterator[AttentionProbe]:
-        """Within the block, attention runs eagerly and layer ``layer_idx`` records its weights."""
+    def attention_probe(self, layer_idx: int | None = None) -> Iterator[AttentionProbe]:
+        """Within the block, attention runs eagerly and records its weights (one layer or all)."""
         probe = AttentionProbe(layer_idx)
         cfg = self.model.config
         old = cfg._attn_implementation

@@ -59,7 +59,7 @@ class SelectionState:
     num_chunk_tokens: int
     chunk_starts: torch.Tensor  # [chunks] index of each chunk's first token among chunk tokens
     deviations: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> score [active]
-    query_attention: torch.Tensor | None = None  # [chunk tokens], query-aware strategies only
+    query_attention: torch.Tensor | None = None  # [layers, chunk tokens], query-aware strategies only
 
     @classmethod
     def start(cls, config: FusionConfig, inp: FusionInput, n_chunk: int) -> SelectionState:
@@ -240,10 +240,12 @@ class Gradual(Strategy):
 
 @register_strategy
 class QueryAware(Strategy):
-    """Ours: rank by K/V deviation times the attention the question pays each token at the check layer.
+    """Ours: rank by K/V deviation times the attention the question pays each token in later layers.
 
-    The question is known at fusion time. A token whose cache is wrong matters only if the answer
-    reads it; the question's attention at an early layer is a cheap estimate of that.
+    The question is known at fusion time. A token's stale K/V can only change the answer through
+    the attention the question (and answer) pay it, so the question is run through every layer
+    on the naively placed cache (a few dozen tokens, ~1% of a prefill) and each token's attention
+    share in the layers after the check layer weights its deviation.
     """
 
     name = "query"
@@ -252,9 +254,10 @@ class QueryAware(Strategy):
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
         score = state.deviations[layer]
         attn = state.query_attention
-        if attn is not None and attn.numel() == score.numel():
-            a = attn / attn.mean().clamp_min(1e-12)
-            score = score / score.mean().clamp_min(1e-12) * (a + 1e-3).pow(state.config.query_weight)
+        if attn is not None and attn.shape[-1] == score.numel():
+            importance = attn[layer + 1 :].sum(dim=0) if attn.shape[0] > layer + 1 else attn.sum(dim=0)
+            importance = importance / importance.mean().clamp_min(1e-12)
+            score = score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(state.config.query_weight)
         active = torch.arange(score.numel())
         return _top(score, state.budget(state.config.ratio), state.sink_mask(active))
 

@@ -44,25 +44,27 @@ def parse_grid(spec: str) -> list[tuple[str, float]]:
 
 
 def builtin_prompts(adapter: ModelAdapter, n: int = 12, max_tokens: int = 2800) -> list[dict[str, Any]]:
-    """RAG prompts from stdlib documentation: 3-6 chunks of 150-500 tokens, up to ``max_tokens``."""
+    """RAG prompts from stdlib documentation: 4-6 chunks of 300-512 tokens, about 1.5-2.8K tokens each.
+
+    Chunks come from different modules (as a retriever mixing sources would return them), and
+    the question asks about one of them.
+    """
     from ragkv.retriever.chunker import Chunker, ChunkerConfig
     from ragkv.retriever.corpus import stdlib_corpus
 
-    docs = stdlib_corpus()
-    counters = [ChunkerConfig(min_tokens=150, max_tokens=300), ChunkerConfig(min_tokens=300, max_tokens=500)]
-    pools = []
-    for cfg in counters:
-        chunker = Chunker(lambda t: len(adapter.encode(t)), cfg)
-        pools.append([(d.source, s.text) for d in docs for s in chunker.split(d.text)[:6]])
+    chunker = Chunker(lambda t: len(adapter.encode(t)), ChunkerConfig(min_tokens=300, max_tokens=512))
+    per_doc = [[(d.source, s.text) for s in chunker.split(d.text)] for d in stdlib_corpus()]
     prompts = []
     for i in range(n):
-        pool = pools[i % 2]
-        k = 3 + i % 4  # 3..6 chunks
-        picks = [pool[(i * 7 + j * 11) % len(pool)] for j in range(k)]
+        k = 4 + i % 3  # 4..6 chunks
+        picks = []
+        for j in range(k):  # round-robin over modules, a different chunk of each per prompt
+            doc = per_doc[(i + j * 3) % len(per_doc)]
+            picks.append(doc[(i // len(per_doc) + j) % len(doc)])
         while sum(len(adapter.encode(t)) for _, t in picks) > max_tokens and len(picks) > 2:
             picks.pop()
         src = picks[i % len(picks)][0].split(":")[-1]
-        question = f"According to the documents, what is the {src} module for, and name one function it has?"
+        question = f"According to the documents, what is the {src} module for? Name one function it has."
         prompts.append({"system": None, "chunks": [t for _, t in picks], "question": question})
     return prompts
 

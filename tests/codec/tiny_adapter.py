@@ -27,7 +27,9 @@ class TinyLlamaAdapter:
     def _ids(self, text: str) -> list[int]:
         return [3 + (ord(c) % (self.vocab - 3)) for c in text]
 
-    def chat_segments(self, system: str, chunks: list[str], question: str) -> tuple[list[int], list[list[int]], list[int]]:
+    def chat_segments(
+        self, system: str, chunks: list[str], question: str
+    ) -> tuple[list[int], list[list[int]], list[int]]:
         return [1, *self._ids(system)], [self._ids(c) for c in chunks], [*self._ids(question), 2]
 
     def _cache(self, past: Sequence[ChunkKV]) -> tuple[DynamicCache, int]:

@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TTFT = re.compile(r"TTFT without ragkv:\s+[\d.]+ ms.*\n"
-                  r"\s+TTFT with ragkv:\s+[\d.]+ ms \(chunks (\d+), cache hits (\d+)")
+                  r"\s+TTFT with ragkv:\s+[\d.]+ ms\s+\(chunks (\d+), cache hits (\d+)")
 
 pytestmark = pytest.mark.slow
 

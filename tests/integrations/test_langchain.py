@@ -79,6 +79,9 @@ def test_documents_from_elsewhere_are_plain_until_registered(rag):
     second = model.invoke(msgs).response_metadata[_bridge.STATS_KEY]
     assert first["chunks_in_prompt"] == 2 and first["cache_misses"] == 2
     assert second["cache_hits"] == 2 and second["prefilled_chunk_tokens"] == 0
+    baseline = ChatRagKV(engine=rag, max_tokens=MAX_NEW, reuse_chunks=False).invoke(msgs)
+    assert baseline.response_metadata[_bridge.STATS_KEY]["chunks_in_prompt"] == 0
+    assert baseline.content == before.content
 
 
 class _Tokens(BaseCallbackHandler):

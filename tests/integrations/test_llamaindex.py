@@ -54,7 +54,8 @@ def engine_for(index, llm, rag, **kw):
                                  **kw)
 
 
-@pytest.mark.parametrize("mode, calls", [("compact", 1), ("tree_summarize", 1), ("refine", 2)])
+@pytest.mark.parametrize("mode, calls", [("compact", 1), ("tree_summarize", 1), ("refine", 2),
+                                         ("simple_summarize", 1), ("accumulate", 2)])
 def test_query_engine_reuses_every_chunk_on_the_second_query(index, llm, rag, mode, calls):
     qe = engine_for(index, llm, rag, response_mode=mode)
     first = stats_of(qe.query(QUESTION))
@@ -65,6 +66,17 @@ def test_query_engine_reuses_every_chunk_on_the_second_query(index, llm, rag, mo
     assert s["cache_hits"] == 2 and s["cache_misses"] == 0 and s["prefilled_chunk_tokens"] == 0
     assert s["reused_tokens"] + s["recomputed_tokens"] > 0 and s["ttft_ms"] > 0
     assert second.source_nodes and str(second)
+
+
+def test_condense_question_and_simple_chat_engines(index, llm, rag):
+    condense = index.as_chat_engine(chat_mode="condense_question", llm=llm, similarity_top_k=2,
+                                    node_postprocessors=[RagKVNodePostprocessor(rag)])
+    condense.chat(QUESTION)
+    answer = condense.chat(QUESTION)
+    s = answer.metadata[_bridge.STATS_KEY]
+    assert s["llm_calls"] == 2 and s["chunks_in_prompt"] == 2  # condensing (no chunks) + answering
+    simple = index.as_chat_engine(chat_mode="simple", llm=llm)
+    assert simple.chat("Hello").metadata[_bridge.STATS_KEY]["chunks_in_prompt"] == 0
 
 
 def test_postprocessor_registers_the_llm_view_of_each_node_and_stores_its_cache(index, rag):

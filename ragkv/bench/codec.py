@@ -1,0 +1,182 @@
+"""Codec benchmark: bytes, fidelity and speed of every codec and level on real prompts.
+
+For each prompt the exact context KV (prefix + all chunks, one prefill) is sliced per segment;
+each slice is encoded and decoded on its own, as stored chunks are; the question and the exact
+cache's greedy answer are then scored on top of the decoded slices against the exact cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ragkv.codec import available_codecs, decode, encode
+from ragkv.types import ChunkKV
+
+__all__ = ["ROW_KEYS", "run_codec_bench", "format_table"]
+
+ROW_KEYS = (
+    "codec",
+    "level",
+    "bytes_per_token",
+    "ratio_vs_fp16",
+    "ratio_vs_int8",
+    "kl",
+    "top1",
+    "answer_match",
+    "encode_mbps",
+    "decode_mbps",
+)
+_BASELINE = ("int8", 0)  # ratio_vs_int8 is measured against this, in the same run
+
+
+class _Adapter(Protocol):
+    def chat_segments(self, system: str, chunks: list[str], question: str) -> tuple[
+        list[int], list[list[int]], list[int]]: ...
+
+    def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV: ...
+
+    def suffix_logits(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int],
+                      answer_ids: Sequence[int] = ()) -> torch.Tensor: ...
+
+    def generate_ids(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int],
+                     max_new_tokens: int) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Case:
+    """One prompt's exact reference."""
+
+    slices: tuple[ChunkKV, ...]  # prefix and chunk KV, sliced from one exact prefill
+    suffix: tuple[int, ...]  # question + generation prompt ids
+    answer: tuple[int, ...]  # greedy answer on the exact cache
+    logits: torch.Tensor  # [len(suffix) + len(answer), vocab] on the exact cache
+
+
+def _prepare(adapter: _Adapter, prompt: Mapping[str, Any], answer_tokens: int) -> _Case:
+    prefix, chunks, suffix = adapter.chat_segments(prompt["system"], list(prompt["chunks"]), prompt["question"])
+    segments = [seg for seg in (prefix, *chunks) if seg]
+    kv = adapter.prefill_kv([t for seg in segments for t in seg])
+    bounds = [0]
+    for seg in segments:
+        bounds.append(bounds[-1] + len(seg))
+    slices = tuple(kv.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
+    answer = adapter.generate_ids([kv], suffix, answer_tokens)
+    logits = adapter.suffix_logits([kv], suffix, answer)
+    return _Case(slices=slices, suffix=tuple(suffix), answer=tuple(answer), logits=logits.float())
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(ref || got) per position, from logits ``[positions, vocab]``."""
+    log_p = torch.log_softmax(ref.float(), dim=-1)
+    log_q = torch.log_softmax(got.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+
+
+def _measure(adapter: _Adapter, cases: Sequence[_Case], codec: str, level: int, answer_tokens: int,
+             decode_repeats: int, quality: bool) -> dict[str, Any]:
+    nbytes = tokens = elements = 0
+    encode_s = decode_s = 0.0
+    kls: list[torch.Tensor] = []
+    top1: list[torch.Tensor] = []
+    matches = 0
+    for case in cases:
+        decoded = []
+        for kv in case.slices:
+            start = time.perf_counter()
+            data = encode(kv, codec, level).data
+            encode_s += time.perf_counter() - start
+            best = float("inf")
+            for _ in range(decode_repeats):  # best of n: the machine may be shared
+                start = time.perf_counter()
+                out = decode(data)
+                best = min(best, time.perf_counter() - start)
+            decode_s += best
+            decoded.append(out)
+            nbytes += len(data)
+            tokens += kv.num_tokens
+            elements += 2 * kv.keys.numel()
+        if quality:
+            logits = adapter.suffix_logits(decoded, case.suffix, case.answer)
+            kls.append(_kl(case.logits, logits))
+            top1.append((logits.argmax(-1) == case.logits.argmax(-1)).float())
+            answer = adapter.generate_ids(decoded, case.suffix, answer_tokens)
+            matches += int(tuple(answer) == case.answer)
+    fp16_mb = elements * 2 / 1e6
+    return {
+        "codec": codec,
+        "level": level,
+        "bytes_per_token": nbytes / max(1, tokens),
+        "ratio_vs_fp16": elements * 2 / max(1, nbytes),
+        "ratio_vs_int8": 0.0,  # filled in once the baseline is known
+        "kl": float(torch.cat(kls).mean()) if kls else float("nan"),
+        "top1": float(torch.cat(top1).mean()) if top1 else float("nan"),
+        "answer_match": matches / len(cases) if quality and cases else float("nan"),
+        "encode_mbps": fp16_mb / encode_s if encode_s else float("inf"),
+        "decode_mbps": fp16_mb / decode_s if decode_s else float("inf"),
+    }
+
+
+def run_codec_bench(
+    adapter: Any,
+    prompts: list[dict],
+    codecs: dict[str, tuple[int, ...]] | None = None,
+    answer_tokens: int = 24,
+    decode_repeats: int = 3,
+) -> list[dict]:
+    """Measure every codec and level on ``prompts``; one row per (codec, level).
+
+    Args:
+        adapter: a ``ragkv.model.ModelAdapter`` (or anything with its ``chat_segments``,
+            ``prefill_kv``, ``suffix_logits`` and ``generate_ids``).
+        prompts: dicts ``{"system": str, "chunks": [str, ...], "question": str}``.
+        codecs: codec name -> levels to measure; default every registered codec and level.
+        answer_tokens: length of the greedy answers that are compared.
+        decode_repeats: decodes per slice; the fastest counts.
+
+    Returns:
+        Rows with exactly the keys in ``ROW_KEYS``. ``kl`` is the mean KL(exact || decoded) over
+        the question and answer positions; ``decode_mbps`` is fp16-equivalent MB/s (elements x 2
+        bytes / seconds) of whole-chunk decodes to float32 tensors on CPU.
+    """
+    if not prompts:
+        raise ValueError("run_codec_bench needs at least one prompt")
+    codecs = dict(codecs) if codecs is not None else available_codecs()
+    cases = [_prepare(adapter, p, answer_tokens) for p in prompts]
+    rows = [
+        _measure(adapter, cases, name, level, answer_tokens, decode_repeats, quality=True)
+        for name, levels in codecs.items()
+        for level in levels
+    ]
+    baseline = next((r for r in rows if (r["codec"], r["level"]) == _BASELINE), None)
+    if baseline is None:
+        baseline = _measure(adapter, cases, *_BASELINE, answer_tokens, 1, quality=False)
+    for row in rows:
+        row["ratio_vs_int8"] = baseline["bytes_per_token"] / row["bytes_per_token"]
+    return rows
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A Markdown table of benchmark rows."""
+    header = ("codec", "level", "bytes/token", "vs fp16", "vs int8", "mean KL", "top-1",
+              "answers identical", "encode MB/s", "decode MB/s")
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for r in rows:
+        cells = (
+            r["codec"],
+            str(r["level"]),
+            f"{r['bytes_per_token']:,.0f}",
+            f"{r['ratio_vs_fp16']:.2f}",
+            f"{r['ratio_vs_int8']:.2f}",
+            f"{r['kl']:.4f}",
+            f"{r['top1']:.3f}",
+            f"{r['answer_match']:.2f}",
+            f"{r['encode_mbps']:,.0f}",
+            f"{r['decode_mbps']:,.0f}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

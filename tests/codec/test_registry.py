@@ -1,0 +1,86 @@
+"""Registry, argument checking and a user-defined codec."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import pytest
+import torch
+
+from ragkv.codec import (
+    BitstreamHeader,
+    Codec,
+    CodecPayload,
+    available_codecs,
+    decode,
+    encode,
+    get_codec,
+    register_codec,
+)
+from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.types import ChunkKV
+from tests.codec.conftest import KVFactory
+
+
+def test_builtin_codecs_and_levels() -> None:
+    codecs = available_codecs()
+    assert codecs["raw"] == (0,) and codecs["int8"] == (0,) and codecs["int4"] == (0,)
+    assert len(codecs["cachegen"]) >= 3
+    assert get_codec("cachegen").default_level in codecs["cachegen"]
+
+
+def test_unknown_codec_or_level_is_a_value_error(make_kv: KVFactory) -> None:
+    with pytest.raises(ValueError, match="unknown codec 'nope'.*available"):
+        get_codec("nope")
+    with pytest.raises(ValueError, match="levels"):
+        encode(make_kv(), "cachegen", 99)
+
+
+def test_broken_inputs_are_refused(make_kv: KVFactory) -> None:
+    kv = make_kv(dtype=torch.float32)
+    bad = kv.keys.clone()
+    bad[0, 0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        encode(ChunkKV(bad, kv.values, kv.positions, "test"), "cachegen")
+    ints = ChunkKV(kv.keys.to(torch.int32), kv.values.to(torch.int32), kv.positions, "test")
+    with pytest.raises(ValueError, match="float16"):
+        encode(ints, "raw")
+    huge = ChunkKV(kv.keys * 1e6, kv.values, kv.positions, "test")
+    with pytest.raises(ValueError, match="fp16 range"):
+        encode(huge, "raw")
+    with pytest.raises(TypeError, match="floating"):
+        decode(encode(kv).data, dtype=torch.int8)
+
+
+class _Negate(Codec):
+    """A toy codec: fp32 of the negated tensors."""
+
+    name: ClassVar[str] = "test-negate"
+    levels: ClassVar[tuple[int, ...]] = (0, 1)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
+        return CodecPayload(sections=(to_bytes(-keys.float()), to_bytes(-values.float())), params={"sign": -1})
+
+    def decode(self, header: BitstreamHeader, sections: Sequence[memoryview], device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        sign = header.params["sign"]
+        return tuple(from_section(s, torch.float32, header.shape, device, dtype) * sign
+                     for s in sections)  # type: ignore[return-value]
+
+
+def test_user_codec_registers_and_round_trips(make_kv: KVFactory) -> None:
+    register_codec(_Negate)
+    register_codec(_Negate)  # idempotent for the same class
+    assert available_codecs()["test-negate"] == (0, 1)
+    kv = make_kv(dtype=torch.float32)
+    out = decode(encode(kv, "test-negate", 1).data)
+    assert torch.equal(out.keys, kv.keys) and torch.equal(out.values, kv.values)
+
+    class Impostor(_Negate):
+        pass
+
+    with pytest.raises(ValueError, match="already taken"):
+        register_codec(Impostor)
+    with pytest.raises(TypeError):
+        register_codec(int)  # type: ignore[arg-type]
