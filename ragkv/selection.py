@@ -59,6 +59,7 @@ class SelectionState:
     num_chunk_tokens: int
     chunk_starts: torch.Tensor  # [chunks] index of each chunk's first token among chunk tokens
     deviations: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> score [active]
+    active: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> chunk-token indices measured
     query_attention: torch.Tensor | None = None  # [layers, chunk tokens], query-aware strategies only
 
     @classmethod
@@ -71,6 +72,7 @@ class SelectionState:
         kind = self.config.deviation
         score = {"k": k_dev, "v": v_dev, "kv": k_dev + v_dev}[kind]
         self.deviations[layer] = score.float().cpu()
+        self.active[layer] = active.cpu()
 
     def sink_mask(self, active: torch.Tensor) -> torch.Tensor:
         """[active] True for tokens among the first ``sink_tokens`` of their chunk."""
@@ -205,11 +207,18 @@ class Blend(Strategy):
             return torch.zeros(0, dtype=torch.long)
         return super().initial(state)
 
+    def score(self, state: SelectionState, layer: int) -> torch.Tensor:
+        """Ranking score of the tokens measured at ``layer`` (higher = recompute first)."""
+        return state.deviations[layer]
+
+    def share(self, state: SelectionState, layer: int) -> float:
+        """Share of all chunk tokens to keep after ``layer``."""
+        return state.config.ratio
+
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
-        score = state.deviations[layer]
-        active = torch.arange(score.numel())  # all tokens are active at the (only) check layer
+        active = state.active[layer]
         forced = state.sink_mask(active) if self.force_sinks else None
-        return _top(score, state.budget(state.config.ratio), forced)
+        return _top(self.score(state, layer), state.budget(min(1.0, self.share(state, layer))), forced)
 
 
 @register_strategy
@@ -221,25 +230,27 @@ class BlendSink(Blend):
 
 
 @register_strategy
-class Gradual(Strategy):
-    """Keep ``ratio * narrow_factor`` at the check layer, narrow to ``ratio`` at a deeper check layer."""
+class Gradual(Blend):
+    """Keep ``ratio * narrow_factor`` at the check layer, narrow to ``ratio`` at a deeper check layer.
+
+    Deviation at an early layer predicts deep-layer deviation only roughly; measuring again
+    deeper, among a wider first cut, picks better at little extra cost.
+    """
 
     name = "gradual"
 
     def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
         first = min(state.config.check_layer, num_layers - 1)
-        second = state.config.narrow_layer or max(first + 1, num_layers // 4)
-        return (first, min(second, num_layers - 1)) if second > first else (first,)
+        second = min(state.config.narrow_layer or max(first + 1, num_layers // 4), num_layers - 1)
+        return (first, second) if second > first else (first,)
 
-    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
-        score = state.deviations[layer]
+    def share(self, state: SelectionState, layer: int) -> float:
         first_check = len(state.deviations) == 1
-        share = state.config.ratio * (state.config.narrow_factor if first_check else 1.0)
-        return _top(score, state.budget(min(1.0, share)))
+        return state.config.ratio * (state.config.narrow_factor if first_check else 1.0)
 
 
 @register_strategy
-class QueryAware(Strategy):
+class QueryAware(BlendSink):
     """Ours: rank by K/V deviation times the attention the question pays each token in later layers.
 
     The question is known at fusion time. A token's stale K/V can only change the answer through
@@ -251,15 +262,22 @@ class QueryAware(Strategy):
     name = "query"
     wants_query_attention = True
 
-    def select(self, state: SelectionState, layer: int) -> torch.Tensor:
+    def score(self, state: SelectionState, layer: int) -> torch.Tensor:
         score = state.deviations[layer]
         attn = state.query_attention
-        if attn is not None and attn.shape[-1] == score.numel():
-            importance = attn[layer + 1 :].sum(dim=0) if attn.shape[0] > layer + 1 else attn.sum(dim=0)
-            importance = importance / importance.mean().clamp_min(1e-12)
-            score = score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(state.config.query_weight)
-        active = torch.arange(score.numel())
-        return _top(score, state.budget(state.config.ratio), state.sink_mask(active))
+        if attn is None or attn.shape[-1] != state.num_chunk_tokens:
+            return score
+        later = attn[layer + 1 :] if attn.shape[0] > layer + 1 else attn
+        importance = later.sum(dim=0)[state.active[layer]]
+        importance = importance / importance.mean().clamp_min(1e-12)
+        return score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(state.config.query_weight)
+
+
+@register_strategy
+class QueryGradual(QueryAware, Gradual):
+    """Query-aware scores with gradual narrowing (a wide first cut, re-ranked deeper)."""
+
+    name = "query_gradual"
 
 
 @register_strategy
@@ -273,7 +291,7 @@ class Budget(Strategy):
 
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
         score = state.deviations[layer]
-        active = torch.arange(score.numel())
+        active = state.active[layer]
         over = int((score > state.config.budget).sum())
         k = min(over, state.budget(state.config.max_ratio))
         return _top(score, k, state.sink_mask(active))

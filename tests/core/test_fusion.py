@@ -156,3 +156,17 @@ def test_uncached_segments_are_computed_in_place(llama_adapter, method):
     fused = fuse(a, mixed, FusionConfig(method=method, ratio=0.2))
     sel = set((fused.selected - inp.prefix.num_tokens).tolist())
     assert set(range(20, 37)) <= sel and fused.forced_tokens == 17
+
+
+def test_query_scores_weight_deviation_by_later_layer_attention():
+    cfg = FusionConfig(method="query", ratio=0.5, sink_tokens=0)
+    inp = FusionInput(None, [], [[0] * 4], ())  # one 4-token chunk; only the layout is read
+    state = SelectionState.start(cfg, inp, 4)
+    state.query_attention = torch.tensor([[1.0, 1.0, 1.0, 1.0],  # layer 0 (before the check: ignored)
+                                          [0.0, 0.0, 1.0, 1.0],  # layer 1 = check layer
+                                          [0.0, 0.0, 0.5, 0.5],  # later layers: the question reads 2, 3
+                                          [0.0, 0.1, 0.4, 0.5]])
+    state.observe(1, torch.arange(4), k_dev=torch.zeros(4), v_dev=torch.tensor([4.0, 3.0, 2.0, 1.0]))
+    # plain deviation would keep tokens 0 and 1; weighted by the question's attention: 2 and 3
+    assert get_strategy("blend").select(state, 1).tolist() == [0, 1]
+    assert get_strategy("query").select(state, 1).tolist() == [2, 3]

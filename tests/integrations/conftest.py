@@ -38,16 +38,12 @@ def rag(tmp_path, llama_adapter):
         yield engine
 
 
-@pytest.fixture
-def indexed_rag(rag):
-    """A fresh engine with DOCS indexed."""
-    rag.index(DOCS, progress=False)
-    return rag
-
-
 @pytest.fixture(scope="module")
-def shared_rag(tmp_path_factory, llama_adapter):
-    """One indexed engine for a whole module (the standard suites build many models on it)."""
+def indexed_rag(tmp_path_factory, llama_adapter):
+    """One engine with DOCS indexed, shared by a module's tests (indexing is the slow part).
+
+    Tests on it may register texts but must not rely on an empty registry: use ``rag`` for that.
+    """
     with make_engine(tmp_path_factory.mktemp("ragkv"), llama_adapter) as engine:
         engine.index(DOCS, progress=False)
         yield engine

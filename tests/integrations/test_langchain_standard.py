@@ -10,6 +10,7 @@ suites then skip those tests).
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import pytest
@@ -34,8 +35,8 @@ class _BoundEngine:
     engine: Any = None
 
     @pytest.fixture(autouse=True)
-    def _bind_engine(self, shared_rag):
-        self.engine = shared_rag
+    def _bind_engine(self, indexed_rag):
+        self.engine = indexed_rag
 
 
 class TestChatRagKVUnit(_BoundEngine, ChatModelUnitTests):
@@ -92,7 +93,7 @@ class TestChatRagKVIntegration(_BoundEngine, ChatModelIntegrationTests):
 
     def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
         # a text never seen before: its cache is created by this call
-        msg = self._rag_question(f"A fresh note number {id(self)}-{stream}: " + DOCS[1].text[:120], stream=stream)
+        msg = self._rag_question(f"A fresh note, number {uuid.uuid4().hex}: " + DOCS[1].text[:120], stream=stream)
         assert msg.usage_metadata["input_token_details"]["cache_creation"] > 0
         return msg
 
