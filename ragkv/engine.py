@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -84,6 +85,7 @@ class RagKV:
         from ragkv.retriever.kv_retriever import KVRetriever, RetrieverConfig
 
         self.config = config or EngineConfig()
+        self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         data_dir = Path(self.config.data_dir)
         data_dir.mkdir(parents=True, exist_ok=True)
         self.adapter = adapter or load_model(self.config.model)
@@ -223,10 +225,7 @@ class RagKV:
 
     def _fused_prefill(self, prefix: list[int], middle: list[tuple[list[int], bool]], suffix: list[int],
                        fusion: FusionConfig, stats: GenerationStats) -> tuple[Any, torch.Tensor]:
-        if prefix == self.retriever.prefix_ids:
-            prefix_kv = self.retriever.prefix_kv()
-        else:
-            prefix_kv = self.adapter.prefill_kv(prefix) if prefix else self.adapter.empty_kv()
+        prefix_kv = self._prefix_kv(prefix)
         loaded: list[ChunkKV] = []
         hit_tokens = 0
         for seg, cached in middle:
@@ -249,6 +248,22 @@ class RagKV:
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
         logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
         return fused.cache, logits
+
+    def _prefix_kv(self, prefix: list[int]) -> ChunkKV:
+        """Exact KV of a prompt's text before its first chunk; the last few are kept (framework
+        templates repeat theirs on every call)."""
+        if prefix == self.retriever.prefix_ids:
+            return self.retriever.prefix_kv()
+        if not prefix:
+            return self.adapter.empty_kv()
+        key = tuple(prefix)
+        kv = self._prefixes.pop(key, None)
+        if kv is None:
+            kv = self.adapter.prefill_kv(prefix)
+        self._prefixes[key] = kv
+        while len(self._prefixes) > 8:
+            self._prefixes.popitem(last=False)
+        return kv
 
     def close(self) -> None:
         self.store.close()

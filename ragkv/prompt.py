@@ -43,8 +43,9 @@ class PromptLayout:
                    suffix_end="\nAnswer:")
 
     def chunk_text(self, text: str) -> str:
-        """The exact text a chunk contributes to the prompt."""
-        return text + self.chunk_end
+        """The exact text a chunk contributes to the prompt: stripped (frameworks strip node text
+        too, so their prompts contain the same text), then a blank line."""
+        return text.strip() + self.chunk_end
 
     def suffix_text(self, question: str) -> str:
         """The exact text after the chunks."""

@@ -162,11 +162,13 @@ class KVRetriever:
     def _chunk(self, doc: Document, digest: str) -> list[Chunk]:
         doc_id = fields_digest([("source", doc.source), ("content", digest), ("tenant", self.config.tenant)])
         chunks = []
-        for i, span in enumerate(self.chunker.split(doc.text)):
+        # chunk text is kept stripped: frameworks strip retrieved text before pasting it into their
+        # prompts, so the stripped form is what a prompt contains and what the cache is made of
+        texts = [t for t in (s.text.strip() for s in self.chunker.split(doc.text)) if t]
+        for i, text in enumerate(texts):
             chunks.append(Chunk(
-                chunk_id=fields_digest([("doc", doc_id), ("ordinal", i), ("text", text_digest(span.text))]),
-                doc_id=doc_id, ordinal=i, text=span.text, token_ids=self.chunk_token_ids(span.text),
-                source=doc.source,
+                chunk_id=fields_digest([("doc", doc_id), ("ordinal", i), ("text", text_digest(text))]),
+                doc_id=doc_id, ordinal=i, text=text, token_ids=self.chunk_token_ids(text), source=doc.source,
             ))
         return chunks
 
