@@ -31,7 +31,7 @@ __all__ = [
 class FusionConfig:
     """How to fuse chunk caches. Defaults come from ``ragkv bench fusion`` (docs/benchmarks.md)."""
 
-    method: str = "blend_sink"  # strategy name, see available_strategies()
+    method: str = "query"  # strategy name, see available_strategies()
     ratio: float = 0.15  # share of chunk tokens recomputed through all layers
     check_layer: int = 1  # layer whose K/V deviation ranks tokens (layer 0 carries no signal)
     deviation: str = "v"  # "k", "v" or "kv": which deviation ranks tokens
@@ -133,8 +133,18 @@ def available_strategies() -> list[str]:
     return sorted(_REGISTRY)
 
 
+class _Fixed(Strategy):
+    """A strategy whose tokens are fixed up front (``initial``): no check layers."""
+
+    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
+        raise AssertionError(f"{self.name} has no check layers")
+
+
 @register_strategy
-class Naive(Strategy):
+class Naive(_Fixed):
     """Reuse chunk caches as they are (positions corrected, nothing recomputed)."""
 
     name = "naive"
@@ -142,25 +152,16 @@ class Naive(Strategy):
     def initial(self, state: SelectionState) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.long)
 
-    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - never active
-        return torch.zeros(0, dtype=torch.long)
-
 
 @register_strategy
-class Full(Strategy):
+class Full(_Fixed):
     """Recompute every chunk token: equals full prefill (the exactness reference)."""
 
     name = "full"
 
-    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
-        return ()
-
-    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
-        raise AssertionError("unreachable")
-
 
 @register_strategy
-class Sink(Strategy):
+class Sink(_Fixed):
     """EPIC: recompute only the first ``sink_tokens`` of every chunk."""
 
     name = "sink"
@@ -169,15 +170,9 @@ class Sink(Strategy):
         every = torch.arange(state.num_chunk_tokens)
         return every[state.sink_mask(every)]
 
-    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
-        return ()
-
-    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
-        raise AssertionError("unreachable")
-
 
 @register_strategy
-class Random(Strategy):
+class Random(_Fixed):
     """A random ``ratio`` of tokens (a control for the benchmark), seeded for repeatability."""
 
     name = "random"
@@ -186,12 +181,6 @@ class Random(Strategy):
         g = torch.Generator().manual_seed(0)
         k = state.budget(state.config.ratio)
         return torch.sort(torch.randperm(state.num_chunk_tokens, generator=g)[:k]).values
-
-    def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
-        return ()
-
-    def select(self, state: SelectionState, layer: int) -> torch.Tensor:  # pragma: no cover - no checks
-        raise AssertionError("unreachable")
 
 
 @register_strategy

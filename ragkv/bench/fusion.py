@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TOKENS = 32
 DEFAULT_GRID: list[tuple[str, float]] = [
-    ("naive", 0.0), ("random", 0.15), ("sink", 0.0), ("blend", 0.15), ("blend", 0.3),
-    ("blend_sink", 0.15), ("gradual", 0.15), ("query", 0.15), ("budget", 0.0), ("full", 1.0),
+    ("naive", 0.0), ("random", 0.15), ("sink", 0.0), ("blend", 0.15), ("blend", 0.3), ("blend_sink", 0.15),
+    ("gradual", 0.15), ("budget", 0.0), ("query", 0.1), ("query", 0.15), ("query_gradual", 0.1),
+    ("query_gradual", 0.15), ("full", 1.0),
 ]
 KEYS = ("method", "recompute_ratio", "kl", "top1", "exact_match", "f1", "ttft_ms", "ttft_ratio")
 
