@@ -14,8 +14,8 @@ Layout (all integers little-endian)::
 
 The header has its own checksum so that :func:`read_header` can trust it without touching the
 payload; the trailing checksum covers everything, so damage anywhere is detected. xxh3 was
-measured at about 30 GB/s here against 1.3 GB/s for zlib.crc32: with crc32 the checksum alone
-took about half of a raw decode.
+measured at about 30 GB/s here against 1.3 GB/s for zlib.crc32 (and 0.3 GB/s for blake2b): with
+crc32 the checksum alone took about a third of a raw decode.
 """
 
 from __future__ import annotations

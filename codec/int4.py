@@ -44,7 +44,7 @@ class Int4Codec(Codec):
                 sections += [b"", b"", b""]
                 continue
             step, low, q = _quantize(_grouped(x.float(), dim, GROUP), dim + 1)
-            sections += [to_bytes(step), to_bytes(low), to_bytes(pack_nibbles(q))]
+            sections += [to_bytes(step), to_bytes(low), pack_nibbles(q.numpy()).tobytes()]
         return CodecPayload(sections=tuple(sections), params={"group": GROUP})
 
     def decode(

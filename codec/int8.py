@@ -24,8 +24,8 @@ class Int8Codec(Codec):
     """Uniform int8, scale = absmax / 127 per ``(layer, head, token)`` over ``head_dim``.
 
     The baseline CacheGen compares against. Per-token scales were measured against one scale
-    per channel and chunk (see the codec report in docs/benchmarks.md): per-token costs 3% more
-    bytes and follows the tokens whose magnitude differs from the rest (the first token).
+    per channel and chunk on SmolLM2-135M: they cost 3% more bytes and gave 0.56x the KL
+    (1.6e-4 against 2.8e-4); the first token, far smaller than the rest, gets its own scale.
 
     Sections: keys' scales ``[L, H, T, 1]`` fp16, keys ``[L, H, T, D]`` int8, then the same for
     values.

@@ -51,7 +51,7 @@ class EngineConfig:
     catalog: str | None = None  # SQLAlchemy URL; None = sqlite:///<data_dir>/catalog.db
     top_k: int = 4
     fusion: FusionConfig = field(default_factory=FusionConfig)
-    codec: str = "raw"  # codec and level chunks are loaded at
+    codec: str = "cachegen"  # codec and level chunks are stored and loaded at (level 0: near-lossless)
     level: int = 0
     index_levels: tuple[tuple[str, int], ...] = ()  # stored at index time; () = just (codec, level)
     tenant: str = "default"

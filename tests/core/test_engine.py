@@ -66,7 +66,7 @@ def test_damaged_entry_is_a_miss_then_recomputed(tmp_path, llama_adapter):
         rag.index(DOCS, progress=False)
         chunks = rag.retrieve("apples orchards")
         clean = rag.answer("apples?", chunks=chunks, generation=GEN)
-        key = rag.retriever.chunk_key(chunks[0].token_ids, "raw", 0).storage_key
+        key = rag.retriever.chunk_key(chunks[0].token_ids, rag.config.codec, rag.config.level).storage_key
         blob = bytearray(rag.store.get(key))
         blob[len(blob) // 2] ^= 0xFF
         rag.store.invalidate(key)
