@@ -200,9 +200,11 @@ def bench_fusion(prompts: Prompts = None, model: Model = "smollm2-135m", out: Js
 
 @bench_app.command("codec")
 def bench_codec(prompts: Prompts = None, model: Model = "smollm2-135m", out: JsonOut = None,
-                limit: Annotated[int, typer.Option("--limit")] = 6) -> None:
+                limit: Annotated[int, typer.Option("--limit")] = 6,
+                plot: Annotated[Path | None, typer.Option("--plot", help="Save a size vs KL plot here.")] = None,
+                ) -> None:
     """Size, fidelity and speed of every codec and level."""
-    from ragkv.bench.codec import format_table, run_codec_bench
+    from ragkv.bench.codec import format_table, plot_rows, run_codec_bench
     from ragkv.bench.fusion import builtin_prompts
     from ragkv.model import load_model
 
@@ -211,6 +213,8 @@ def bench_codec(prompts: Prompts = None, model: Model = "smollm2-135m", out: Jso
     rows = run_codec_bench(adapter, ps)
     typer.echo(format_table(rows))
     _write_rows(rows, out)
+    if plot:
+        plot_rows(rows, plot)
 
 
 @bench_app.command("store")

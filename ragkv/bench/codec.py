@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -180,3 +181,23 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Bytes per token against mean KL, one point per (codec, level), log-scaled KL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        kl = max(float(r["kl"]), 1e-6)
+        ax.scatter(r["bytes_per_token"], kl)
+        ax.annotate(f"{r['codec']} {r['level']}", (r["bytes_per_token"], kl), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per token")
+    ax.set_ylabel("mean KL(exact || decoded)")
+    ax.set_title("ragkv codecs: size vs fidelity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
