@@ -97,10 +97,13 @@ def _dequantized_copy(model: Any) -> Any:
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     plain_cfg = AutoConfig.for_model(**cfg)
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(plain_cfg, dtype=model.dtype)
-    plain.load_state_dict(model.state_dict(), assign=True, strict=False)
+    # Built on the CPU, not the meta device: non-persistent buffers (RoPE inv_freq) are not in the
+    # state dict and must be computed by the modules' own init (a meta build left them empty).
+    plain = AutoModelForCausalLM.from_config(plain_cfg, dtype=model.dtype)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
     plain.tie_weights()
+    if unexpected or any(not k.startswith("lm_head.") for k in missing):
+        raise RuntimeError(f"GGUF conversion lost weights: missing={missing}, unexpected={unexpected}")
     plain.generation_config = model.generation_config
     return plain.eval()
 

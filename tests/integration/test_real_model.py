@@ -73,3 +73,18 @@ def test_cli_index_then_ask_json_in_separate_processes(tmp_path):
 def test_cli_help_works():
     out = subprocess.run([sys.executable, "-m", "ragkv.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "index" in out.stdout and "demo" in out.stdout
+
+
+def test_first_load_converts_the_gguf_into_a_complete_model(tmp_path, monkeypatch, real_adapter):
+    """A fresh machine's first load converts the GGUF file in-process: the model it returns must be
+    whole (no meta tensors: a meta build once left RoPE buffers empty) and equal to later loads."""
+    from ragkv.model import load_model
+
+    monkeypatch.setenv("RAGKV_MODEL_CACHE", str(tmp_path / "models"))
+    fresh = load_model("smollm2-135m")
+    assert not [n for n, b in fresh.model.named_buffers() if b.is_meta]
+    assert not [n for n, p in fresh.model.named_parameters() if p.is_meta]
+    assert fresh.fingerprint == real_adapter.fingerprint
+    assert (tmp_path / "models").is_dir()
+    ids = fresh.encode("The heap queue algorithm.")
+    torch.testing.assert_close(fresh.prefill_kv(ids).keys, real_adapter.prefill_kv(ids).keys)
