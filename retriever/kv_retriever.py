@@ -135,11 +135,10 @@ class KVRetriever:
                 report.unchanged += 1
                 continue
             todo.append((doc, digest))
-        bar = tqdm(total=0, desc="indexing chunks", unit="chunk", disable=not progress or not todo)
-        for doc, digest in todo:
-            chunks = self._chunk(doc, digest)
-            bar.total += len(chunks)
-            bar.refresh()
+        chunked = [(doc, digest, self._chunk(doc, digest)) for doc, digest in todo]  # cheap next to prefill
+        bar = tqdm(total=sum(len(c) for _, _, c in chunked), desc="indexing chunks", unit="chunk",
+                   disable=not progress or not todo)
+        for doc, digest, chunks in chunked:
             for chunk in chunks:  # caches first: a killed run leaves them reusable, never half-visible
                 computed, nbytes = self._ensure_stored(chunk.token_ids)
                 report.computed += computed
