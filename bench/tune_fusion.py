@@ -1,0 +1,56 @@
+"""Fast fusion tuning: KL and top-1 only (no timing, no greedy answers per method).
+
+    python bench/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query", "ratio": 0.15}'
+
+Uses the first N built-in prompts of ``ragkv bench fusion``; each argument after N is a JSON
+object of ``FusionConfig`` fields. Reference: full prefill's 32-token greedy answer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1, builtin_prompts
+from ragkv.fusion import FusionInput, fuse
+from ragkv.generation import GenerationConfig, decode_loop
+from ragkv.model import load_model
+from ragkv.selection import FusionConfig
+
+
+@torch.inference_mode()
+def main(argv: list[str]) -> None:
+    adapter = load_model("smollm2-135m")
+    n, configs = int(argv[0]), [FusionConfig(**json.loads(a)) for a in argv[1:]]
+    cases = []
+    for p in builtin_prompts(adapter, n=n):
+        prefix, chunks, suffix = adapter.chat_segments(None, p["chunks"], p["question"])
+        ctx = prefix + [t for c in chunks for t in c]
+        cache = adapter.build_cache([])
+        logits = adapter.forward(ctx + suffix, cache, 0)
+        start = len(ctx) + len(suffix)
+        answer = list(decode_loop(adapter, cache, logits[-1], start, GenerationConfig(max_new_tokens=ANSWER_TOKENS)))
+        adapter.crop_cache(cache, start)
+        ref = torch.cat([logits[-1:], adapter.forward(answer[:-1], cache, start)])[: len(answer)]
+        pre = adapter.prefill_kv(prefix)
+        cases.append((pre, [adapter.prefill_kv(c, past=[pre]) for c in chunks], chunks, suffix, answer, ref, len(ctx)))
+    print("prompt tokens", [c[-1] for c in cases], flush=True)
+    for cfg in configs:
+        t0, kls, top1s, shares = time.perf_counter(), [], [], []
+        for pre, cached, chunks, suffix, answer, ref, n_ctx in cases:
+            fused = fuse(adapter, FusionInput(pre, cached, chunks, suffix), cfg)
+            first = adapter.forward(suffix, fused.cache, n_ctx)[-1:]
+            got = torch.cat([first, adapter.forward(answer[:-1], fused.cache, n_ctx + len(suffix))])[: len(answer)]
+            kl, top1 = _kl_top1(ref, got)
+            kls.append(kl)
+            top1s.append(top1)
+            shares.append(fused.recomputed_tokens / max(1, fused.chunk_tokens))
+        print(f"{cfg} | KL {sum(kls) / len(kls):.4f} top1 {sum(top1s) / len(top1s):.3f} "
+              f"recompute {sum(shares) / len(shares):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
