@@ -7,7 +7,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -300,7 +300,3 @@ class AnswerStream:
             raise RuntimeError("iterate the stream to the end before reading .result")
         return self._result
 
-
-def with_overrides(config: EngineConfig, **kwargs: Any) -> EngineConfig:
-    """``config`` with the non-None ``kwargs`` replaced."""
-    return replace(config, **{k: v for k, v in kwargs.items() if v is not None})
