@@ -50,7 +50,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise missing_framework("langchain", "langchain", "langchain-core") from e
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.engine import RagKV
 from ragkv.generation import GenerationConfig
@@ -72,18 +72,21 @@ def _message_dict(m: BaseMessage) -> dict[str, str]:
     return {"role": role, "content": m.text}
 
 
-class _RagKVModel:
+class _RagKVModel(BaseModel):
     """Settings and the generate loop shared by the chat model and the LLM (a pydantic mixin)."""
 
-    engine: Any
-    model_name: str | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str] | None
-    reuse_chunks: bool
+    model_config = ConfigDict(populate_by_name=True)
+
+    engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV that generates")
+    model_name: str | None = Field(default=None, alias="model")
+    max_tokens: int = Field(default=256, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
+
 
     def _engine(self) -> RagKV:
         return self.engine if self.engine is not None else _bridge.default_engine()
@@ -154,17 +157,6 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
         reuse_chunks: False prefills every prompt whole, like the plain model (a baseline).
     """
 
-    model_config = ConfigDict(populate_by_name=True)
-
-    engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV that generates")
-    model_name: str | None = Field(default=None, alias="model")
-    max_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop: list[str] | None = None
-    reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
     streaming: bool = False  # stream through callbacks on invoke
 
     @property
@@ -231,17 +223,6 @@ class RagKVLLM(_RagKVModel, LLM):
     completion). Stats are in each generation's ``generation_info["ragkv"]``.
     """
 
-    model_config = ConfigDict(populate_by_name=True)
-
-    engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV that generates")
-    model_name: str | None = Field(default=None, alias="model")
-    max_tokens: int = Field(default=256, gt=0)
-    temperature: float = Field(default=0.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop: list[str] | None = None
-    reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
     chat_template: bool = True  # False: raw completion
 
     @property
