@@ -9,6 +9,8 @@ and lock waits, and advisory locks to serialize writers of the same document.
 from __future__ import annotations
 
 import hashlib
+import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +45,7 @@ def _sqlite_prepare(engine: Engine, timeout: float) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
         if not in_memory:
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor, timeout)
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
@@ -54,6 +56,28 @@ def _sqlite_prepare(engine: Engine, timeout: float) -> None:
         # waiting; taking the write lock up front makes writers queue on the busy timeout.
         mode = "IMMEDIATE" if conn.get_execution_options().get(WRITE_OPTION) else "DEFERRED"
         conn.exec_driver_sql(f"BEGIN {mode}")
+
+
+def _enable_wal(cursor: Any, timeout: float) -> None:
+    """Switch the database to WAL (a persistent setting), waiting out other openers.
+
+    SQLite does not call the busy handler while another connection creates the database or
+    changes its journal mode, so two processes opening a new catalog at once can get "database
+    is locked" at once (seen in CI); retry with backoff within the timeout instead of failing.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        try:
+            if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            busy = "locked" in str(e) or "busy" in str(e)
+            if not busy or time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
 
 def _no_lock(conn: Connection, name: str) -> None:

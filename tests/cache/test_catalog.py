@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from ragkv.cache._catalog_dialects import _enable_wal
 from ragkv.cache.catalog import Catalog, DocumentRecord, EntryRecord
 from ragkv.errors import CatalogError
 from tests.cache.cache_testing import document, make_key
@@ -239,3 +241,36 @@ def test_in_memory_catalog() -> None:
     with Catalog(":memory:") as catalog:
         rows = catalog.replace_document(*document("a.txt", 2))
         assert len(catalog.chunks_by_rows(rows)) == 2
+
+
+class _LockedCursor:
+    """A sqlite3 cursor whose first ``failures`` journal-mode switches fail as under a racing opener."""
+
+    def __init__(self, cursor: sqlite3.Cursor, failures: int) -> None:
+        self.cursor, self.failures, self.attempts = cursor, failures, 0
+
+    def execute(self, sql: str) -> sqlite3.Cursor:
+        if sql == "PRAGMA journal_mode = WAL":
+            self.attempts += 1
+            if self.attempts <= self.failures:
+                raise sqlite3.OperationalError("database is locked")
+        return self.cursor.execute(sql)
+
+
+def test_switching_to_wal_waits_out_a_racing_opener(tmp_path: Path) -> None:
+    """SQLite skips the busy handler for this switch; two processes opening a new catalog once failed CI."""
+    conn = sqlite3.connect(tmp_path / "c.db")
+    cursor = _LockedCursor(conn.cursor(), failures=3)
+    _enable_wal(cursor, timeout=5.0)
+    assert cursor.attempts == 4
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    _enable_wal(cursor, timeout=5.0)  # already WAL: no switch attempted
+    assert cursor.attempts == 4
+    conn.close()
+
+
+def test_switching_to_wal_gives_up_at_the_timeout(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "c.db")
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        _enable_wal(_LockedCursor(conn.cursor(), failures=10**6), timeout=0.05)
+    conn.close()
