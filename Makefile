@@ -27,7 +27,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy ragkv codec cache retriever
+	$(BIN)/mypy ragkv codec cache retriever integrations
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -48,8 +48,11 @@ def main(argv: list[str]) -> None:
             kls.append(kl)
             top1s.append(top1)
             shares.append(fused.recomputed_tokens / max(1, fused.chunk_tokens))
-        print(f"{cfg} | KL {sum(kls) / len(kls):.4f} top1 {sum(top1s) / len(top1s):.3f} "
-              f"recompute {sum(shares) / len(shares):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"{cfg} | KL {sum(kls) / len(kls):.4f} top1 {sum(top1s) / len(top1s):.3f} "
+            f"recompute {sum(shares) / len(shares):.3f} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from ragkv.errors import CodecError
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("ragkv.codec supports little-endian machines only")
 
+
 def to_bytes(t: torch.Tensor) -> bytes:
     """The raw little-endian bytes of ``t`` (row-major)."""
     t = t.detach().to("cpu").contiguous()

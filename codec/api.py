@@ -23,8 +23,16 @@ _DTYPE_NAMES = {
 }
 # Failures of foreign code on bytes that passed the checksum but were crafted to mislead: they
 # become CodecError here, so callers only ever see ragkv's errors.
-_FOREIGN_ERRORS = (ValueError, TypeError, IndexError, KeyError, OverflowError, RuntimeError,
-                   struct.error, zstandard.ZstdError)
+_FOREIGN_ERRORS = (
+    ValueError,
+    TypeError,
+    IndexError,
+    KeyError,
+    OverflowError,
+    RuntimeError,
+    struct.error,
+    zstandard.ZstdError,
+)
 
 
 def encode(kv: ChunkKV, codec: str = "raw", level: int = 0) -> EncodedChunk:
@@ -69,8 +77,7 @@ def encode(kv: ChunkKV, codec: str = "raw", level: int = 0) -> EncodedChunk:
         section_sizes=tuple(len(s) for s in payload.sections),
         params=payload.params,
     )
-    return EncodedChunk(codec=codec, level=level, num_tokens=kv.num_tokens,
-                        data=pack(header, payload.sections))
+    return EncodedChunk(codec=codec, level=level, num_tokens=kv.num_tokens, data=pack(header, payload.sections))
 
 
 def decode(
@@ -121,8 +128,9 @@ def decode(
         raise CodecError(f"{header.codec} payload does not decode: {e}") from e
     if tuple(keys.shape) != header.shape or tuple(values.shape) != header.shape:
         raise CodecError(f"{header.codec} payload decoded to the wrong shape")
-    return ChunkKV(keys=keys, values=values, positions=_positions(header, target),
-                   model_fingerprint=header.model_fingerprint)
+    return ChunkKV(
+        keys=keys, values=values, positions=_positions(header, target), model_fingerprint=header.model_fingerprint
+    )
 
 
 def _positions(header: BitstreamHeader, device: torch.device) -> torch.Tensor:

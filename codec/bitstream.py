@@ -117,8 +117,7 @@ def unpack(data: bytes | bytearray | memoryview) -> tuple[BitstreamHeader, list[
     end = offset + header.payload_nbytes
     if len(view) != end + _DIGEST.size:
         raise CodecError(
-            f"bitstream length {len(view)} does not match its header ({end + _DIGEST.size} bytes): "
-            "truncated or padded"
+            f"bitstream length {len(view)} does not match its header ({end + _DIGEST.size} bytes): truncated or padded"
         )
     (expected,) = _DIGEST.unpack_from(view, end)
     if _digest(view[:end]) != expected:

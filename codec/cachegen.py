@@ -124,8 +124,7 @@ class CacheGenCodec(Codec):
             if on_cpu:
                 np.multiply(symbols, step, out=out.numpy()[:, :, :, 1:])
             else:
-                torch.mul(torch.from_numpy(symbols).to(device), torch.from_numpy(step).to(device),
-                          out=out[:, :, :, 1:])
+                torch.mul(torch.from_numpy(symbols).to(device), torch.from_numpy(step).to(device), out=out[:, :, :, 1:])
         if out.dtype != dtype:
             out = out.to(dtype)
         return out[0], out[1]
@@ -140,9 +139,7 @@ def _step_value(code: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(_STEPS)[code.long()]
 
 
-def _quantize(
-    y: torch.Tensor, rel: torch.Tensor, per_layer: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize(y: torch.Tensor, rel: torch.Tensor, per_layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``y`` ``[L, H, N, D]``; returns step codes and means ``[L, H, D]`` and symbols.
 
     ``per_layer`` gives every channel of a layer the same step (the geometric mean of the
@@ -224,9 +221,7 @@ def _tables(section: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np
     return step, mean
 
 
-def _symbols(
-    frames: Sequence[memoryview], bits: Sequence[int], shape: tuple[int, ...], mean: np.ndarray
-) -> np.ndarray:
+def _symbols(frames: Sequence[memoryview], bits: Sequence[int], shape: tuple[int, ...], mean: np.ndarray) -> np.ndarray:
     """All streams' symbols plus their channel means: int16 ``[2, L, H, T-1, D]``.
 
     Adding the means in int16 while the streams are copied out of zstd is free; it leaves one

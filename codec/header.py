@@ -82,8 +82,9 @@ class BitstreamHeader:
             "sections": list(self.section_sizes),
             "tokens": self.num_tokens,
         }
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                          allow_nan=False).encode("ascii")
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
+            "ascii"
+        )
 
     @classmethod
     def from_json_bytes(cls, raw: bytes) -> BitstreamHeader:

@@ -28,10 +28,12 @@ QUESTIONS = [
     "How long does a sourdough starter take to peak after feeding?",
     "How do honeybees tell each other where flowers are?",
 ]
-PROMPT = ChatPromptTemplate.from_messages([
-    ("system", "Answer the question using only the documents. Be brief."),
-    ("human", "Documents:\n\n{context}\n\nQuestion: {question}"),
-])
+PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Answer the question using only the documents. Be brief."),
+        ("human", "Documents:\n\n{context}\n\nQuestion: {question}"),
+    ]
+)
 
 
 def join_documents(docs) -> str:
@@ -71,9 +73,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Q: {question}")
         print(f"A: {answer.content.strip()}")
         print(f"   TTFT without ragkv: {base['ttft_ms']:8.1f} ms  (prompt {base['prompt_tokens']} tokens prefilled)")
-        print(f"   TTFT with ragkv:    {s['ttft_ms']:8.1f} ms  (chunks {s['chunks_in_prompt']}, "
-              f"cache hits {s['cache_hits']}, reused {s['reused_tokens']}, recomputed {s['recomputed_tokens']}, "
-              f"prefilled chunk tokens {s['prefilled_chunk_tokens']})")
+        print(
+            f"   TTFT with ragkv:    {s['ttft_ms']:8.1f} ms  (chunks {s['chunks_in_prompt']}, "
+            f"cache hits {s['cache_hits']}, reused {s['reused_tokens']}, recomputed {s['recomputed_tokens']}, "
+            f"prefilled chunk tokens {s['prefilled_chunk_tokens']})"
+        )
     rag.close()
 
 

@@ -46,11 +46,14 @@ def main(argv: list[str] | None = None) -> None:
 
     documents = SimpleDirectoryReader(str(args.docs)).load_data()
     index = VectorStoreIndex.from_documents(documents, embed_model=RagKVEmbedding(rag))
-    with_ragkv = index.as_query_engine(llm=RagKVLLM(rag, max_new_tokens=args.max_new_tokens),
-                                       node_postprocessors=[RagKVNodePostprocessor(rag)],
-                                       similarity_top_k=args.top_k)
-    plain = index.as_query_engine(llm=RagKVLLM(rag, max_new_tokens=args.max_new_tokens, reuse_chunks=False),
-                                  similarity_top_k=args.top_k)
+    with_ragkv = index.as_query_engine(
+        llm=RagKVLLM(rag, max_new_tokens=args.max_new_tokens),
+        node_postprocessors=[RagKVNodePostprocessor(rag)],
+        similarity_top_k=args.top_k,
+    )
+    plain = index.as_query_engine(
+        llm=RagKVLLM(rag, max_new_tokens=args.max_new_tokens, reuse_chunks=False), similarity_top_k=args.top_k
+    )
 
     plain.query("warm-up")  # first model call pays one-time setup; keep it out of the timings
     for question in args.question or QUESTIONS:
@@ -61,9 +64,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Q: {question}")
         print(f"A: {str(response).strip()}")
         print(f"   TTFT without ragkv: {base['ttft_ms']:8.1f} ms  (prompt {base['prompt_tokens']} tokens prefilled)")
-        print(f"   TTFT with ragkv:    {s['ttft_ms']:8.1f} ms  (chunks {s['chunks_in_prompt']}, "
-              f"cache hits {s['cache_hits']}, reused {s['reused_tokens']}, recomputed {s['recomputed_tokens']}, "
-              f"prefilled chunk tokens {s['prefilled_chunk_tokens']})")
+        print(
+            f"   TTFT with ragkv:    {s['ttft_ms']:8.1f} ms  (chunks {s['chunks_in_prompt']}, "
+            f"cache hits {s['cache_hits']}, reused {s['reused_tokens']}, recomputed {s['recomputed_tokens']}, "
+            f"prefilled chunk tokens {s['prefilled_chunk_tokens']})"
+        )
     rag.close()
 
 

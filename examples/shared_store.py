@@ -27,8 +27,10 @@ DEFAULT_DIR = Path(tempfile.gettempdir()) / "ragkv-shared-store"
 def index(data_dir: Path, docs: list[Path]) -> None:
     with RagKV(EngineConfig(data_dir=data_dir)) as rag:
         report = rag.index(docs, progress=False)
-    print(f"indexed {report.documents} documents ({report.unchanged} unchanged): {report.chunks} chunks, "
-          f"{report.computed} caches computed, {report.bytes_stored} bytes stored under {data_dir}")
+    print(
+        f"indexed {report.documents} documents ({report.unchanged} unchanged): {report.chunks} chunks, "
+        f"{report.computed} caches computed, {report.bytes_stored} bytes stored under {data_dir}"
+    )
 
 
 def answer(data_dir: Path, questions: list[str], k: int, max_new_tokens: int) -> None:
@@ -37,10 +39,12 @@ def answer(data_dir: Path, questions: list[str], k: int, max_new_tokens: int) ->
 
     from ragkv.integrations.langchain import ChatRagKV, RagKVRetriever
 
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "Answer the question using only the documents. Be brief."),
-        ("human", "Documents:\n\n{context}\n\nQuestion: {question}"),
-    ])
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            ("system", "Answer the question using only the documents. Be brief."),
+            ("human", "Documents:\n\n{context}\n\nQuestion: {question}"),
+        ]
+    )
     with RagKV(EngineConfig(data_dir=data_dir)) as rag:
         retriever = RagKVRetriever(engine=rag, k=k)
         context = retriever | (lambda docs: "\n\n".join(d.page_content for d in docs))
@@ -59,11 +63,14 @@ def answer(data_dir: Path, questions: list[str], k: int, max_new_tokens: int) ->
             base = plain.invoke(question).response_metadata["ragkv"]
             print(f"Q: {question}")
             print(f"A: {reply.content.strip()}")
-            print(f"   TTFT without ragkv: {base['ttft_ms']:8.1f} ms  (prompt {base['prompt_tokens']} tokens "
-                  "prefilled)")
-            print(f"   TTFT with ragkv:    {s['ttft_ms']:8.1f} ms  (chunks {s['chunks_in_prompt']}, cache hits "
-                  f"{s['cache_hits']}, {s['bytes_loaded']} bytes loaded, prefilled chunk tokens "
-                  f"{s['prefilled_chunk_tokens']})")
+            print(
+                f"   TTFT without ragkv: {base['ttft_ms']:8.1f} ms  (prompt {base['prompt_tokens']} tokens prefilled)"
+            )
+            print(
+                f"   TTFT with ragkv:    {s['ttft_ms']:8.1f} ms  (chunks {s['chunks_in_prompt']}, cache hits "
+                f"{s['cache_hits']}, {s['bytes_loaded']} bytes loaded, prefilled chunk tokens "
+                f"{s['prefilled_chunk_tokens']})"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,8 +41,17 @@ T = TypeVar("T")
 
 STATS_KEY = "ragkv"  # the key stats live under in every framework's metadata dict
 
-_SUMMED = ("prompt_tokens", "reused_tokens", "recomputed_tokens", "prefilled_chunk_tokens", "bytes_loaded",
-           "generated_tokens", "cache_hits", "cache_misses", "chunks_in_prompt")
+_SUMMED = (
+    "prompt_tokens",
+    "reused_tokens",
+    "recomputed_tokens",
+    "prefilled_chunk_tokens",
+    "bytes_loaded",
+    "generated_tokens",
+    "cache_hits",
+    "cache_misses",
+    "chunks_in_prompt",
+)
 
 
 @dataclass(slots=True)
@@ -88,8 +97,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
     if not messages:
         raise ValueError("no messages to answer; pass at least one user message")
     if getattr(tokenizer, "chat_template", None):
-        return str(tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                 add_generation_prompt=True))
+        return str(
+            tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+        )
     lines = [f"{m['role']}: {m['content']}" for m in messages]
     return "\n".join([*lines, "assistant:"])
 
@@ -101,8 +111,9 @@ def render_completion(tokenizer: Any, prompt: str, *, chat_template: bool) -> st
     return prompt
 
 
-def stream(engine: RagKV, prompt: str, generation: GenerationConfig, *,
-           reuse_chunks: bool = True) -> Iterator[tuple[str, GenerationStats | None]]:
+def stream(
+    engine: RagKV, prompt: str, generation: GenerationConfig, *, reuse_chunks: bool = True
+) -> Iterator[tuple[str, GenerationStats | None]]:
     """Generate from ``prompt``, reusing the caches of the registered chunks it contains.
 
     Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``; ``stats.extra``
@@ -202,8 +213,9 @@ async def aiterate(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
             return
         post(_END)
 
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(produce,), name="ragkv-generate",
-                              daemon=True)
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(produce,), name="ragkv-generate", daemon=True
+    )
     thread.start()
     try:
         while True:

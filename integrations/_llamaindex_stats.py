@@ -28,8 +28,9 @@ from ragkv.integrations._bridge import STATS_KEY, summarize
 __all__ = ["StatsSink", "current_sinks", "install", "record"]
 
 _SINKS: ContextVar[tuple[StatsSink, ...]] = ContextVar("ragkv_llamaindex_sinks", default=())
-_TRACKED_METHODS = frozenset({"synthesize", "asynthesize", "query", "aquery", "chat", "achat", "stream_chat",
-                              "astream_chat"})
+_TRACKED_METHODS = frozenset(
+    {"synthesize", "asynthesize", "query", "aquery", "chat", "achat", "stream_chat", "astream_chat"}
+)
 _INSTALLED = threading.Lock()
 _installed: list[StatsSpanHandler] = []
 
@@ -88,8 +89,15 @@ class StatsSpanHandler(BaseSpanHandler[BaseSpan]):
     def class_name(cls) -> str:
         return "RagKVStatsSpanHandler"
 
-    def span_enter(self, id_: str, bound_args: Any, instance: Any = None, parent_id: str | None = None,
-                   tags: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def span_enter(
+        self,
+        id_: str,
+        bound_args: Any,
+        instance: Any = None,
+        parent_id: str | None = None,
+        tags: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not _tracked(id_, instance):
             return
         sink = StatsSink()
@@ -113,8 +121,9 @@ class StatsSpanHandler(BaseSpanHandler[BaseSpan]):
         if sink.used:
             _attach(result, sink.summary)
 
-    def span_drop(self, id_: str, bound_args: Any, instance: Any = None, err: BaseException | None = None,
-                  **kwargs: Any) -> None:
+    def span_drop(
+        self, id_: str, bound_args: Any, instance: Any = None, err: BaseException | None = None, **kwargs: Any
+    ) -> None:
         self._close(id_)
 
     def _close(self, id_: str) -> StatsSink | None:
@@ -159,6 +168,7 @@ def _bind(gen: Any, sinks: tuple[StatsSink, ...]) -> Any:
         _SINKS.set(tuple(s for s in _SINKS.get() if s not in extra))
 
     if inspect.isasyncgen(gen):
+
         async def abound() -> Any:
             extra = enter()
             try:

@@ -117,8 +117,9 @@ def _find_spans(prompt: str, ordered_forms: Sequence[str]) -> list[tuple[int, in
     return list(zip(starts, ends, strict=True))
 
 
-def split_prompt(prompt: str, texts: Iterable[str], *, config: MatchConfig = MatchConfig(),
-                 require_suffix: bool = True) -> list[Segment]:
+def split_prompt(
+    prompt: str, texts: Iterable[str], *, config: MatchConfig = MatchConfig(), require_suffix: bool = True
+) -> list[Segment]:
     """Cut ``prompt`` into plain and cached segments around the registered ``texts`` it contains.
 
     The segments always concatenate back to ``prompt``. With ``require_suffix`` a match that ends

@@ -87,7 +87,6 @@ class _RagKVModel(BaseModel):
     stop: list[str] | None = None
     reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
 
-
     def _engine(self) -> RagKV:
         return self.engine if self.engine is not None else _bridge.default_engine()
 
@@ -103,14 +102,18 @@ class _RagKVModel(BaseModel):
     def _generation(self, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationConfig:
         model = kwargs.get("model")
         if model is not None and model != self._name():
-            raise ValueError(f"this model serves {self._name()!r}; build a RagKV engine for {model!r} and "
-                             "another model object on it instead of passing model= per call")
+            raise ValueError(
+                f"this model serves {self._name()!r}; build a RagKV engine for {model!r} and "
+                "another model object on it instead of passing model= per call"
+            )
         stops = [*(self.stop or []), *(stop or [])]
         return GenerationConfig(
             max_new_tokens=kwargs.get("max_tokens") or self.max_tokens,
             temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p), top_k=kwargs.get("top_k", self.top_k),
-            stop=tuple(dict.fromkeys(s for s in stops if s)), seed=kwargs.get("seed", self.seed),
+            top_p=kwargs.get("top_p", self.top_p),
+            top_k=kwargs.get("top_k", self.top_k),
+            stop=tuple(dict.fromkeys(s for s in stops if s)),
+            seed=kwargs.get("seed", self.seed),
         )
 
     def _deltas(self, prompt: str, gen: GenerationConfig) -> Iterator[tuple[str, Stats | None]]:
@@ -121,14 +124,21 @@ class _RagKVModel(BaseModel):
         return "length" if stats["generated_tokens"] >= gen.max_new_tokens else "stop"
 
     def _response_metadata(self, stats: Stats, gen: GenerationConfig) -> dict[str, Any]:
-        return {"model_name": self._name(), "model_provider": "ragkv", "finish_reason": self._finish(stats, gen),
-                _bridge.STATS_KEY: stats}
+        return {
+            "model_name": self._name(),
+            "model_provider": "ragkv",
+            "finish_reason": self._finish(stats, gen),
+            _bridge.STATS_KEY: stats,
+        }
 
     def _ls_params(self, stop: list[str] | None, kwargs: dict[str, Any], model_type: str) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="ragkv", ls_model_name=kwargs.get("model") or self._name(),
-                                 ls_model_type=model_type,  # type: ignore[typeddict-item]
-                                 ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens)
+        params = LangSmithParams(
+            ls_provider="ragkv",
+            ls_model_name=kwargs.get("model") or self._name(),
+            ls_model_type=model_type,  # type: ignore[typeddict-item]
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens") or self.max_tokens,
+        )
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
@@ -136,11 +146,12 @@ class _RagKVModel(BaseModel):
 
 def _usage(stats: Stats) -> UsageMetadata:
     hit = stats["reused_tokens"] + stats["recomputed_tokens"]
-    return UsageMetadata(input_tokens=stats["prompt_tokens"], output_tokens=stats["generated_tokens"],
-                         total_tokens=stats["prompt_tokens"] + stats["generated_tokens"],
-                         input_token_details={"cache_read": hit, "cache_creation": stats["prefilled_chunk_tokens"]})
-
-
+    return UsageMetadata(
+        input_tokens=stats["prompt_tokens"],
+        output_tokens=stats["generated_tokens"],
+        total_tokens=stats["prompt_tokens"] + stats["generated_tokens"],
+        input_token_details={"cache_read": hit, "cache_creation": stats["prefilled_chunk_tokens"]},
+    )
 
 
 class ChatRagKV(_RagKVModel, BaseChatModel):
@@ -165,8 +176,13 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self._name(), "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k}
+        return {
+            "model_name": self._name(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls_params(stop, kwargs, "chat")
@@ -174,36 +190,58 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
     def _prompt(self, messages: list[BaseMessage]) -> str:
         return _bridge.render_chat(self._engine().adapter.tokenizer, [_message_dict(m) for m in messages])
 
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         gen = self._generation(stop, kwargs)
         text, stats = _bridge.collect(self._deltas(self._prompt(messages), gen))
         meta = self._response_metadata(stats, gen)
         message = AIMessage(content=text, usage_metadata=_usage(stats), response_metadata=meta)
-        return ChatResult(generations=[ChatGeneration(message=message)],
-                          llm_output={"model_name": self._name(), _bridge.STATS_KEY: stats})
+        return ChatResult(
+            generations=[ChatGeneration(message=message)],
+            llm_output={"model_name": self._name(), _bridge.STATS_KEY: stats},
+        )
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         for chunk in self._chunks(messages, stop, kwargs):
             if run_manager is not None:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         async for chunk in _bridge.aiterate(lambda: self._chunks(messages, stop, kwargs)):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-    def _chunks(self, messages: list[BaseMessage], stop: list[str] | None,
-                kwargs: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
+    def _chunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> Iterator[ChatGenerationChunk]:
         """One chunk per piece of answer text, then a last empty chunk with usage and stats."""
         gen = self._generation(stop, kwargs)
         for delta, stats in self._deltas(self._prompt(messages), gen):
@@ -211,8 +249,12 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
                 if delta:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=delta))
                 continue
-            last = AIMessageChunk(content="", usage_metadata=_usage(stats), chunk_position="last",
-                                  response_metadata=self._response_metadata(stats, gen))
+            last = AIMessageChunk(
+                content="",
+                usage_metadata=_usage(stats),
+                chunk_position="last",
+                response_metadata=self._response_metadata(stats, gen),
+            )
             yield ChatGenerationChunk(message=last)
 
 
@@ -231,8 +273,12 @@ class RagKVLLM(_RagKVModel, LLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self._name(), "max_tokens": self.max_tokens, "temperature": self.temperature,
-                "chat_template": self.chat_template}
+        return {
+            "model_name": self._name(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "chat_template": self.chat_template,
+        }
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls_params(stop, kwargs, "llm")
@@ -246,29 +292,54 @@ class RagKVLLM(_RagKVModel, LLM):
         info = {"finish_reason": self._finish(stats, gen), _bridge.STATS_KEY: stats}
         return Generation(text=text, generation_info=info)
 
-    def _call(self, prompt: str, stop: list[str] | None = None,
-              run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> str:
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
         return self._one(prompt, stop, kwargs).text
 
-    def _generate(self, prompts: list[str], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
-        return LLMResult(generations=[[self._one(p, stop, kwargs)] for p in prompts],
-                         llm_output={"model_name": self._name()})
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        return LLMResult(
+            generations=[[self._one(p, stop, kwargs)] for p in prompts], llm_output={"model_name": self._name()}
+        )
 
-    async def _agenerate(self, prompts: list[str], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> LLMResult:
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
         return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
 
-    def _stream(self, prompt: str, stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[GenerationChunk]:
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
         for chunk in self._chunks(prompt, stop, kwargs):
             if run_manager is not None:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-    async def _astream(self, prompt: str, stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
         async for chunk in _bridge.aiterate(lambda: self._chunks(prompt, stop, kwargs)):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -281,8 +352,9 @@ class RagKVLLM(_RagKVModel, LLM):
                 if delta:
                     yield GenerationChunk(text=delta)
                 continue
-            yield GenerationChunk(text="", generation_info={"finish_reason": self._finish(stats, gen),
-                                                            _bridge.STATS_KEY: stats})
+            yield GenerationChunk(
+                text="", generation_info={"finish_reason": self._finish(stats, gen), _bridge.STATS_KEY: stats}
+            )
 
 
 class RagKVRetriever(BaseRetriever):
@@ -296,12 +368,23 @@ class RagKVRetriever(BaseRetriever):
     engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV to retrieve from")
     k: int | None = Field(default=None, ge=1)
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
-                                k: int | None = None) -> list[Document]:
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
+    ) -> list[Document]:
         engine = self.engine if self.engine is not None else _bridge.default_engine()
         chunks = engine.retrieve(query, k or self.k)
         register_texts(engine, [c.text for c in chunks])
-        return [Document(page_content=c.text, id=c.chunk_id,
-                         metadata={"source": c.source, "ordinal": c.ordinal, "score": c.score, "doc_id": c.doc_id,
-                                   "chunk_id": c.chunk_id})
-                for c in chunks]
+        return [
+            Document(
+                page_content=c.text,
+                id=c.chunk_id,
+                metadata={
+                    "source": c.source,
+                    "ordinal": c.ordinal,
+                    "score": c.score,
+                    "doc_id": c.doc_id,
+                    "chunk_id": c.chunk_id,
+                },
+            )
+            for c in chunks
+        ]

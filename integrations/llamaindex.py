@@ -55,8 +55,12 @@ from ragkv.integrations._llamaindex_stats import current_sinks, install, record
 
 __all__ = ["RagKVEmbedding", "RagKVLLM", "RagKVNodePostprocessor", "RagKVRetriever"]
 
-_ROLES = {MessageRole.DEVELOPER: "system", MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
-          MessageRole.FUNCTION: "tool"}
+_ROLES = {
+    MessageRole.DEVELOPER: "system",
+    MessageRole.CHATBOT: "assistant",
+    MessageRole.MODEL: "assistant",
+    MessageRole.FUNCTION: "tool",
+}
 _GEN_KEYS = frozenset(GenerationConfig.__dataclass_fields__)
 
 
@@ -96,17 +100,26 @@ class RagKVLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         adapter = self.engine.adapter
-        return LLMMetadata(context_window=adapter.spec.max_context, num_output=self.max_new_tokens,
-                           is_chat_model=bool(getattr(adapter.tokenizer, "chat_template", None)),
-                           model_name=adapter.name)
+        return LLMMetadata(
+            context_window=adapter.spec.max_context,
+            num_output=self.max_new_tokens,
+            is_chat_model=bool(getattr(adapter.tokenizer, "chat_template", None)),
+            model_name=adapter.name,
+        )
 
     # ---- prompts and generation ----------------------------------------------------------------
     def _generation(self, kwargs: dict[str, Any]) -> GenerationConfig:
         over = {k: v for k, v in kwargs.items() if k in _GEN_KEYS and v is not None}
         if "stop" in over:
             over["stop"] = tuple(over["stop"])
-        base = dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, stop=tuple(self.stop), seed=self.seed)
+        base = dict(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop=tuple(self.stop),
+            seed=self.seed,
+        )
         return GenerationConfig(**{**base, **over})
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
@@ -150,8 +163,7 @@ class RagKVLLM(CustomLLM):
         return CompletionResponse(text=text, additional_kwargs={_bridge.STATS_KEY: stats})
 
     @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False,
-                               **kwargs: Any) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         deltas = self._deltas(self._completion_prompt(prompt, formatted), kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
@@ -197,8 +209,11 @@ def _completion_gen(deltas: Iterator[tuple[str, dict[str, Any] | None]]) -> Comp
 
 
 def _chat_response(text: str, delta: str | None, stats: dict[str, Any] | None) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                        additional_kwargs={_bridge.STATS_KEY: stats} if stats is not None else {})
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+        delta=delta,
+        additional_kwargs={_bridge.STATS_KEY: stats} if stats is not None else {},
+    )
 
 
 def _chat_gen(deltas: Iterator[tuple[str, dict[str, Any] | None]]) -> ChatResponseGen:
@@ -236,8 +251,9 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
     def class_name(cls) -> str:
         return "RagKVNodePostprocessor"
 
-    def _postprocess_nodes(self, nodes: list[NodeWithScore],
-                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
         texts = _node_texts(nodes)
         if self.warm_caches:
             _bridge.warm(self.engine, texts)
@@ -245,8 +261,9 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
             _bridge.engine_state(self.engine).registry.add(texts)
         return nodes
 
-    async def _apostprocess_nodes(self, nodes: list[NodeWithScore],
-                                  query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+    async def _apostprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
         return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)
 
 
@@ -274,8 +291,13 @@ class RagKVRetriever(BaseRetriever):
         nodes = []
         for c in chunks:
             meta = {"source": c.source, "ordinal": c.ordinal, "doc_id": c.doc_id}
-            node = TextNode(id_=c.chunk_id, text=c.text, metadata=meta, excluded_llm_metadata_keys=list(meta),
-                            excluded_embed_metadata_keys=list(meta))
+            node = TextNode(
+                id_=c.chunk_id,
+                text=c.text,
+                metadata=meta,
+                excluded_llm_metadata_keys=list(meta),
+                excluded_embed_metadata_keys=list(meta),
+            )
             nodes.append(NodeWithScore(node=node, score=c.score))
         _bridge.engine_state(self.engine).registry.add(_node_texts(nodes))
         return nodes

@@ -13,8 +13,11 @@ import typer
 
 from ragkv.errors import RagkvError
 
-app = typer.Typer(help="Precomputed, compressed, shared KV caches for RAG with local models.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Precomputed, compressed, shared KV caches for RAG with local models.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -27,21 +30,35 @@ Fusion = Annotated[str | None, typer.Option("--fusion", help="Fusion method (nai
 Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
 
 
-def _engine(data_dir: Path | None, model: str, store: str | None, catalog: str | None, tenant: str,
-            fusion: str | None = None, ratio: float | None = None, top_k: int | None = None) -> Any:
+def _engine(
+    data_dir: Path | None,
+    model: str,
+    store: str | None,
+    catalog: str | None,
+    tenant: str,
+    fusion: str | None = None,
+    ratio: float | None = None,
+    top_k: int | None = None,
+) -> Any:
     from dataclasses import replace
 
     from ragkv.engine import EngineConfig, RagKV, default_data_dir
 
     store = store or os.environ.get("RAGKV_STORE")
     fcfg = EngineConfig().fusion
-    if fusion or ratio is not None:
-        fcfg = replace(fcfg, **{k: v for k, v in (("method", fusion), ("ratio", ratio)) if v is not None})
+    if fusion:
+        fcfg = replace(fcfg, method=fusion)
+    if ratio is not None:
+        fcfg = replace(fcfg, ratio=ratio)
     kwargs: dict[str, Any] = {"top_k": top_k} if top_k else {}
     cfg = EngineConfig(
-        data_dir=data_dir or default_data_dir(), model=model,
+        data_dir=data_dir or default_data_dir(),
+        model=model,
         store=tuple(u for u in (store or "").split(",") if u.strip()),
-        catalog=catalog or os.environ.get("RAGKV_CATALOG"), tenant=tenant, fusion=fcfg, **kwargs,
+        catalog=catalog or os.environ.get("RAGKV_CATALOG"),
+        tenant=tenant,
+        fusion=fcfg,
+        **kwargs,
     )
     return RagKV(cfg)
 
@@ -49,22 +66,32 @@ def _engine(data_dir: Path | None, model: str, store: str | None, catalog: str |
 @app.command()
 def index(
     paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
-    data_dir: DataDir = None, model: Model = "smollm2-135m", store: Store = None, catalog: CatalogUrl = None,
+    data_dir: DataDir = None,
+    model: Model = "smollm2-135m",
+    store: Store = None,
+    catalog: CatalogUrl = None,
     tenant: Tenant = "default",
 ) -> None:
     """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing)."""
     with _engine(data_dir, model, store, catalog, tenant) as engine:
         r = engine.index([str(p) for p in paths])
-    typer.echo(f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
-               f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
-               f"in {r.seconds:.1f} s")
+    typer.echo(
+        f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
+        f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
+        f"in {r.seconds:.1f} s"
+    )
 
 
 @app.command()
 def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
-    data_dir: DataDir = None, model: Model = "smollm2-135m", store: Store = None, catalog: CatalogUrl = None,
-    tenant: Tenant = "default", fusion: Fusion = None, ratio: Ratio = None,
+    data_dir: DataDir = None,
+    model: Model = "smollm2-135m",
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = "default",
+    fusion: Fusion = None,
+    ratio: Ratio = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve.")] = None,
     full: Annotated[bool, typer.Option("--full", help="Prefill everything instead of reusing caches.")] = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
@@ -74,8 +101,9 @@ def ask(
     from ragkv.generation import GenerationConfig
 
     with _engine(data_dir, model, store, catalog, tenant, fusion, ratio, top_k) as engine:
-        stream = engine.stream(question, mode="full" if full else "reuse",
-                               generation=GenerationConfig(max_new_tokens=max_new_tokens))
+        stream = engine.stream(
+            question, mode="full" if full else "reuse", generation=GenerationConfig(max_new_tokens=max_new_tokens)
+        )
         for delta in stream:
             if not as_json:
                 typer.echo(delta, nl=False)
@@ -86,14 +114,19 @@ def ask(
         return
     s = res.stats
     typer.echo("\n\nsources: " + ", ".join(f"{x['source']}#{x['chunk']}" for x in sources))
-    typer.echo(f"TTFT {s.ttft_ms:.0f} ms | prompt {s.prompt_tokens} tokens | reused {s.reused_tokens}, "
-               f"recomputed {s.recomputed_tokens}, prefilled {s.prefilled_chunk_tokens} chunk tokens | "
-               f"{s.bytes_loaded / 1e6:.1f} MB loaded")
+    typer.echo(
+        f"TTFT {s.ttft_ms:.0f} ms | prompt {s.prompt_tokens} tokens | reused {s.reused_tokens}, "
+        f"recomputed {s.recomputed_tokens}, prefilled {s.prefilled_chunk_tokens} chunk tokens | "
+        f"{s.bytes_loaded / 1e6:.1f} MB loaded"
+    )
 
 
 @app.command()
 def demo(
-    data_dir: DataDir = None, model: Model = "smollm2-135m", fusion: Fusion = None, ratio: Ratio = None,
+    data_dir: DataDir = None,
+    model: Model = "smollm2-135m",
+    fusion: Fusion = None,
+    ratio: Ratio = None,
     questions: Annotated[int, typer.Option("--questions", help="How many demo questions to ask.")] = 4,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
 ) -> None:
@@ -115,10 +148,14 @@ def demo(
             full = engine.answer(q, chunks=chunks, mode="full", generation=gen)
             rows.append((reuse.stats.ttft_ms, full.stats.ttft_ms))
             s = reuse.stats
-            typer.echo(f"Q: {q}\n   sources: {', '.join(f'{c.source}#{c.ordinal}' for c in chunks)}"
-                       f" ({s.prompt_tokens} prompt tokens)")
-            typer.echo(f"   reuse [{s.fusion}, recomputed {s.recomputed_tokens}/{s.reused_tokens + s.recomputed_tokens}"
-                       f" chunk tokens] TTFT {s.ttft_ms:7.0f} ms: {reuse.text!r}")
+            typer.echo(
+                f"Q: {q}\n   sources: {', '.join(f'{c.source}#{c.ordinal}' for c in chunks)}"
+                f" ({s.prompt_tokens} prompt tokens)"
+            )
+            typer.echo(
+                f"   reuse [{s.fusion}, recomputed {s.recomputed_tokens}/{s.reused_tokens + s.recomputed_tokens}"
+                f" chunk tokens] TTFT {s.ttft_ms:7.0f} ms: {reuse.text!r}"
+            )
             typer.echo(f"   full prefill                      TTFT {full.stats.ttft_ms:7.0f} ms: {full.text!r}\n")
     mean_r = sum(a for a, _ in rows) / len(rows)
     mean_f = sum(b for _, b in rows) / len(rows)
@@ -127,21 +164,29 @@ def demo(
 
 @app.command()
 def stats(
-    data_dir: DataDir = None, store: Store = None, catalog: CatalogUrl = None, tenant: Tenant = "default",
+    data_dir: DataDir = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = "default",
 ) -> None:
     """Show catalog contents and per-tier store statistics."""
     from ragkv.cache.catalog import Catalog
     from ragkv.cache.store import open_store
     from ragkv.engine import EngineConfig, default_data_dir
 
-    cfg = EngineConfig(data_dir=data_dir or default_data_dir(),
-                       store=tuple(u for u in (store or os.environ.get("RAGKV_STORE") or "").split(",") if u),
-                       catalog=catalog or os.environ.get("RAGKV_CATALOG"), tenant=tenant)
+    cfg = EngineConfig(
+        data_dir=data_dir or default_data_dir(),
+        store=tuple(u for u in (store or os.environ.get("RAGKV_STORE") or "").split(",") if u),
+        catalog=catalog or os.environ.get("RAGKV_CATALOG"),
+        tenant=tenant,
+    )
     cat = Catalog(cfg.catalog_url())
     docs, entries = cat.documents(tenant), cat.entries(tenant)
-    typer.echo(f"catalog {cfg.catalog_url()}: {len(docs)} documents, {sum(d.num_chunks for d in docs)} chunks, "
-               f"{len(entries)} cache entries ({sum(e.nbytes for e in entries) / 1e6:.1f} MB, "
-               f"{sum(e.num_tokens for e in entries)} tokens), reused {sum(e.hits for e in entries)} times")
+    typer.echo(
+        f"catalog {cfg.catalog_url()}: {len(docs)} documents, {sum(d.num_chunks for d in docs)} chunks, "
+        f"{len(entries)} cache entries ({sum(e.nbytes for e in entries) / 1e6:.1f} MB, "
+        f"{sum(e.num_tokens for e in entries)} tokens), reused {sum(e.hits for e in entries)} times"
+    )
     st = open_store(cfg.store_urls())
     typer.echo(f"{'tier':<40}{'entries':>9}{'MB':>9}{'hits':>7}{'misses':>8}{'evictions':>10}{'errors':>8}")
     for name, s in st.stats().items():
@@ -181,17 +226,21 @@ JsonOut = Annotated[Path | None, typer.Option("--json", help="Write result rows 
 
 
 @bench_app.command("fusion")
-def bench_fusion(prompts: Prompts = None, model: Model = "smollm2-135m", out: JsonOut = None,
-                 limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
-                 methods: Annotated[str | None, typer.Option("--methods", help="method:ratio,... to run")] = None,
-                 plot: Annotated[Path | None, typer.Option("--plot", help="Save a KL vs TTFT plot here.")] = None,
-                 ) -> None:
+def bench_fusion(
+    prompts: Prompts = None,
+    model: Model = "smollm2-135m",
+    out: JsonOut = None,
+    limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
+    methods: Annotated[str | None, typer.Option("--methods", help="method:ratio,... to run")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save a KL vs TTFT plot here.")] = None,
+) -> None:
     """Fidelity and TTFT of fusion methods against full prefill."""
     from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
     from ragkv.model import load_model
 
-    rows = run_fusion_bench(load_model(model), _load_prompts(prompts), parse_grid(methods) if methods else DEFAULT_GRID,
-                            limit=limit)
+    rows = run_fusion_bench(
+        load_model(model), _load_prompts(prompts), parse_grid(methods) if methods else DEFAULT_GRID, limit=limit
+    )
     typer.echo(format_table(rows))
     _write_rows(rows, out)
     if plot:
@@ -199,10 +248,13 @@ def bench_fusion(prompts: Prompts = None, model: Model = "smollm2-135m", out: Js
 
 
 @bench_app.command("codec")
-def bench_codec(prompts: Prompts = None, model: Model = "smollm2-135m", out: JsonOut = None,
-                limit: Annotated[int, typer.Option("--limit")] = 6,
-                plot: Annotated[Path | None, typer.Option("--plot", help="Save a size vs KL plot here.")] = None,
-                ) -> None:
+def bench_codec(
+    prompts: Prompts = None,
+    model: Model = "smollm2-135m",
+    out: JsonOut = None,
+    limit: Annotated[int, typer.Option("--limit")] = 6,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save a size vs KL plot here.")] = None,
+) -> None:
     """Size, fidelity and speed of every codec and level."""
     from ragkv.bench.codec import format_table, plot_rows, run_codec_bench
     from ragkv.bench.fusion import builtin_prompts
@@ -218,13 +270,17 @@ def bench_codec(prompts: Prompts = None, model: Model = "smollm2-135m", out: Jso
 
 
 @bench_app.command("store")
-def bench_store(store: Annotated[str, typer.Option("--store", help="Tier URLs, comma-separated.")] = "memory://",
-                out: JsonOut = None,
-                model: Annotated[str | None, typer.Option("--model", help="Also time assembling k chunks' caches "
-                                                          "from each tier against prefilling them.")] = None,
-                k: Annotated[int, typer.Option("--k", help="Chunks to assemble.")] = 4,
-                codec_name: Annotated[str, typer.Option("--codec")] = "raw",
-                level: Annotated[int, typer.Option("--level")] = 0) -> None:
+def bench_store(
+    store: Annotated[str, typer.Option("--store", help="Tier URLs, comma-separated.")] = "memory://",
+    out: JsonOut = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Also time assembling k chunks' caches from each tier against prefilling them."),
+    ] = None,
+    k: Annotated[int, typer.Option("--k", help="Chunks to assemble.")] = 4,
+    codec_name: Annotated[str, typer.Option("--codec")] = "raw",
+    level: Annotated[int, typer.Option("--level")] = 0,
+) -> None:
     """Put/get throughput and latency per tier for chunk-sized blobs (and assembly vs prefill)."""
     from ragkv.bench.store import format_table, run_store_bench
 
@@ -243,8 +299,9 @@ def bench_store(store: Annotated[str, typer.Option("--store", help="Tier URLs, c
 
 def main() -> None:
     """Entry point: friendly one-line errors for ragkv's own errors and bad arguments."""
-    logging.basicConfig(level=os.environ.get("RAGKV_LOG", "WARNING").upper(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("RAGKV_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:

@@ -75,8 +75,9 @@ class RagKV:
         embedder: an embedder object (skips loading ``config.embedder``).
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, adapter: ModelAdapter | None = None,
-                 embedder: Any = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, *, adapter: ModelAdapter | None = None, embedder: Any = None
+    ) -> None:
         from ragkv.cache.catalog import Catalog
         from ragkv.cache.store import open_store
         from ragkv.retriever.chunker import ChunkerConfig
@@ -99,11 +100,20 @@ class RagKV:
         if (self.config.codec, self.config.level) not in levels:
             levels = (*levels, (self.config.codec, self.config.level))
         self.retriever = KVRetriever(
-            self.adapter, self.store, self.catalog, index, self.embedder,
-            RetrieverConfig(top_k=self.config.top_k, codec=self.config.codec, level=self.config.level,
-                            index_levels=levels, tenant=self.config.tenant, system=self.config.system,
-                            chunker=ChunkerConfig(min_tokens=self.config.min_chunk_tokens,
-                                                  max_tokens=self.config.max_chunk_tokens)),
+            self.adapter,
+            self.store,
+            self.catalog,
+            index,
+            self.embedder,
+            RetrieverConfig(
+                top_k=self.config.top_k,
+                codec=self.config.codec,
+                level=self.config.level,
+                index_levels=levels,
+                tenant=self.config.tenant,
+                system=self.config.system,
+                chunker=ChunkerConfig(min_tokens=self.config.min_chunk_tokens, max_tokens=self.config.max_chunk_tokens),
+            ),
         )
 
     # ---- indexing ---------------------------------------------------------------------------
@@ -123,8 +133,15 @@ class RagKV:
         return self.retriever.retrieve(question, k)
 
     # ---- answering ----------------------------------------------------------------------------
-    def answer(self, question: str, *, mode: str = "reuse", chunks: Sequence[Chunk] | None = None,
-               generation: GenerationConfig | None = None, fusion: FusionConfig | None = None) -> GenerationResult:
+    def answer(
+        self,
+        question: str,
+        *,
+        mode: str = "reuse",
+        chunks: Sequence[Chunk] | None = None,
+        generation: GenerationConfig | None = None,
+        fusion: FusionConfig | None = None,
+    ) -> GenerationResult:
         """Retrieve (unless ``chunks`` are given) and answer ``question``.
 
         ``mode="reuse"`` loads and fuses chunk caches; ``mode="full"`` prefills the same prompt from
@@ -135,8 +152,15 @@ class RagKV:
             pass
         return stream.result
 
-    def stream(self, question: str, *, mode: str = "reuse", chunks: Sequence[Chunk] | None = None,
-               generation: GenerationConfig | None = None, fusion: FusionConfig | None = None) -> AnswerStream:
+    def stream(
+        self,
+        question: str,
+        *,
+        mode: str = "reuse",
+        chunks: Sequence[Chunk] | None = None,
+        generation: GenerationConfig | None = None,
+        fusion: FusionConfig | None = None,
+    ) -> AnswerStream:
         """Like :meth:`answer`, yielding text as it is generated; ``.result`` holds the final result."""
         if mode not in ("reuse", "full"):
             raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
@@ -149,9 +173,15 @@ class RagKV:
         inner = self.generate_stream(texts, question, mode=mode, generation=gen, fusion=fusion)
         return AnswerStream(inner, sources=tuple(chunks), retrieval_ms=retrieval_ms)
 
-    def generate_stream(self, chunk_texts: Sequence[str], question: str, *, mode: str = "reuse",
-                        generation: GenerationConfig | None = None, fusion: FusionConfig | None = None,
-                        ) -> Iterator[tuple[str, GenerationStats | None]]:
+    def generate_stream(
+        self,
+        chunk_texts: Sequence[str],
+        question: str,
+        *,
+        mode: str = "reuse",
+        generation: GenerationConfig | None = None,
+        fusion: FusionConfig | None = None,
+    ) -> Iterator[tuple[str, GenerationStats | None]]:
         """Answer ``question`` over the given chunk texts in ragkv's prompt layout.
 
         Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``. Chunks found in the
@@ -161,8 +191,13 @@ class RagKV:
         middle = [(list(self.retriever.chunk_token_ids(t)), True) for t in chunk_texts]
         return self._generate(self.retriever.prefix_ids, middle, suffix, mode, generation, fusion)
 
-    def generate_segments(self, segments: Sequence[str | CachedText], *, generation: GenerationConfig | None = None,
-                          fusion: FusionConfig | None = None) -> Iterator[tuple[str, GenerationStats | None]]:
+    def generate_segments(
+        self,
+        segments: Sequence[str | CachedText],
+        *,
+        generation: GenerationConfig | None = None,
+        fusion: FusionConfig | None = None,
+    ) -> Iterator[tuple[str, GenerationStats | None]]:
         """Generate from a whole prompt given as segments (what the framework integrations call).
 
         The prompt is the concatenation of ``segments`` (chat special tokens included). Plain
@@ -176,8 +211,10 @@ class RagKV:
             return self._generate([], [], self.adapter.encode("".join(segs)), "full", generation, fusion)  # type: ignore[arg-type]
         first, last = cached_at[0], cached_at[-1]
         prefix = self.adapter.encode("".join(segs[:first])) if first else []  # type: ignore[arg-type]
-        middle = [(self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
-                  for s in segs[first : last + 1]]
+        middle = [
+            (self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
+            for s in segs[first : last + 1]
+        ]
         suffix = self.adapter.encode("".join(segs[last + 1 :]))  # type: ignore[arg-type]
         if not suffix:
             raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
@@ -192,9 +229,15 @@ class RagKV:
                 computed += self.retriever.ensure(ids)
         return computed
 
-    def _generate(self, prefix: list[int], middle: list[tuple[list[int], bool]], suffix: list[int], mode: str,
-                  generation: GenerationConfig | None, fusion: FusionConfig | None,
-                  ) -> Iterator[tuple[str, GenerationStats | None]]:
+    def _generate(
+        self,
+        prefix: list[int],
+        middle: list[tuple[list[int], bool]],
+        suffix: list[int],
+        mode: str,
+        generation: GenerationConfig | None,
+        fusion: FusionConfig | None,
+    ) -> Iterator[tuple[str, GenerationStats | None]]:
         """The query path: prefix | middle segments (cached or not) | suffix -> streamed answer."""
         gen = generation or GenerationConfig()
         fusion = fusion or self.config.fusion
@@ -223,8 +266,14 @@ class RagKV:
         stats.total_ms = (time.perf_counter() - t0) * 1000
         yield "", stats
 
-    def _fused_prefill(self, prefix: list[int], middle: list[tuple[list[int], bool]], suffix: list[int],
-                       fusion: FusionConfig, stats: GenerationStats) -> tuple[Any, torch.Tensor]:
+    def _fused_prefill(
+        self,
+        prefix: list[int],
+        middle: list[tuple[list[int], bool]],
+        suffix: list[int],
+        fusion: FusionConfig,
+        stats: GenerationStats,
+    ) -> tuple[Any, torch.Tensor]:
         prefix_kv = self._prefix_kv(prefix)
         loaded: list[ChunkKV] = []
         hit_tokens = 0
@@ -241,8 +290,9 @@ class RagKV:
             else:
                 stats.cache_misses += 1
                 stats.prefilled_chunk_tokens += len(seg)
-        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix,
-                          forced=[not cached for _, cached in middle])
+        inp = FusionInput(
+            prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=[not cached for _, cached in middle]
+        )
         fused = fuse(self.adapter, inp, fusion)
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
@@ -279,8 +329,9 @@ class RagKV:
 class AnswerStream:
     """Iterates text deltas of an answer; after exhaustion ``.result`` is the ``GenerationResult``."""
 
-    def __init__(self, inner: Iterator[tuple[str, GenerationStats | None]], sources: tuple[Chunk, ...],
-                 retrieval_ms: float) -> None:
+    def __init__(
+        self, inner: Iterator[tuple[str, GenerationStats | None]], sources: tuple[Chunk, ...], retrieval_ms: float
+    ) -> None:
         self._inner, self.sources, self.retrieval_ms = inner, sources, retrieval_ms
         self._parts: list[str] = []
         self._result: GenerationResult | None = None
@@ -299,4 +350,3 @@ class AnswerStream:
         if self._result is None:
             raise RuntimeError("iterate the stream to the end before reading .result")
         return self._result
-

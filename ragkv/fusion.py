@@ -108,16 +108,18 @@ def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = 
             pos = slots_dev[active]
             mask = adapter.causal_mask(pos, kv.num_tokens, hidden.dtype)
             pe = adapter.position_embeddings(pos, hidden)
+        assert pos is not None and mask is not None and pe is not None
         if layer in checks:
-            old_k = cache.layers[layer].keys[:, :, pos].clone()
-            old_v = cache.layers[layer].values[:, :, pos].clone()
+            layer_k, layer_v = cache.layer_kv(layer)
+            old_k, old_v = layer_k[:, :, pos].clone(), layer_v[:, :, pos].clone()
         hidden = adapter.run_layer(layer, hidden, pos, cache, pe, mask)
         if layer in checks:
+            layer_k, layer_v = cache.layer_kv(layer)
             state.observe(
                 layer,
                 active,
-                k_dev=_deviation(cache.layers[layer].keys[:, :, pos], old_k),
-                v_dev=_deviation(cache.layers[layer].values[:, :, pos], old_v),
+                k_dev=_deviation(layer_k[:, :, pos], old_k),
+                v_dev=_deviation(layer_v[:, :, pos], old_v),
             )
             is_forced = torch.isin(active, forced)
             state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
@@ -129,8 +131,14 @@ def fuse(adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = 
                 break
     # the scatter cache's layers are views of `keys`/`values`: they already hold the fused K/V
     recomputed = int(active.numel()) - int(forced.numel())
-    return FusedContext(_to_dynamic(adapter, keys, values), kv.num_tokens, recomputed, n_chunk,
-                        forced_tokens=int(forced.numel()), selected=slots[active.cpu()])
+    return FusedContext(
+        _to_dynamic(adapter, keys, values),
+        kv.num_tokens,
+        recomputed,
+        n_chunk,
+        forced_tokens=int(forced.numel()),
+        selected=slots[active.cpu()],
+    )
 
 
 def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

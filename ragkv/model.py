@@ -103,7 +103,8 @@ class _ScatterLayer(CacheLayerMixin):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
-        self.keys, self.values = keys, values  # [1, kv_heads, tokens, head_dim]
+        self.keys: torch.Tensor = keys  # [1, kv_heads, tokens, head_dim]
+        self.values: torch.Tensor = values
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
         self.write_slots: torch.Tensor | None = None  # [q] slots the next update writes
@@ -140,10 +141,24 @@ class ScatterCache(Cache):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         # keys/values: [layers, kv_heads, tokens, head_dim]; each layer gets a [1, H, T, D] view
         layers = [_ScatterLayer(keys[i].unsqueeze(0), values[i].unsqueeze(0)) for i in range(keys.shape[0])]
-        super().__init__(layers=layers)
+        super().__init__(layers=list[Any](layers))
+        self._scatter_layers = layers
 
     def set_write_slots(self, layer_idx: int, slots: torch.Tensor) -> None:
-        self.layers[layer_idx].write_slots = slots
+        self._scatter_layers[layer_idx].write_slots = slots
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s whole-context keys and values, [1, kv_heads, tokens, head_dim] each."""
+        layer = self._scatter_layers[layer_idx]
+        return layer.keys, layer.values
+
+
+def _layer_tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention cache layer's keys and values (the adapter refuses linear-attention layers)."""
+    keys, values = layer.keys, layer.values
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise RuntimeError(f"cache layer {type(layer).__name__} holds no keys/values yet")
+    return keys, values
 
 
 def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
@@ -177,8 +192,15 @@ class AttentionProbe:
 _ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("ragkv_attention_probe", default=None)
 
 
-def _probe_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any):
+def _probe_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: Any,
+):
     """Eager attention that also records probabilities (registered as ``ragkv_probe``)."""
     # query: [1, Hq, q, D]; key/value: [1, Hkv, kv, D]
     groups = query.shape[1] // key.shape[1]
@@ -330,8 +352,12 @@ class ModelAdapter:
         plain = (k_rot * cos_p - _rotate_half(k_rot) * sin_p) / (cos_p * cos_p + sin_p * sin_p)
         moved = plain * cos_q + _rotate_half(plain) * sin_q
         keys = torch.cat([moved, k_pass], dim=-1).to(kv.keys.dtype)
-        return ChunkKV(keys=keys, values=kv.values, positions=target.to(kv.positions.device),
-                       model_fingerprint=kv.model_fingerprint)
+        return ChunkKV(
+            keys=keys,
+            values=kv.values,
+            positions=target.to(kv.positions.device),
+            model_fingerprint=kv.model_fingerprint,
+        )
 
     # ---- caches -----------------------------------------------------------------------------
     def _check_kv(self, kv: ChunkKV) -> None:
@@ -367,13 +393,15 @@ class ModelAdapter:
     def crop_cache(cache: Cache, num_tokens: int) -> None:
         """Drop everything after the first ``num_tokens`` slots of every layer (in place)."""
         for layer in cache.layers:
-            layer.keys = layer.keys[..., :num_tokens, :]
-            layer.values = layer.values[..., :num_tokens, :]
+            keys, values = _layer_tensors(layer)
+            layer.keys = keys[..., :num_tokens, :]  # type: ignore[union-attr]
+            layer.values = values[..., :num_tokens, :]  # type: ignore[union-attr]
 
     @staticmethod
     def cache_to_kv(cache: Cache, start: int, end: int, fingerprint: str) -> ChunkKV:
-        keys = torch.stack([layer.keys[0, :, start:end] for layer in cache.layers])
-        values = torch.stack([layer.values[0, :, start:end] for layer in cache.layers])
+        kv = [_layer_tensors(layer) for layer in cache.layers]
+        keys = torch.stack([k[0, :, start:end] for k, _ in kv])
+        values = torch.stack([v[0, :, start:end] for _, v in kv])
         return ChunkKV(keys=keys, values=values, positions=torch.arange(start, end), model_fingerprint=fingerprint)
 
     @torch.no_grad()

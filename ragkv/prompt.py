@@ -14,8 +14,7 @@ from typing import Any
 __all__ = ["PromptLayout", "DEFAULT_SYSTEM"]
 
 DEFAULT_SYSTEM = (
-    "You are a helpful assistant. Answer the question using only the documents given. "
-    "Be brief and precise."
+    "You are a helpful assistant. Answer the question using only the documents given. Be brief and precise."
 )
 _SENTINEL = "\x00RAGKV_CONTENT\x00"
 
@@ -39,8 +38,9 @@ class PromptLayout:
             before, after = rendered.split(_SENTINEL)
             return cls(prefix=before + preamble, chunk_end="\n\n", question_start="Question: ", suffix_end=after)
         bos = tokenizer.bos_token or ""
-        return cls(prefix=f"{bos}{system}\n\n{preamble}", chunk_end="\n\n", question_start="Question: ",
-                   suffix_end="\nAnswer:")
+        return cls(
+            prefix=f"{bos}{system}\n\n{preamble}", chunk_end="\n\n", question_start="Question: ", suffix_end="\nAnswer:"
+        )
 
     def chunk_text(self, text: str) -> str:
         """The exact text a chunk contributes to the prompt: stripped (frameworks strip node text

@@ -52,8 +52,14 @@ def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+        return {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "float16": torch.float16,
+            "fp16": torch.float16,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+        }[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16") from None
 

@@ -65,8 +65,7 @@ class ChunkerConfig:
             raise ValueError(f"ChunkerConfig.max_tokens must be >= 1; got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
-                f"ChunkerConfig.min_tokens must be in [0, max_tokens={self.max_tokens}]; "
-                f"got {self.min_tokens}"
+                f"ChunkerConfig.min_tokens must be in [0, max_tokens={self.max_tokens}]; got {self.min_tokens}"
             )
         if not 0 <= self.overlap_tokens < self.max_tokens:
             raise ValueError(
@@ -143,9 +142,7 @@ class Chunker:
         self._cut(text, 0, len(text), 0, _END, limit, out)
         return out
 
-    def _cut(
-        self, text: str, start: int, end: int, level: int, boundary: int, limit: int, out: list[_Piece]
-    ) -> None:
+    def _cut(self, text: str, start: int, end: int, level: int, boundary: int, limit: int, out: list[_Piece]) -> None:
         """Append the pieces of ``text[start:end]``, splitting at ``_LEVELS[level]`` and finer."""
         if level == len(_LEVELS):
             self._cut_chars(text, start, end, boundary, limit, out)
@@ -160,9 +157,7 @@ class Chunker:
             else:
                 self._cut(text, s, e, level + 1, after, limit, out)
 
-    def _cut_chars(
-        self, text: str, start: int, end: int, boundary: int, limit: int, out: list[_Piece]
-    ) -> None:
+    def _cut_chars(self, text: str, start: int, end: int, boundary: int, limit: int, out: list[_Piece]) -> None:
         """Last resort: the longest character prefixes within ``limit``, found by bisection."""
         pos = start
         while pos < end:

@@ -50,9 +50,7 @@ _SECTION = re.compile(r"^([A-Z][A-Z ]*[A-Z])$")
 _ADDRESS = re.compile(r" at 0x[0-9A-Fa-f]+")
 
 
-def stdlib_corpus(
-    modules: Sequence[str] = DEFAULT_MODULES, max_chars_per_module: int | None = None
-) -> list[Document]:
+def stdlib_corpus(modules: Sequence[str] = DEFAULT_MODULES, max_chars_per_module: int | None = None) -> list[Document]:
     """Documents built from standard-library modules' pydoc text.
 
     Args:
@@ -74,9 +72,7 @@ def stdlib_corpus(
         try:
             module = importlib.import_module(name)
         except ImportError as e:
-            raise ValueError(
-                f"cannot import module {name!r} for the corpus ({e}); pass importable names"
-            ) from e
+            raise ValueError(f"cannot import module {name!r} for the corpus ({e}); pass importable names") from e
         text = clean_pydoc(pydoc.render_doc(module, renderer=pydoc.plaintext))  # type: ignore[attr-defined]
         if max_chars_per_module is not None and len(text) > max_chars_per_module:
             text = _truncate(text, max_chars_per_module)

@@ -140,9 +140,7 @@ def _file_digest(path: Path) -> str:
 def _directory_digest(root: Path) -> str:
     """Digest of the non-hidden files under ``root`` (relative names and contents)."""
     files = sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
+        p for p in root.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
     )
     return fields_digest([(p.relative_to(root).as_posix(), _file_digest(p)) for p in files])
 
@@ -195,14 +193,10 @@ class SentenceTransformerEmbedder:
         """Embedding size (loads the model on first use)."""
         model = self._load()
         # sentence-transformers 5.x renamed get_sentence_embedding_dimension; accept both.
-        get_dim: Any = (
-            getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
-        )
+        get_dim: Any = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
         dim = get_dim()
         if dim is None:
-            raise ValueError(
-                f"{self.model_name!r} does not declare an embedding dimension; use another model"
-            )
+            raise ValueError(f"{self.model_name!r} does not declare an embedding dimension; use another model")
         return int(dim)
 
     @property

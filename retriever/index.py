@@ -114,9 +114,7 @@ class FaissIndex:
         id_arr = self._check_ids(ids)
         vecs = np.asarray(vectors, dtype=np.float32)
         if vecs.ndim != 2 or vecs.shape != (len(id_arr), self.dim):
-            raise ValueError(
-                f"vectors must be [len(ids)={len(id_arr)}, dim={self.dim}]; got {tuple(vecs.shape)}"
-            )
+            raise ValueError(f"vectors must be [len(ids)={len(id_arr)}, dim={self.dim}]; got {tuple(vecs.shape)}")
         if not np.isfinite(vecs).all():
             raise ValueError("vectors contain NaN or infinity; check the embedder's output")
         if len(set(id_arr.tolist())) != len(id_arr):
@@ -240,15 +238,11 @@ class FaissIndex:
         try:
             raw = faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
         except Exception as e:  # faiss raises RuntimeError with a C++ message
-            raise RagkvError(
-                f"{path} is not a readable FAISS index ({e}); delete it and re-index the documents"
-            ) from e
+            raise RagkvError(f"{path} is not a readable FAISS index ({e}); delete it and re-index the documents") from e
         if raw.d != dim:
             raise _mismatch(path, f"dim {raw.d}, this one has dim {dim}")
         if not isinstance(raw, faiss.IndexIDMap2):
-            raise RagkvError(
-                f"{path} holds a {type(raw).__name__}, not a ragkv index; delete it and re-index"
-            )
+            raise RagkvError(f"{path} holds a {type(raw).__name__}, not a ragkv index; delete it and re-index")
         index = cls(dim, path, fingerprint=fingerprint if fingerprint is not None else (stored_fp or ""))
         index._index = raw
         index._ids = {int(i) for i in faiss.vector_to_array(raw.id_map)}

@@ -136,8 +136,12 @@ class KVRetriever:
                 continue
             todo.append((doc, digest))
         chunked = [(doc, digest, self._chunk(doc, digest)) for doc, digest in todo]  # cheap next to prefill
-        bar = tqdm(total=sum(len(c) for _, _, c in chunked), desc="indexing chunks", unit="chunk",
-                   disable=not progress or not todo)
+        bar = tqdm(
+            total=sum(len(c) for _, _, c in chunked),
+            desc="indexing chunks",
+            unit="chunk",
+            disable=not progress or not todo,
+        )
         for doc, digest, chunks in chunked:
             for chunk in chunks:  # caches first: a killed run leaves them reusable, never half-visible
                 computed, nbytes = self._ensure_stored(chunk.token_ids)
@@ -145,8 +149,14 @@ class KVRetriever:
                 report.reused += not computed
                 report.bytes_stored += nbytes
                 bar.update(1)
-            record = DocumentRecord(doc_id=chunks[0].doc_id, tenant=tenant, source=doc.source,
-                                    content_digest=digest, title=doc.title, num_chunks=len(chunks))
+            record = DocumentRecord(
+                doc_id=chunks[0].doc_id,
+                tenant=tenant,
+                source=doc.source,
+                content_digest=digest,
+                title=doc.title,
+                num_chunks=len(chunks),
+            )
             removed = self.catalog.remove_document(doc.source, tenant)
             if removed:
                 self.index.remove(removed)
@@ -165,10 +175,16 @@ class KVRetriever:
         # prompts, so the stripped form is what a prompt contains and what the cache is made of
         texts = [t for t in (s.text.strip() for s in self.chunker.split(doc.text)) if t]
         for i, text in enumerate(texts):
-            chunks.append(Chunk(
-                chunk_id=fields_digest([("doc", doc_id), ("ordinal", i), ("text", text_digest(text))]),
-                doc_id=doc_id, ordinal=i, text=text, token_ids=self.chunk_token_ids(text), source=doc.source,
-            ))
+            chunks.append(
+                Chunk(
+                    chunk_id=fields_digest([("doc", doc_id), ("ordinal", i), ("text", text_digest(text))]),
+                    doc_id=doc_id,
+                    ordinal=i,
+                    text=text,
+                    token_ids=self.chunk_token_ids(text),
+                    source=doc.source,
+                )
+            )
         return chunks
 
     def ensure(self, token_ids: Sequence[int]) -> bool:
@@ -190,8 +206,15 @@ class KVRetriever:
     def _put(self, kv: ChunkKV, key: ChunkKey, codec_name: str, level: int) -> int:
         enc = codec.encode(kv, codec_name, level)
         self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens))
-        self.catalog.record_entry(key.storage_key, tenant=self.config.tenant, tokens_digest=key.tokens_digest,
-                                  codec=codec_name, level=level, nbytes=enc.nbytes, num_tokens=kv.num_tokens)
+        self.catalog.record_entry(
+            key.storage_key,
+            tenant=self.config.tenant,
+            tokens_digest=key.tokens_digest,
+            codec=codec_name,
+            level=level,
+            nbytes=enc.nbytes,
+            num_tokens=kv.num_tokens,
+        )
         return enc.nbytes
 
     def _reconcile(self) -> None:
@@ -231,13 +254,21 @@ class KVRetriever:
         blob = self.store.get(key.storage_key)
         if blob is not None:
             try:
-                kv = codec.decode(blob, device=self.adapter.device, dtype=self.adapter.dtype,
-                                  expect_model_fingerprint=self.adapter.fingerprint)
+                kv = codec.decode(
+                    blob,
+                    device=self.adapter.device,
+                    dtype=self.adapter.dtype,
+                    expect_model_fingerprint=self.adapter.fingerprint,
+                )
                 if kv.num_tokens == len(token_ids):
                     self.catalog.touch_entries([key.storage_key])
                     return LoadedChunk(kv, True, len(blob))
-                logger.warning("cache entry %s has %d tokens, chunk has %d; recomputing",
-                               key.storage_key, kv.num_tokens, len(token_ids))
+                logger.warning(
+                    "cache entry %s has %d tokens, chunk has %d; recomputing",
+                    key.storage_key,
+                    kv.num_tokens,
+                    len(token_ids),
+                )
             except CodecError as e:
                 logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
             self.store.invalidate(key.storage_key)

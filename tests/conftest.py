@@ -36,9 +36,17 @@ def make_model(family: str, vocab_size: int, seed: int = 0, **overrides):
 
     torch.manual_seed(seed)
     kw = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        eos_token_id=vocab_size - 3, bos_token_id=vocab_size - 2, pad_token_id=vocab_size - 1,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        eos_token_id=vocab_size - 3,
+        bos_token_id=vocab_size - 2,
+        pad_token_id=vocab_size - 1,
     )
     if family == "mistral":
         kw["sliding_window"] = None

@@ -21,8 +21,22 @@ def test_editable_install_imports_every_subpackage():
 
 
 def test_built_wheel_contains_and_imports_every_subpackage(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     wheel = next(tmp_path.glob("ragkv-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
@@ -32,10 +46,15 @@ def test_built_wheel_contains_and_imports_every_subpackage(tmp_path):
     # import from the unpacked wheel alone (no repo on the path)
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
-    code = ("import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]; "
-            "import ragkv; print(ragkv.__file__)")
-    env_out = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}",
-                              *SUBPACKAGES], capture_output=True, text=True, cwd=str(tmp_path))
+    code = (
+        "import importlib,sys; [importlib.import_module(m) for m in sys.argv[1:]]; import ragkv; print(ragkv.__file__)"
+    )
+    env_out = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}", *SUBPACKAGES],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+    )
     assert env_out.returncode == 0, env_out.stderr
     assert env_out.stdout.strip().startswith(str(target))
 

@@ -36,8 +36,16 @@ def _chunks(adapter: ModelAdapter, k: int, tokens: int) -> tuple[list[int], list
 
 
 @torch.inference_mode()
-def run_assemble_bench(adapter: ModelAdapter, urls: Sequence[str], *, k: int = 4, tokens: int = 400,
-                       codec_name: str = "raw", level: int = 0, repeats: int = 3) -> list[dict[str, Any]]:
+def run_assemble_bench(
+    adapter: ModelAdapter,
+    urls: Sequence[str],
+    *,
+    k: int = 4,
+    tokens: int = 400,
+    codec_name: str = "raw",
+    level: int = 0,
+    repeats: int = 3,
+) -> list[dict[str, Any]]:
     """One row per tier plus the prefill baseline; times are medians over ``repeats``."""
     prefix, chunks = _chunks(adapter, k, tokens)
     pre = adapter.prefill_kv(prefix)
@@ -52,8 +60,18 @@ def run_assemble_bench(adapter: ModelAdapter, urls: Sequence[str], *, k: int = 4
         return (time.perf_counter() - t0) * 1000
 
     base = statistics.median(prefill() for _ in range(repeats))
-    rows: list[dict[str, Any]] = [dict(tier="baseline: prefill", k=k, tokens=n_tokens, read_ms=0.0, decode_ms=0.0,
-                                       assemble_ms=base, speedup=1.0, mb=0.0)]
+    rows: list[dict[str, Any]] = [
+        dict(
+            tier="baseline: prefill",
+            k=k,
+            tokens=n_tokens,
+            read_ms=0.0,
+            decode_ms=0.0,
+            assemble_ms=base,
+            speedup=1.0,
+            mb=0.0,
+        )
+    ]
     for url in urls:
         tier = open_tier(url)
         try:
@@ -70,8 +88,18 @@ def run_assemble_bench(adapter: ModelAdapter, urls: Sequence[str], *, k: int = 4
                 t3 = time.perf_counter()
                 samples.append(((t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t0) * 1000))
             read, dec, total = (statistics.median(s[i] for s in samples) for i in range(3))
-            rows.append(dict(tier=tier.name, k=k, tokens=n_tokens, read_ms=read, decode_ms=dec, assemble_ms=total,
-                             speedup=base / total, mb=sum(map(len, blobs)) / 1e6))
+            rows.append(
+                dict(
+                    tier=tier.name,
+                    k=k,
+                    tokens=n_tokens,
+                    read_ms=read,
+                    decode_ms=dec,
+                    assemble_ms=total,
+                    speedup=base / total,
+                    mb=sum(map(len, blobs)) / 1e6,
+                )
+            )
             for key in keys:
                 tier.delete(key)
         finally:
@@ -80,10 +108,13 @@ def run_assemble_bench(adapter: ModelAdapter, urls: Sequence[str], *, k: int = 4
 
 
 def format_assemble_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'tier':<28}{'k':>3}{'tokens':>8}{'MB':>7}{'read ms':>9}{'decode ms':>11}"
-            f"{'total ms':>10}{'vs prefill':>11}")
+    head = (
+        f"{'tier':<28}{'k':>3}{'tokens':>8}{'MB':>7}{'read ms':>9}{'decode ms':>11}{'total ms':>10}{'vs prefill':>11}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['tier']:<28}{r['k']:>3}{r['tokens']:>8}{r['mb']:>7.1f}{r['read_ms']:>9.1f}"
-                     f"{r['decode_ms']:>11.1f}{r['assemble_ms']:>10.1f}{r['speedup']:>10.1f}x")
+        lines.append(
+            f"{r['tier']:<28}{r['k']:>3}{r['tokens']:>8}{r['mb']:>7.1f}{r['read_ms']:>9.1f}"
+            f"{r['decode_ms']:>11.1f}{r['assemble_ms']:>10.1f}{r['speedup']:>10.1f}x"
+        )
     return "\n".join(lines)

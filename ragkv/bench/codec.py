@@ -36,16 +36,17 @@ _BASELINE = ("int8", 0)  # ratio_vs_int8 is measured against this, in the same r
 
 
 class _Adapter(Protocol):
-    def chat_segments(self, system: str, chunks: list[str], question: str) -> tuple[
-        list[int], list[list[int]], list[int]]: ...
+    def chat_segments(
+        self, system: str, chunks: list[str], question: str
+    ) -> tuple[list[int], list[list[int]], list[int]]: ...
 
     def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV: ...
 
-    def suffix_logits(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int],
-                      answer_ids: Sequence[int] = ()) -> torch.Tensor: ...
+    def suffix_logits(
+        self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], answer_ids: Sequence[int] = ()
+    ) -> torch.Tensor: ...
 
-    def generate_ids(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int],
-                     max_new_tokens: int) -> list[int]: ...
+    def generate_ids(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], max_new_tokens: int) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +79,15 @@ def _kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
 
 
-def _measure(adapter: _Adapter, cases: Sequence[_Case], codec: str, level: int, answer_tokens: int,
-             decode_repeats: int, quality: bool) -> dict[str, Any]:
+def _measure(
+    adapter: _Adapter,
+    cases: Sequence[_Case],
+    codec: str,
+    level: int,
+    answer_tokens: int,
+    decode_repeats: int,
+    quality: bool,
+) -> dict[str, Any]:
     nbytes = tokens = elements = 0
     encode_s = decode_s = 0.0
     kls: list[torch.Tensor] = []
@@ -163,8 +171,18 @@ def run_codec_bench(
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A Markdown table of benchmark rows."""
-    header = ("codec", "level", "bytes/token", "vs fp16", "vs int8", "mean KL", "top-1",
-              "answers identical", "encode MB/s", "decode MB/s")
+    header = (
+        "codec",
+        "level",
+        "bytes/token",
+        "vs fp16",
+        "vs int8",
+        "mean KL",
+        "top-1",
+        "answers identical",
+        "encode MB/s",
+        "decode MB/s",
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
         cells = (

@@ -28,9 +28,19 @@ logger = logging.getLogger(__name__)
 
 ANSWER_TOKENS = 32
 DEFAULT_GRID: list[tuple[str, float]] = [
-    ("naive", 0.0), ("random", 0.15), ("sink", 0.0), ("blend", 0.15), ("blend", 0.3), ("blend_sink", 0.15),
-    ("gradual", 0.15), ("budget", 0.0), ("query", 0.1), ("query", 0.15), ("query_gradual", 0.1),
-    ("query_gradual", 0.15), ("full", 1.0),
+    ("naive", 0.0),
+    ("random", 0.15),
+    ("sink", 0.0),
+    ("blend", 0.15),
+    ("blend", 0.3),
+    ("blend_sink", 0.15),
+    ("gradual", 0.15),
+    ("budget", 0.0),
+    ("query", 0.1),
+    ("query", 0.15),
+    ("query_gradual", 0.1),
+    ("query_gradual", 0.15),
+    ("full", 1.0),
 ]
 KEYS = ("method", "recompute_ratio", "kl", "top1", "exact_match", "f1", "ttft_ms", "ttft_ratio")
 
@@ -109,8 +119,18 @@ def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tu
     rows = []
     for method, ratio in grid:
         if method == "full":
-            rows.append(dict(method="full", recompute_ratio=1.0, kl=0.0, top1=1.0, exact_match=1.0, f1=1.0,
-                             ttft_ms=full_ttft, ttft_ratio=1.0))
+            rows.append(
+                dict(
+                    method="full",
+                    recompute_ratio=1.0,
+                    kl=0.0,
+                    top1=1.0,
+                    exact_match=1.0,
+                    f1=1.0,
+                    ttft_ms=full_ttft,
+                    ttft_ratio=1.0,
+                )
+            )
             continue
         cfg = FusionConfig(method=method, ratio=ratio)
         t0 = time.perf_counter()
@@ -122,14 +142,28 @@ def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tu
         adapter.crop_cache(fused.cache, n + len(suffix))
         got = torch.cat([logits[-1:], adapter.forward(answer[:-1], fused.cache, n + len(suffix))])[: len(answer)]
         kl, top1 = _kl_top1(ref, got)
-        rows.append(dict(method=method, recompute_ratio=fused.recomputed_tokens / max(1, fused.chunk_tokens),
-                         kl=kl, top1=top1, exact_match=float(own == answer), f1=_f1(own, answer),
-                         ttft_ms=ttft, ttft_ratio=ttft / full_ttft))
+        rows.append(
+            dict(
+                method=method,
+                recompute_ratio=fused.recomputed_tokens / max(1, fused.chunk_tokens),
+                kl=kl,
+                top1=top1,
+                exact_match=float(own == answer),
+                f1=_f1(own, answer),
+                ttft_ms=ttft,
+                ttft_ratio=ttft / full_ttft,
+            )
+        )
     return rows
 
 
-def run_fusion_bench(adapter: ModelAdapter, prompts: list[dict[str, Any]] | None = None,
-                     grid: Sequence[tuple[str, float]] = tuple(DEFAULT_GRID), *, limit: int = 12) -> list[dict]:
+def run_fusion_bench(
+    adapter: ModelAdapter,
+    prompts: list[dict[str, Any]] | None = None,
+    grid: Sequence[tuple[str, float]] = tuple(DEFAULT_GRID),
+    *,
+    limit: int = 12,
+) -> list[dict]:
     """Rows (keys ``KEYS``) averaged over prompts, one per (method, ratio) in ``grid``."""
     prompts = (prompts or builtin_prompts(adapter, n=limit))[:limit]
     grid = list(grid)
@@ -153,8 +187,10 @@ def format_table(rows: list[dict]) -> str:
     head = f"{'method':<12}{'recompute':>10}{'KL':>9}{'top1':>7}{'exact':>7}{'F1':>7}{'TTFT ms':>10}{'ratio':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['method']:<12}{r['recompute_ratio']:>10.3f}{r['kl']:>9.4f}{r['top1']:>7.3f}"
-                     f"{r['exact_match']:>7.2f}{r['f1']:>7.2f}{r['ttft_ms']:>10.0f}{r['ttft_ratio']:>7.3f}")
+        lines.append(
+            f"{r['method']:<12}{r['recompute_ratio']:>10.3f}{r['kl']:>9.4f}{r['top1']:>7.3f}"
+            f"{r['exact_match']:>7.2f}{r['f1']:>7.2f}{r['ttft_ms']:>10.0f}{r['ttft_ratio']:>7.3f}"
+        )
     return "\n".join(lines)
 
 

@@ -26,8 +26,12 @@ def make_kv(seed: int) -> KVFactory:
     gen = torch.Generator().manual_seed(seed)
 
     def factory(
-        layers: int = 4, heads: int = 2, tokens: int = 37, head_dim: int = 16,
-        dtype: torch.dtype = torch.float16, start: int = 0,
+        layers: int = 4,
+        heads: int = 2,
+        tokens: int = 37,
+        head_dim: int = 16,
+        dtype: torch.dtype = torch.float16,
+        start: int = 0,
     ) -> ChunkKV:
         shape = (layers, heads, tokens, head_dim)
         out = []
@@ -38,7 +42,8 @@ def make_kv(seed: int) -> KVFactory:
             if tokens:
                 x[:, :, 0] *= 0.05  # attention-sink-like first token
             out.append(x.to(dtype))
-        return ChunkKV(keys=out[0], values=out[1], positions=torch.arange(start, start + tokens),
-                       model_fingerprint="test")
+        return ChunkKV(
+            keys=out[0], values=out[1], positions=torch.arange(start, start + tokens), model_fingerprint="test"
+        )
 
     return factory

@@ -14,8 +14,9 @@ PROMPTS = [
 
 
 def test_bench_rows_have_exactly_the_documented_keys() -> None:
-    rows = run_codec_bench(TinyLlamaAdapter(), PROMPTS, {"raw": (0,), "cachegen": (0, 3)}, answer_tokens=4,
-                           decode_repeats=1)
+    rows = run_codec_bench(
+        TinyLlamaAdapter(), PROMPTS, {"raw": (0,), "cachegen": (0, 3)}, answer_tokens=4, decode_repeats=1
+    )
     assert [(r["codec"], r["level"]) for r in rows] == [("raw", 0), ("cachegen", 0), ("cachegen", 3)]
     for row in rows:
         assert tuple(row) == ROW_KEYS

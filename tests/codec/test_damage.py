@@ -22,8 +22,7 @@ CODECS = sorted(available_codecs())
 def _blob(name: str, tokens: int = 9) -> bytes:
     gen = torch.Generator().manual_seed(tokens)
     shape = (2, 2, tokens, 8)
-    kv = ChunkKV(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
-                 torch.arange(tokens), "test")
+    kv = ChunkKV(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), torch.arange(tokens), "test")
     return encode(kv, name, available_codecs()[name][-1]).data
 
 

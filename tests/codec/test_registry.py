@@ -62,11 +62,11 @@ class _Negate(Codec):
     def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
         return CodecPayload(sections=(to_bytes(-keys.float()), to_bytes(-values.float())), params={"sign": -1})
 
-    def decode(self, header: BitstreamHeader, sections: Sequence[memoryview], device: torch.device,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, header: BitstreamHeader, sections: Sequence[memoryview], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         sign = header.params["sign"]
-        return tuple(from_section(s, torch.float32, header.shape, device, dtype) * sign
-                     for s in sections)  # type: ignore[return-value]
+        return tuple(from_section(s, torch.float32, header.shape, device, dtype) * sign for s in sections)  # type: ignore[return-value]
 
 
 def test_user_codec_registers_and_round_trips(make_kv: KVFactory) -> None:

@@ -26,8 +26,9 @@ def test_raw_is_bit_exact_for_fp16(make_kv: KVFactory, shape: tuple[int, int, in
 
 @pytest.mark.parametrize(("name", "level"), ALL)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_every_codec_round_trips_shapes(make_kv: KVFactory, name: str, level: int,
-                                        shape: tuple[int, int, int, int]) -> None:
+def test_every_codec_round_trips_shapes(
+    make_kv: KVFactory, name: str, level: int, shape: tuple[int, int, int, int]
+) -> None:
     kv = make_kv(*shape, start=11)
     enc = encode(kv, name, level)
     assert (enc.codec, enc.level, enc.num_tokens) == (name, level, shape[2])
@@ -54,8 +55,13 @@ def test_int4_error_is_half_a_group_step(make_kv: KVFactory) -> None:
     kv = make_kv(2, 2, 100, 16, dtype=torch.float32)
     out = decode(encode(kv, "int4").data)
     # keys: per channel over token groups of 64; values: per token over channel groups.
-    k_span = torch.cat([kv.keys[:, :, :64].amax(2, keepdim=True) - kv.keys[:, :, :64].amin(2, keepdim=True),
-                        kv.keys[:, :, 64:].amax(2, keepdim=True) - kv.keys[:, :, 64:].amin(2, keepdim=True)], 2)
+    k_span = torch.cat(
+        [
+            kv.keys[:, :, :64].amax(2, keepdim=True) - kv.keys[:, :, :64].amin(2, keepdim=True),
+            kv.keys[:, :, 64:].amax(2, keepdim=True) - kv.keys[:, :, 64:].amin(2, keepdim=True),
+        ],
+        2,
+    )
     k_bound = torch.repeat_interleave(k_span, torch.tensor([64, 36]), dim=2) / 15 * 0.5 * 1.01 + 1e-3
     assert bool((_max_abs_err(kv.keys, out.keys) <= k_bound).all())
     v_span = kv.values.amax(-1, keepdim=True) - kv.values.amin(-1, keepdim=True)
@@ -69,8 +75,10 @@ def test_cachegen_error_is_half_a_step(make_kv: KVFactory, level: int) -> None:
     out = decode(encode(kv, "cachegen", level).data)
     schedule = LEVELS[level]
     slack = 2 ** (1 / 16) * 0.5 * 1.001  # step codes round to 1/8 octave
-    for x, y, rel, per_layer in ((kv.keys, out.keys, schedule.key_steps, True),
-                                 (kv.values, out.values, schedule.value_steps, False)):
+    for x, y, rel, per_layer in (
+        (kv.keys, out.keys, schedule.key_steps, True),
+        (kv.values, out.values, schedule.value_steps, False),
+    ):
         # first token: stored as fp16
         assert bool((_max_abs_err(x[:, :, :1], y[:, :, :1]) <= x[:, :, :1].abs() * 2**-10 + 1e-7).all())
         sigma = x[:, :, 1:].std(2, correction=0, keepdim=True)

@@ -18,8 +18,14 @@ class TinyLlamaAdapter:
     def __init__(self, seed: int = 0, layers: int = 3, vocab: int = 96) -> None:
         torch.manual_seed(seed)
         config = LlamaConfig(
-            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
         )
         self.model = LlamaForCausalLM(config).eval()
         self.vocab = vocab
@@ -48,16 +54,19 @@ class TinyLlamaAdapter:
         self.model(torch.tensor([list(token_ids)]), past_key_values=cache, position_ids=positions[None])
         keys = torch.stack([layer.keys[0, :, start:] for layer in cache.layers])
         values = torch.stack([layer.values[0, :, start:] for layer in cache.layers])
-        return ChunkKV(keys=keys.contiguous(), values=values.contiguous(), positions=positions,
-                       model_fingerprint=self.fingerprint)
+        return ChunkKV(
+            keys=keys.contiguous(), values=values.contiguous(), positions=positions, model_fingerprint=self.fingerprint
+        )
 
     @torch.no_grad()
-    def suffix_logits(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int],
-                      answer_ids: Sequence[int] = ()) -> torch.Tensor:
+    def suffix_logits(
+        self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], answer_ids: Sequence[int] = ()
+    ) -> torch.Tensor:
         cache, start = self._cache(context)
         ids = [*suffix_ids, *answer_ids]
-        out = self.model(torch.tensor([ids]), past_key_values=cache,
-                         position_ids=torch.arange(start, start + len(ids))[None])
+        out = self.model(
+            torch.tensor([ids]), past_key_values=cache, position_ids=torch.arange(start, start + len(ids))[None]
+        )
         return out.logits[0].float()
 
     @torch.no_grad()

@@ -22,8 +22,14 @@ GEN = GenerationConfig(max_new_tokens=8)
 
 
 def _engine(tmp_path: Path, adapter, **kw) -> RagKV:
-    cfg = EngineConfig(data_dir=tmp_path, top_k=2, min_chunk_tokens=40, max_chunk_tokens=120,
-                       store=("memory://", str(tmp_path / "kv")), **kw)
+    cfg = EngineConfig(
+        data_dir=tmp_path,
+        top_k=2,
+        min_chunk_tokens=40,
+        max_chunk_tokens=120,
+        store=("memory://", str(tmp_path / "kv")),
+        **kw,
+    )
     return RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64))
 
 

@@ -30,8 +30,9 @@ def test_full_recompute_equals_full_prefill(tiny_adapter):
     fused = fuse(tiny_adapter, inp, FusionConfig(method="full"))
     assert fused.recomputed_tokens == sum(map(len, chunk_ids))
     ref = tiny_adapter.forward(prefix + sum(chunk_ids, []) + suffix, tiny_adapter.build_cache([]), 0)
-    torch.testing.assert_close(_suffix_logits_from(tiny_adapter, fused, suffix), ref[-len(suffix):],
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        _suffix_logits_from(tiny_adapter, fused, suffix), ref[-len(suffix) :], atol=1e-4, rtol=1e-4
+    )
 
 
 def test_zero_recompute_equals_naive_reuse(tiny_adapter):
@@ -117,7 +118,7 @@ def test_query_aware_selection_runs_and_respects_budget(tiny_adapter):
 def test_recompute_reduces_error_vs_naive(llama_adapter):
     prefix, chunk_ids, suffix, inp = _prompt(llama_adapter, sizes=(40, 40, 40))
     full = llama_adapter.forward(prefix + sum(chunk_ids, []) + suffix, llama_adapter.build_cache([]), 0)
-    ref = torch.log_softmax(full[-len(suffix):], -1)
+    ref = torch.log_softmax(full[-len(suffix) :], -1)
 
     def kl(method, ratio):
         fused = fuse(llama_adapter, inp, FusionConfig(method=method, ratio=ratio))
@@ -131,9 +132,7 @@ def test_recompute_reduces_error_vs_naive(llama_adapter):
 def test_unknown_method_lists_choices():
     with pytest.raises(ValueError, match="blend"):
         get_strategy("nope")
-    assert {"naive", "full", "blend", "blend_sink", "sink", "gradual", "query", "budget"} <= set(
-        available_strategies()
-    )
+    assert {"naive", "full", "blend", "blend_sink", "sink", "gradual", "query", "budget"} <= set(available_strategies())
     with pytest.raises(ValueError, match="ratio"):
         FusionConfig(ratio=1.5)
 
@@ -148,11 +147,12 @@ def test_uncached_segments_are_computed_in_place(llama_adapter, method):
     forced = FusionInput(inp.prefix, zeros, chunk_ids, suffix, forced=[True] * len(chunk_ids))
     fused = fuse(a, forced, FusionConfig(method=method, ratio=0.2))
     assert fused.forced_tokens == sum(map(len, chunk_ids)) and fused.recomputed_tokens == 0
-    ref = a.forward(prefix + sum(chunk_ids, []) + suffix, a.build_cache([]), 0)[-len(suffix):]
+    ref = a.forward(prefix + sum(chunk_ids, []) + suffix, a.build_cache([]), 0)[-len(suffix) :]
     torch.testing.assert_close(_suffix_logits_from(a, fused, suffix), ref, atol=1e-4, rtol=1e-4)
     # one uncached segment among cached ones: its tokens are always recomputed, on top of the budget
-    mixed = FusionInput(inp.prefix, [inp.chunks[0], zeros[1], inp.chunks[2]], chunk_ids, suffix,
-                        forced=[False, True, False])
+    mixed = FusionInput(
+        inp.prefix, [inp.chunks[0], zeros[1], inp.chunks[2]], chunk_ids, suffix, forced=[False, True, False]
+    )
     fused = fuse(a, mixed, FusionConfig(method=method, ratio=0.2))
     sel = set((fused.selected - inp.prefix.num_tokens).tolist())
     assert set(range(20, 37)) <= sel and fused.forced_tokens == 17
@@ -162,10 +162,14 @@ def test_query_scores_weight_deviation_by_later_layer_attention():
     cfg = FusionConfig(method="query", ratio=0.5, sink_tokens=0)
     inp = FusionInput(None, [], [[0] * 4], ())  # one 4-token chunk; only the layout is read
     state = SelectionState.start(cfg, inp, 4)
-    state.query_attention = torch.tensor([[1.0, 1.0, 1.0, 1.0],  # layer 0 (before the check: ignored)
-                                          [0.0, 0.0, 1.0, 1.0],  # layer 1 = check layer
-                                          [0.0, 0.0, 0.5, 0.5],  # later layers: the question reads 2, 3
-                                          [0.0, 0.1, 0.4, 0.5]])
+    state.query_attention = torch.tensor(
+        [
+            [1.0, 1.0, 1.0, 1.0],  # layer 0 (before the check: ignored)
+            [0.0, 0.0, 1.0, 1.0],  # layer 1 = check layer
+            [0.0, 0.0, 0.5, 0.5],  # later layers: the question reads 2, 3
+            [0.0, 0.1, 0.4, 0.5],
+        ]
+    )
     state.observe(1, torch.arange(4), k_dev=torch.zeros(4), v_dev=torch.tensor([4.0, 3.0, 2.0, 1.0]))
     # plain deviation would keep tokens 0 and 1; weighted by the question's attention: 2 and 3
     assert get_strategy("blend").select(state, 1).tolist() == [0, 1]

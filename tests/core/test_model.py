@@ -50,8 +50,14 @@ def test_rerotate_matches_keys_computed_in_place(tiny_adapter):
 @pytest.mark.parametrize(
     "rope",
     [
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 512, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "rope_theta": 10000.0,
+        },
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "rope_theta": 10000.0},
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     ],
@@ -86,7 +92,7 @@ def test_cache_assembled_from_in_place_chunks_gives_full_logits(tiny_adapter):
     k1 = tiny_adapter.prefill_kv(c1, past=[pre])
     k2 = tiny_adapter.prefill_kv(c2, past=[pre, k1])
     assembled = tiny_adapter.suffix_logits([pre, k1, k2], suffix)
-    full = tiny_adapter.forward(prefix + c1 + c2 + suffix, tiny_adapter.build_cache([]), 0)[-len(suffix):]
+    full = tiny_adapter.forward(prefix + c1 + c2 + suffix, tiny_adapter.build_cache([]), 0)[-len(suffix) :]
     torch.testing.assert_close(assembled, full, atol=1e-4, rtol=1e-4)
 
 
@@ -106,16 +112,18 @@ def test_context_too_long_is_a_clear_error(llama_adapter):
 
 def test_unsupported_model_names_what_is_missing(tiny_tokenizer):
     class NotADecoder(torch.nn.Module):
-        config = type("C", (), {"model_type": "toy", "num_hidden_layers": 1, "num_attention_heads": 1,
-                                "hidden_size": 4, "vocab_size": 8})()
+        config = type(
+            "C",
+            (),
+            {"model_type": "toy", "num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 4, "vocab_size": 8},
+        )()
 
     with pytest.raises(UnsupportedModelError, match="embed_tokens"):
         ArchSpec.from_model(NotADecoder())
 
 
 def test_sliding_window_layers_unsupported(tiny_tokenizer):
-    model = make_model("qwen2", len(tiny_tokenizer), use_sliding_window=True, sliding_window=16,
-                       max_window_layers=1)
+    model = make_model("qwen2", len(tiny_tokenizer), use_sliding_window=True, sliding_window=16, max_window_layers=1)
     with pytest.raises(UnsupportedModelError, match="sliding"):
         ArchSpec.from_model(model)
 

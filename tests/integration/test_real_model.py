@@ -36,8 +36,9 @@ def test_full_fusion_matches_full_prefill_on_the_real_model(real_adapter):
     cached = [a.prefill_kv(c, past=[pre]) for c in chunks]
     fused = fuse(a, FusionInput(pre, cached, chunks, suffix), FusionConfig(method="full"))
     got = a.forward(suffix, fused.cache, fused.num_tokens)
-    ref = a.forward(prefix + sum(chunks, []) + suffix, a.build_cache([]), 0)[-len(suffix):]
+    ref = a.forward(prefix + sum(chunks, []) + suffix, a.build_cache([]), 0)[-len(suffix) :]
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+
     # naive reuse differs; blending at 30% is closer to full than naive
     def kl(method, ratio):
         f = fuse(a, FusionInput(pre, cached, chunks, suffix), FusionConfig(method=method, ratio=ratio))
@@ -56,14 +57,25 @@ def test_cli_index_then_ask_json_in_separate_processes(tmp_path):
     cli = [sys.executable, "-m", "ragkv.cli"]
     out = subprocess.run([*cli, "index", str(docs)], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
-    out = subprocess.run([*cli, "ask", "--json", "--max-new-tokens", "16", "What does heappush do?"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [*cli, "ask", "--json", "--max-new-tokens", "16", "What does heappush do?"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(data) == {"answer", "sources", "stats"} and data["answer"]
     stats = data["stats"]
-    for key in ("ttft_ms", "prompt_tokens", "reused_tokens", "recomputed_tokens", "prefilled_chunk_tokens",
-                "bytes_loaded"):
+    for key in (
+        "ttft_ms",
+        "prompt_tokens",
+        "reused_tokens",
+        "recomputed_tokens",
+        "prefilled_chunk_tokens",
+        "bytes_loaded",
+    ):
         assert key in stats
     assert stats["prefilled_chunk_tokens"] == 0 and stats["bytes_loaded"] > 0
     bad = subprocess.run([*cli, "ask", "x" * 40000], capture_output=True, text=True, env=env, timeout=600)

@@ -24,11 +24,31 @@ def test_index_in_one_process_answer_in_another(tmp_path, redis_url, postgres_ur
     cli = [sys.executable, "-m", "ragkv.cli"]
     env = dict(os.environ)
     # each process has its own data dir: they share nothing but Redis and the catalog
-    a = subprocess.run([*cli, "index", str(tmp_path / "doc.txt"), "--data-dir", str(tmp_path / "a"), *shared],
-                       capture_output=True, text=True, env=env, timeout=600)
+    a = subprocess.run(
+        [*cli, "index", str(tmp_path / "doc.txt"), "--data-dir", str(tmp_path / "a"), *shared],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert a.returncode == 0, a.stderr
-    b = subprocess.run([*cli, "ask", "--json", "--max-new-tokens", "12", "--data-dir", str(tmp_path / "b"),
-                        *shared, "What does heappush do?"], capture_output=True, text=True, env=env, timeout=600)
+    b = subprocess.run(
+        [
+            *cli,
+            "ask",
+            "--json",
+            "--max-new-tokens",
+            "12",
+            "--data-dir",
+            str(tmp_path / "b"),
+            *shared,
+            "What does heappush do?",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert b.returncode == 0, b.stderr
     stats = json.loads(b.stdout.strip().splitlines()[-1])["stats"]
     assert stats["prefilled_chunk_tokens"] == 0

@@ -20,8 +20,14 @@ GEN = GenerationConfig(max_new_tokens=6)
 
 
 def make_engine(data_dir: Path, adapter, **kw) -> RagKV:
-    cfg = EngineConfig(data_dir=data_dir, top_k=2, min_chunk_tokens=40, max_chunk_tokens=120,
-                       store=("memory://", str(data_dir / "kv")), **kw)
+    cfg = EngineConfig(
+        data_dir=data_dir,
+        top_k=2,
+        min_chunk_tokens=40,
+        max_chunk_tokens=120,
+        store=("memory://", str(data_dir / "kv")),
+        **kw,
+    )
     return RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64))
 
 

@@ -18,9 +18,10 @@ QUESTION = [{"role": "user", "content": "Where do apples grow?"}]
 def hf_greedy(adapter, prompt: str, max_new_tokens: int) -> str:
     """The slow, obvious path: transformers' own generate on the whole prompt."""
     ids = torch.tensor([adapter.encode(prompt)])
-    out = adapter.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=sorted(adapter.eos_token_ids), pad_token_id=0)
-    return adapter.decode(out[0, ids.shape[1]:].tolist())
+    out = adapter.model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(adapter.eos_token_ids), pad_token_id=0
+    )
+    return adapter.decode(out[0, ids.shape[1] :].tolist())
 
 
 def test_prompt_without_known_chunks_generates_like_the_plain_model(indexed_rag):
@@ -37,8 +38,9 @@ def test_registered_chunks_are_loaded_from_the_index(indexed_rag):
     chunks = indexed_rag.retrieve("apples orchards", 2)
     _bridge.engine_state(indexed_rag).registry.add([c.text for c in chunks])
     context = "\n\n".join(c.text for c in chunks)
-    prompt = _bridge.render_chat(indexed_rag.adapter.tokenizer,
-                                 [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: where?"}])
+    prompt = _bridge.render_chat(
+        indexed_rag.adapter.tokenizer, [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: where?"}]
+    )
     *_, (_, stats) = _bridge.stream(indexed_rag, prompt, GEN)
     assert stats.extra["chunks_in_prompt"] == 2
     assert stats.cache_hits == 2 and stats.cache_misses == 0 and stats.prefilled_chunk_tokens == 0
@@ -81,8 +83,10 @@ def test_render_chat_uses_the_template_or_a_plain_transcript(tiny_tokenizer):
 
 
 def test_summarize_sums_counters_and_keeps_the_first_ttft():
-    calls = [{"ttft_ms": 5.0, "cache_hits": 2, "prefilled_chunk_tokens": 0, "total_ms": 9.0},
-             {"ttft_ms": 7.0, "cache_hits": 1, "prefilled_chunk_tokens": 4, "total_ms": 3.0}]
+    calls = [
+        {"ttft_ms": 5.0, "cache_hits": 2, "prefilled_chunk_tokens": 0, "total_ms": 9.0},
+        {"ttft_ms": 7.0, "cache_hits": 1, "prefilled_chunk_tokens": 4, "total_ms": 3.0},
+    ]
     s = _bridge.summarize(calls)
     assert s["llm_calls"] == 2 and s["ttft_ms"] == 5.0 and s["cache_hits"] == 3
     assert s["prefilled_chunk_tokens"] == 4 and s["total_ms"] == 12.0 and len(s["calls"]) == 2

@@ -20,10 +20,12 @@ from tests.integrations.conftest import plain_text  # noqa: E402
 
 QUESTION = "Where do apples grow?"
 MAX_NEW = 4
-PROMPT = ChatPromptTemplate.from_messages([
-    ("system", "Answer from the context."),
-    ("human", "Context:\n\n{context}\n\nQuestion: {question}"),
-])
+PROMPT = ChatPromptTemplate.from_messages(
+    [
+        ("system", "Answer from the context."),
+        ("human", "Context:\n\n{context}\n\nQuestion: {question}"),
+    ]
+)
 
 
 def join_docs(docs) -> str:
@@ -32,8 +34,11 @@ def join_docs(docs) -> str:
 
 def rag_chain(rag, k: int = 2):
     retriever = RagKVRetriever(engine=rag, k=k)
-    return {"context": retriever | join_docs, "question": RunnablePassthrough()} | PROMPT | ChatRagKV(
-        engine=rag, max_tokens=MAX_NEW)
+    return (
+        {"context": retriever | join_docs, "question": RunnablePassthrough()}
+        | PROMPT
+        | ChatRagKV(engine=rag, max_tokens=MAX_NEW)
+    )
 
 
 def test_lcel_chain_loads_index_time_caches_on_the_first_query(indexed_rag):
@@ -55,19 +60,23 @@ def test_stuff_documents_chain_with_a_document_prompt_and_the_text_llm(indexed_r
 
     prompt = PromptTemplate.from_template("Use the documents.\n\n{context}\n\nQuestion: {question}\nAnswer:")
     llm = RagKVLLM(engine=indexed_rag, max_tokens=MAX_NEW)
-    chain = {"context": RagKVRetriever(engine=indexed_rag, k=2) | stuff,
-             "question": RunnablePassthrough()} | prompt | llm
+    chain = (
+        {"context": RagKVRetriever(engine=indexed_rag, k=2) | stuff, "question": RunnablePassthrough()} | prompt | llm
+    )
     result = chain.invoke(QUESTION)
     assert isinstance(result, str)
-    gen = llm.generate([prompt.format(context=stuff(RagKVRetriever(engine=indexed_rag, k=2).invoke(QUESTION)),
-                                      question=QUESTION)]).generations[0][0]
+    gen = llm.generate(
+        [prompt.format(context=stuff(RagKVRetriever(engine=indexed_rag, k=2).invoke(QUESTION)), question=QUESTION)]
+    ).generations[0][0]
     s = gen.generation_info[_bridge.STATS_KEY]
     assert gen.text == result and s["chunks_in_prompt"] == 2 and s["prefilled_chunk_tokens"] == 0
 
 
 def test_documents_from_elsewhere_are_plain_until_registered(rag):
-    texts = ["Pears ripen in autumn on old trees by the river bank.",
-             "Plums are dried into prunes in the sunny southern valleys."]
+    texts = [
+        "Pears ripen in autumn on old trees by the river bank.",
+        "Plums are dried into prunes in the sunny southern valleys.",
+    ]
     msgs = [HumanMessage("Context:\n" + "\n\n".join(texts) + "\n\nQuestion: when do pears ripen?")]
     model = ChatRagKV(engine=rag, max_tokens=MAX_NEW)
     before = model.invoke(msgs)

@@ -27,8 +27,7 @@ from tests.integrations.conftest import DOCS  # noqa: E402
 
 # The integration suite's async tests carry no asyncio mark of their own (partner packages run
 # them with asyncio_mode=auto); mark the class instead and silence the note on its sync tests.
-ASYNC_SUITE = [pytest.mark.asyncio,
-               pytest.mark.filterwarnings("ignore:The test <Function:pytest.PytestWarning")]
+ASYNC_SUITE = [pytest.mark.asyncio, pytest.mark.filterwarnings("ignore:The test <Function:pytest.PytestWarning")]
 
 
 class _BoundEngine:

@@ -41,8 +41,9 @@ def llm(rag):
 @pytest.fixture
 def index(rag):
     docs = [Document(text=text, metadata={"source": source}) for source, text in TEXTS.items()]
-    return VectorStoreIndex.from_documents(docs, embed_model=RagKVEmbedding(rag),
-                                           transformations=[SentenceSplitter(chunk_size=1024)])
+    return VectorStoreIndex.from_documents(
+        docs, embed_model=RagKVEmbedding(rag), transformations=[SentenceSplitter(chunk_size=1024)]
+    )
 
 
 def stats_of(response) -> dict:
@@ -50,8 +51,7 @@ def stats_of(response) -> dict:
 
 
 def engine_for(index, llm, rag, **kw):
-    return index.as_query_engine(llm=llm, node_postprocessors=[RagKVNodePostprocessor(rag)], similarity_top_k=2,
-                                 **kw)
+    return index.as_query_engine(llm=llm, node_postprocessors=[RagKVNodePostprocessor(rag)], similarity_top_k=2, **kw)
 
 
 @pytest.mark.parametrize("mode, calls", [("compact", 1), ("tree_summarize", 1), ("refine", 2)])
@@ -74,8 +74,9 @@ def test_other_response_modes_find_the_chunks(index, llm, rag, mode, calls):
 
 
 def test_condense_question_and_simple_chat_engines(index, llm, rag):
-    condense = index.as_chat_engine(chat_mode="condense_question", llm=llm, similarity_top_k=2,
-                                    node_postprocessors=[RagKVNodePostprocessor(rag)])
+    condense = index.as_chat_engine(
+        chat_mode="condense_question", llm=llm, similarity_top_k=2, node_postprocessors=[RagKVNodePostprocessor(rag)]
+    )
     s = condense.chat(QUESTION).metadata[_bridge.STATS_KEY]  # no history yet: nothing to condense
     assert s["llm_calls"] == 1 and s["chunks_in_prompt"] == 2
     simple = index.as_chat_engine(chat_mode="simple", llm=llm)
@@ -118,8 +119,9 @@ def test_async_query_and_async_streaming(index, llm, rag):
 
 @pytest.mark.parametrize("chat_mode", ["context", "condense_plus_context"])
 def test_chat_engines_sync_streaming_and_async(index, llm, rag, chat_mode):
-    chat = index.as_chat_engine(chat_mode=chat_mode, llm=llm, node_postprocessors=[RagKVNodePostprocessor(rag)],
-                                similarity_top_k=2)
+    chat = index.as_chat_engine(
+        chat_mode=chat_mode, llm=llm, node_postprocessors=[RagKVNodePostprocessor(rag)], similarity_top_k=2
+    )
     answer = chat.chat(QUESTION)
     assert answer.response and answer.metadata[_bridge.STATS_KEY]["chunks_in_prompt"] == 2
     streamed = chat.stream_chat(QUESTION)
@@ -150,8 +152,10 @@ def test_retriever_rejects_bad_k(rag):
 
 
 def test_llm_calls_agree_and_carry_stats(rag, llm):
-    msgs = [ChatMessage(role=MessageRole.SYSTEM, content="Be brief."), ChatMessage(role=MessageRole.USER,
-                                                                                  content=QUESTION)]
+    msgs = [
+        ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+        ChatMessage(role=MessageRole.USER, content=QUESTION),
+    ]
     chat = llm.chat(msgs)
     streamed = list(llm.stream_chat(msgs))
     assert streamed[-1].message.content == chat.message.content

@@ -86,9 +86,7 @@ def test_named_empty_file_is_an_error(tmp_path: Path, data: str):
 
 
 def test_named_html_without_text_is_empty(tmp_path: Path):
-    path = write(
-        tmp_path / "x.html", "<html><head><title>t</title></head><body><script>1</script></body></html>"
-    )
+    path = write(tmp_path / "x.html", "<html><head><title>t</title></head><body><script>1</script></body></html>")
     with pytest.raises(ValueError, match="is empty"):
         load_documents([path])
 

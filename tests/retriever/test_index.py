@@ -123,9 +123,7 @@ def test_dim_mismatch_says_how_to_rebuild(tmp_path: Path, vectors: np.ndarray):
     index = FaissIndex(DIM, path, fingerprint="emb-a")
     index.add([1], vectors[:1])
     index.save()
-    with pytest.raises(
-        ValueError, match=r"built with another embedder \(dim 8, this one has dim 384\)"
-    ) as info:
+    with pytest.raises(ValueError, match=r"built with another embedder \(dim 8, this one has dim 384\)") as info:
         FaissIndex.open(path, 384)
     assert "delete" in str(info.value) and "new data directory" in str(info.value)
     # Without the sidecar, the dimension stored in the FAISS file itself is still checked.
