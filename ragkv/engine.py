@@ -293,10 +293,12 @@ class RagKV:
         inp = FusionInput(
             prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=[not cached for _, cached in middle]
         )
-        fused = fuse(self.adapter, inp, fusion)
+        fused = fuse(self.adapter, inp, fusion, prefill_suffix=True)
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
-        logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
+        logits = fused.suffix_logits
+        if logits is None:  # empty suffix
+            logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
         return fused.cache, logits
 
     def _prefix_kv(self, prefix: list[int]) -> ChunkKV:

@@ -41,6 +41,7 @@ class FusionConfig:
     budget: float = 0.1  # budget: recompute tokens whose relative deviation exceeds this ...
     max_ratio: float = 0.5  # ... up to this share
     query_weight: float = 1.0  # query: exponent of the question-attention factor in the score
+    focus_ratio: float = 0.4  # query_focus: share of tokens the question attends most that start active
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:
@@ -253,11 +254,10 @@ class QueryAware(BlendSink):
 
     def score(self, state: SelectionState, layer: int) -> torch.Tensor:
         score = state.deviations[layer]
-        attn = state.query_attention
-        if attn is None or attn.shape[-1] != state.num_chunk_tokens:
+        everywhere = _question_importance(state, layer)
+        if everywhere is None:
             return score
-        later = attn[layer + 1 :] if attn.shape[0] > layer + 1 else attn
-        importance = later.sum(dim=0)[state.active[layer]]
+        importance = everywhere[state.active[layer]]
         importance = importance / importance.mean().clamp_min(1e-12)
         return score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(state.config.query_weight)
 
@@ -284,3 +284,48 @@ class Budget(Strategy):
         over = int((score > state.config.budget).sum())
         k = min(over, state.budget(state.config.max_ratio))
         return _top(score, k, state.sink_mask(active))
+
+
+def _question_importance(state: SelectionState, after_layer: int) -> torch.Tensor | None:
+    """[chunk tokens] attention the question pays each token in the layers after ``after_layer``."""
+    attn = state.query_attention
+    if attn is None or attn.shape[-1] != state.num_chunk_tokens:
+        return None
+    later = attn[after_layer + 1 :] if attn.shape[0] > after_layer + 1 else attn
+    return later.sum(dim=0)
+
+
+@register_strategy
+class QueryAttention(_Fixed):
+    """Recompute the ``ratio`` of tokens the question attends most (plus sinks); no check layers."""
+
+    name = "query_attn"
+    wants_query_attention = True
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        every = torch.arange(state.num_chunk_tokens)
+        importance = _question_importance(state, state.config.check_layer)
+        if importance is None:  # no question: fall back to sinks only
+            return every[state.sink_mask(every)]
+        return _top(importance, state.budget(state.config.ratio), state.sink_mask(every))
+
+
+@register_strategy
+class QueryFocus(QueryGradual):
+    """Ours, cheaper: only the ``focus_ratio`` of tokens the question attends most run the check layers.
+
+    Layer-0 K/V depend on the token and its position only, so after re-rotation every cached
+    layer-0 entry is exact and a subset of tokens can run from layer 0 without the others. Tokens
+    the question barely attends cannot change the answer much, so skipping their check layers
+    loses little and saves most of the two full-width layers query_gradual pays for.
+    """
+
+    name = "query_focus"
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        every = torch.arange(state.num_chunk_tokens)
+        importance = _question_importance(state, state.config.check_layer)
+        share = max(state.config.focus_ratio, state.config.ratio * state.config.narrow_factor)
+        if importance is None or state.budget(state.config.ratio) == 0:
+            return super().initial(state)
+        return _top(importance, state.budget(min(1.0, share)), state.sink_mask(every))

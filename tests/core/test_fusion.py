@@ -174,3 +174,44 @@ def test_query_scores_weight_deviation_by_later_layer_attention():
     # plain deviation would keep tokens 0 and 1; weighted by the question's attention: 2 and 3
     assert get_strategy("blend").select(state, 1).tolist() == [0, 1]
     assert get_strategy("query").select(state, 1).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "method", ["naive", "full", "blend", "gradual", "query", "query_gradual", "query_focus", "query_attn", "budget"]
+)
+def test_prefilling_the_suffix_inside_fusion_equals_prefilling_it_after(llama_adapter, method):
+    """The fast path (suffix riding along the recomputed tokens) equals fusing, then prefilling."""
+    a = llama_adapter
+    _, chunk_ids, suffix, inp = _prompt(a, sizes=(30, 25, 35))
+    cfg = FusionConfig(method=method, ratio=0.2, narrow_layer=2)
+    slow = fuse(a, inp, cfg)
+    slow_logits = _suffix_logits_from(a, slow, suffix)
+    fast = fuse(a, inp, cfg, prefill_suffix=True)
+    assert fast.suffix_logits is not None
+    torch.testing.assert_close(fast.suffix_logits, slow_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fast.selected, slow.selected) and fast.recomputed_tokens == slow.recomputed_tokens
+    assert fast.num_tokens == slow.num_tokens and fast.cache.get_seq_length() == slow.num_tokens + len(suffix)
+    for got, want in zip(fast.cache.layers, slow.cache.layers, strict=True):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+def test_query_focus_runs_only_its_focus_set_through_the_check_layer(tiny_adapter):
+    _, chunk_ids, suffix, inp = _prompt(tiny_adapter)
+    n = sum(map(len, chunk_ids))
+    seen: dict[int, int] = {}
+    strategy = get_strategy("query_focus")
+    select = type(strategy).select
+
+    def spy(self, state, layer):
+        seen[layer] = int(state.active[layer].numel())
+        return select(self, state, layer)
+
+    cfg = FusionConfig(method="query_focus", ratio=0.1, focus_ratio=0.5, narrow_layer=1, check_layer=0)
+    try:
+        type(strategy).select = spy
+        fused = fuse(tiny_adapter, inp, cfg)
+    finally:
+        type(strategy).select = select
+    assert seen[0] == round(0.5 * n)  # the focus set, not every chunk token, ran the first check
+    assert fused.recomputed_tokens == round(0.1 * n)
