@@ -26,7 +26,9 @@ Model = Annotated[str, typer.Option("--model", help="Model alias, local path or 
 Store = Annotated[str | None, typer.Option("--store", help="Tier URLs, comma-separated [env RAGKV_STORE].")]
 CatalogUrl = Annotated[str | None, typer.Option("--catalog", help="SQLAlchemy URL [env RAGKV_CATALOG].")]
 Tenant = Annotated[str, typer.Option("--tenant", help="Namespace of index and cache entries.")]
-Fusion = Annotated[str | None, typer.Option("--fusion", help="Fusion method (naive, blend, blend_sink, query, ...).")]
+Fusion = Annotated[
+    str | None, typer.Option("--fusion", help="Fusion method (naive, blend, query_focus, ...; see docs/concepts.md).")
+]
 Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
 
 

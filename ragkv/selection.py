@@ -31,7 +31,7 @@ __all__ = [
 class FusionConfig:
     """How to fuse chunk caches. Defaults come from ``ragkv bench fusion`` (docs/benchmarks.md)."""
 
-    method: str = "query_gradual"  # strategy name, see available_strategies()
+    method: str = "query_focus"  # strategy name, see available_strategies()
     ratio: float = 0.15  # share of chunk tokens recomputed through all layers
     check_layer: int = 1  # layer whose K/V deviation ranks tokens (layer 0 carries no signal)
     deviation: str = "v"  # "k", "v" or "kv": which deviation ranks tokens

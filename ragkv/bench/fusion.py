@@ -38,8 +38,11 @@ DEFAULT_GRID: list[tuple[str, float]] = [
     ("budget", 0.0),
     ("query", 0.1),
     ("query", 0.15),
-    ("query_gradual", 0.1),
     ("query_gradual", 0.15),
+    ("query_attn", 0.15),
+    ("query_focus", 0.1),
+    ("query_focus", 0.15),
+    ("query_focus", 0.2),
     ("full", 1.0),
 ]
 KEYS = ("method", "recompute_ratio", "kl", "top1", "exact_match", "f1", "ttft_ms", "ttft_ratio")
@@ -185,11 +188,11 @@ def run_fusion_bench(
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'method':<12}{'recompute':>10}{'KL':>9}{'top1':>7}{'exact':>7}{'F1':>7}{'TTFT ms':>10}{'ratio':>7}"
+    head = f"{'method':<15}{'recompute':>10}{'KL':>9}{'top1':>7}{'exact':>7}{'F1':>7}{'TTFT ms':>10}{'ratio':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['method']:<12}{r['recompute_ratio']:>10.3f}{r['kl']:>9.4f}{r['top1']:>7.3f}"
+            f"{r['method']:<15}{r['recompute_ratio']:>10.3f}{r['kl']:>9.4f}{r['top1']:>7.3f}"
             f"{r['exact_match']:>7.2f}{r['f1']:>7.2f}{r['ttft_ms']:>10.0f}{r['ttft_ratio']:>7.3f}"
         )
     return "\n".join(lines)

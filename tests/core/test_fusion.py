@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ragkv.fusion import FusionInput, fuse
+from ragkv.fusion import FusionInput, _question_attention, fuse
 from ragkv.model import ModelAdapter
 from ragkv.selection import FusionConfig, SelectionState, available_strategies, get_strategy
 from tests.core.test_model import _ids
@@ -48,9 +48,10 @@ def test_zero_recompute_equals_naive_reuse(tiny_adapter):
         torch.testing.assert_close(_suffix_logits_from(tiny_adapter, fused, suffix), naive, atol=1e-4, rtol=1e-4)
 
 
-def _slow_layer(layer, hidden, pos, keys, values, cos_sin):
+def _slow_layer(layer, hidden, pos, keys, values, cos_sin, weights=None):
     """One Llama decoder layer for the tokens at ``pos``, written out: project, rotate, write K/V at
-    their slots, then attend one query at a time over keys at slots <= its position."""
+    their slots, then attend one query at a time over keys at slots <= its position. ``weights``
+    (``[keys]``), when given, accumulates the attention probabilities over heads and queries."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)  # [1, q, d]
     q = attn.q_proj(x).view(1, len(pos), -1, attn.head_dim).transpose(1, 2)
@@ -65,25 +66,67 @@ def _slow_layer(layer, hidden, pos, keys, values, cos_sin):
         vv = values[0, :, : p + 1].repeat_interleave(groups, 0)
         w = torch.softmax((q[0, :, j : j + 1] @ kk.transpose(1, 2)) * attn.scaling, dim=-1)
         out[0, :, j] = (w @ vv)[:, 0]
+        if weights is not None:
+            weights[: p + 1] += w.sum(dim=(0, 1))
     h = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, len(pos), -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-@pytest.mark.parametrize("method", ["blend", "blend_sink", "gradual", "sink", "random", "budget"])
+def _naive_kv(a, inp):
+    """Per-layer K/V tensors ``[1, H, N, D]`` of the naively placed cache (chunks re-rotated in turn)."""
+    placed, offset = [inp.prefix], inp.prefix.num_tokens
+    for kv in inp.chunks:
+        placed.append(a.rerotate(kv, offset))
+        offset += kv.num_tokens
+    ref = a.build_cache(placed)
+    return [layer.keys.clone() for layer in ref.layers], [layer.values.clone() for layer in ref.layers]
+
+
+def _slow_question_attention(a, inp, slots):
+    """The question run layer by layer on the naive cache, attention written out: ``[layers, chunk tokens]``."""
+    keys, values = _naive_kv(a, inp)
+    n, s = keys[0].shape[2], len(inp.suffix_ids)
+    pos = torch.arange(n, n + s)
+    pad = torch.zeros(1, keys[0].shape[1], s, keys[0].shape[3])
+    keys, values = [torch.cat([k, pad], 2) for k in keys], [torch.cat([v, pad], 2) for v in values]
+    hidden = a.embed(torch.tensor(list(inp.suffix_ids)))
+    rows = []
+    with torch.no_grad():
+        for i, layer in enumerate(a.model.model.layers):
+            w = torch.zeros(n + s)
+            hidden = _slow_layer(layer, hidden, pos, keys[i], values[i], a.position_embeddings(pos, hidden), w)
+            rows.append(w[slots] / w[slots].sum())
+    return torch.stack(rows)
+
+
+def test_the_question_probe_records_the_attention_the_question_pays(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    n_chunk = sum(len(c) for c in inp.chunk_ids)
+    slots = torch.arange(inp.prefix.num_tokens, inp.prefix.num_tokens + n_chunk)
+    keys, values = _naive_kv(a, inp)
+    s = len(inp.suffix_ids)
+    pad = torch.zeros(a.spec.num_layers, keys[0].shape[1], s, keys[0].shape[3])
+    k = torch.cat([torch.cat(keys), pad], 2)
+    v = torch.cat([torch.cat(values), pad], 2)
+    got = _question_attention(a, k, v, torch.tensor(list(inp.suffix_ids)), int(slots[-1]) + 1, slots)
+    torch.testing.assert_close(got, _slow_question_attention(a, inp, slots), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "method", ["blend", "blend_sink", "gradual", "sink", "random", "budget", "query", "query_focus", "query_attn"]
+)
 def test_selective_recompute_equals_slow_loop(llama_adapter, method):
     a = llama_adapter
     _, chunk_ids, suffix, inp = _prompt(a)
-    cfg = FusionConfig(method=method, ratio=0.3, narrow_layer=2, budget=0.05)
+    cfg = FusionConfig(method=method, ratio=0.3, narrow_layer=2, budget=0.05, focus_ratio=0.6)
     fused = fuse(a, inp, cfg)
     # the slow path replays the same selection decisions layer by layer with explicit attention
     slots = torch.arange(inp.prefix.num_tokens, fused.num_tokens)
-    placed = [inp.prefix]
-    for kv in inp.chunks:
-        placed.append(a.rerotate(kv, int(slots[0]) + sum(c.num_tokens for c in placed[1:])))
-    ref = a.build_cache(placed)
-    keys = [layer.keys.clone() for layer in ref.layers]
-    values = [layer.values.clone() for layer in ref.layers]
+    keys, values = _naive_kv(a, inp)
     strategy, state = get_strategy(method), SelectionState.start(cfg, inp, len(slots))
+    if strategy.wants_query_attention:
+        state.query_attention = _slow_question_attention(a, inp, slots)
     active = strategy.initial(state)
     checks = set(strategy.check_layers(state, a.spec.num_layers))
     hidden = a.embed(torch.tensor(sum(chunk_ids, []))[active])
