@@ -32,6 +32,7 @@ def main(argv: list[str]) -> None:
         cache = adapter.build_cache([])
         t_full = time.perf_counter()
         logits = adapter.forward(ctx + suffix, cache, 0)
+        int(logits[-1].argmax())  # wait for the result (asynchronous devices)
         t_full = time.perf_counter() - t_full
         start = len(ctx) + len(suffix)
         answer = list(decode_loop(adapter, cache, logits[-1], start, GenerationConfig(max_new_tokens=ANSWER_TOKENS)))
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> None:
             fused = fuse(adapter, FusionInput(pre, cached, chunks, suffix), cfg, prefill_suffix=True)
             assert fused.suffix_logits is not None
             first = fused.suffix_logits[-1:]
+            int(first.argmax())  # wait for the result (asynchronous devices)
             ttfts.append((time.perf_counter() - t_fuse) / t_full)
             got = torch.cat([first, adapter.forward(answer[:-1], fused.cache, n_ctx + len(suffix))])[: len(answer)]
             kl, top1 = _kl_top1(ref, got)

@@ -35,6 +35,11 @@ __all__ = ["ArchSpec", "ModelAdapter", "ScatterCache", "concat_kv", "load_model"
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
+# Config fields of families that scale embeddings or logits in the model's forward, outside the
+# decoder layers (Cohere, Granite, Gemma 2): fusion's own embed -> layers -> head path would miss them.
+_OUTSIDE_LAYER_SCALES = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping")
+
+
 @dataclass(frozen=True, slots=True)
 class ArchSpec:
     """What ragkv needs to know about a decoder, read from ``model.config`` and its modules."""
@@ -77,6 +82,17 @@ class ArchSpec:
             raise UnsupportedModelError(
                 f"model_type={cfg.model_type!r} has non-full attention layers {sorted(set(layer_types))}: "
                 "chunk caches need every layer to keep all keys (sliding-window and linear attention are unsupported)"
+            )
+        scaled = [
+            f"{name}={getattr(cfg, name)!r}"
+            for name in _OUTSIDE_LAYER_SCALES
+            if getattr(cfg, name, None) not in (None, 1, 1.0)
+        ]
+        if scaled or str(cfg.model_type).startswith("gemma"):
+            raise UnsupportedModelError(
+                f"model_type={cfg.model_type!r} scales embeddings or logits outside its decoder layers "
+                f"({', '.join(scaled) or 'embedding normalizer'}); ragkv runs the embedding, the layers and "
+                "the head itself during fusion, so it supports plain Llama-like decoders only"
             )
         heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads

@@ -192,8 +192,9 @@ class Blend(Strategy):
     force_sinks: ClassVar[bool] = False
 
     def initial(self, state: SelectionState) -> torch.Tensor:
-        # ratio 0 (and no sinks) recomputes nothing, not even the check layers: exactly naive reuse
-        if state.budget(state.config.ratio) == 0 and not (self.force_sinks and state.config.sink_tokens):
+        # a budget of 0 recomputes nothing, not even the check layers: exactly naive reuse (sinks
+        # are forced in within the budget, never on top of it)
+        if state.budget(state.config.ratio) == 0:
             return torch.zeros(0, dtype=torch.long)
         return super().initial(state)
 
@@ -297,7 +298,11 @@ def _question_importance(state: SelectionState, after_layer: int) -> torch.Tenso
 
 @register_strategy
 class QueryAttention(_Fixed):
-    """Recompute the ``ratio`` of tokens the question attends most (plus sinks); no check layers."""
+    """Recompute the ``ratio`` of tokens the question attends most; no check layers.
+
+    Every chunk's first ``sink_tokens`` come first within that budget. Without a question (no
+    suffix) it recomputes those first tokens only, as ``sink`` does.
+    """
 
     name = "query_attn"
     wants_query_attention = True
@@ -327,5 +332,5 @@ class QueryFocus(QueryGradual):
         importance = _question_importance(state, state.config.check_layer)
         share = max(state.config.focus_ratio, state.config.ratio * state.config.narrow_factor)
         if importance is None or state.budget(state.config.ratio) == 0:
-            return super().initial(state)
+            return super().initial(state)  # no question: query_gradual's; budget 0: naive
         return _top(importance, state.budget(min(1.0, share)), state.sink_mask(every))

@@ -239,22 +239,40 @@ def test_prefilling_the_suffix_inside_fusion_equals_prefilling_it_after(llama_ad
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
 
 
-def test_query_focus_runs_only_its_focus_set_through_the_check_layer(tiny_adapter):
+def test_query_focus_runs_only_its_focus_set_through_the_check_layer(tiny_adapter, monkeypatch):
     _, chunk_ids, suffix, inp = _prompt(tiny_adapter)
     n = sum(map(len, chunk_ids))
     seen: dict[int, int] = {}
-    strategy = get_strategy("query_focus")
-    select = type(strategy).select
+    cls = type(get_strategy("query_focus"))
+    select = cls.select
 
     def spy(self, state, layer):
         seen[layer] = int(state.active[layer].numel())
         return select(self, state, layer)
 
+    monkeypatch.setattr(cls, "select", spy)
     cfg = FusionConfig(method="query_focus", ratio=0.1, focus_ratio=0.5, narrow_layer=1, check_layer=0)
-    try:
-        type(strategy).select = spy
-        fused = fuse(tiny_adapter, inp, cfg)
-    finally:
-        type(strategy).select = select
+    fused = fuse(tiny_adapter, inp, cfg)
     assert seen[0] == round(0.5 * n)  # the focus set, not every chunk token, ran the first check
     assert fused.recomputed_tokens == round(0.1 * n)
+
+
+@pytest.mark.parametrize("method", ["blend", "blend_sink", "gradual", "query", "query_focus", "query_gradual"])
+def test_a_zero_budget_is_naive_reuse_for_every_selecting_method(tiny_adapter, method):
+    _, _, suffix, inp = _prompt(tiny_adapter)
+    naive = fuse(tiny_adapter, inp, FusionConfig(method="naive"), prefill_suffix=True)
+    fused = fuse(tiny_adapter, inp, FusionConfig(method=method, ratio=0.0), prefill_suffix=True)
+    assert fused.recomputed_tokens == 0 and fused.selected.numel() == 0
+    torch.testing.assert_close(fused.suffix_logits, naive.suffix_logits, atol=0, rtol=0)
+
+
+def test_the_question_probe_leaves_the_context_untouched(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    keys, values = _naive_kv(a, inp)
+    s, n = len(inp.suffix_ids), keys[0].shape[2]
+    pad = torch.zeros(a.spec.num_layers, keys[0].shape[1], s, keys[0].shape[3])
+    k, v = torch.cat([torch.cat(keys), pad], 2), torch.cat([torch.cat(values), pad], 2)
+    before_k, before_v = k[:, :, :n].clone(), v[:, :, :n].clone()
+    _question_attention(a, k, v, torch.tensor(list(inp.suffix_ids)), n, torch.arange(9, n))
+    assert torch.equal(k[:, :, :n], before_k) and torch.equal(v[:, :, :n], before_v)

@@ -128,6 +128,18 @@ def test_sliding_window_layers_unsupported(tiny_tokenizer):
         ArchSpec.from_model(model)
 
 
+@pytest.mark.parametrize(
+    ("family", "overrides", "named"),
+    [("cohere", {}, "logit_scale"), ("granite", {"embedding_multiplier": 12.0}, "embedding_multiplier")],
+)
+def test_families_scaling_outside_their_layers_are_refused(tiny_tokenizer, family, overrides, named):
+    """Fusion runs embed -> layers -> head itself; a family scaling logits or embeddings in its forward
+    would get wrong logits silently (Cohere's logits came out 16x too large before this check)."""
+    model = make_model(family, len(tiny_tokenizer), **overrides)
+    with pytest.raises(UnsupportedModelError, match=named):
+        ArchSpec.from_model(model)
+
+
 def test_fingerprints_are_stable_and_weight_specific(tiny_tokenizer):
     a = ModelAdapter(make_model("llama", len(tiny_tokenizer), seed=0), tiny_tokenizer)
     b = ModelAdapter(make_model("llama", len(tiny_tokenizer), seed=0), tiny_tokenizer)
