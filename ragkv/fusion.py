@@ -124,9 +124,9 @@ def fuse(
     forced = _forced_tokens(inp)
     active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
     if n_chunk == 0 or active.numel() == 0:
-        cache = _to_dynamic(adapter, keys[:, :, :n_ctx], values[:, :, :n_ctx])
-        logits = adapter.forward(suffix, cache, n_ctx) if prefill_suffix and n_suffix else None
-        return FusedContext(cache, n_ctx, 0, n_chunk, suffix_logits=logits)
+        placed = _to_dynamic(adapter, keys[:, :, :n_ctx], values[:, :, :n_ctx])
+        logits = adapter.forward(suffix, placed, n_ctx) if prefill_suffix and n_suffix else None
+        return FusedContext(placed, n_ctx, 0, n_chunk, suffix_logits=logits)
 
     num_layers = adapter.spec.num_layers
     checks = set(strategy.check_layers(state, num_layers))

@@ -138,8 +138,8 @@ def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tu
         cfg = FusionConfig(method=method, ratio=ratio)
         t0 = time.perf_counter()
         fused = fuse(adapter, FusionInput(pre, cached, chunks, suffix), cfg, prefill_suffix=True)
+        assert fused.suffix_logits is not None
         logits = fused.suffix_logits
-        assert logits is not None
         int(logits[-1].argmax())
         ttft = (time.perf_counter() - t0) * 1000
         own = list(decode_loop(adapter, fused.cache, logits[-1], n + len(suffix), gen))
