@@ -277,11 +277,12 @@ class RagKV:
         prefix_kv = self._prefix_kv(prefix)
         loaded: list[ChunkKV] = []
         hit_tokens = 0
+        fetched = iter(self.retriever.load_many([seg for seg, cached in middle if cached]))
         for seg, cached in middle:
             if not cached:  # plain text between chunks: computed in place by fusion
                 loaded.append(self.adapter.empty_kv(len(seg)))
                 continue
-            got = self.retriever.load(seg)
+            got = next(fetched)
             loaded.append(got.kv)
             if got.hit:
                 stats.cache_hits += 1

@@ -363,11 +363,18 @@ class ModelAdapter:
         cos_p, sin_p = self.rotary(kv.positions)  # [1, T, R]
         cos_q, sin_q = self.rotary(target)
         rot = cos_p.shape[-1]  # partial rotary rotates the first `rot` dims only
+        # As complex pairs the key was multiplied by z_p = cos_p + i sin_p; moving it multiplies by
+        # z_q / z_p = z_q * conj(z_p) / |z_p|^2: one [T, R] table, then one pass over the keys.
+        norm = cos_p * cos_p + sin_p * sin_p
+        cos_d = (cos_q * cos_p + sin_q * sin_p) / norm
+        sin_d = (sin_q * cos_p - cos_q * sin_p) / norm
         k = kv.keys.to(device=self.device, dtype=torch.float32)  # [L, H, T, D]
-        k_rot, k_pass = k[..., :rot], k[..., rot:]
-        plain = (k_rot * cos_p - _rotate_half(k_rot) * sin_p) / (cos_p * cos_p + sin_p * sin_p)
-        moved = plain * cos_q + _rotate_half(plain) * sin_q
-        keys = torch.cat([moved, k_pass], dim=-1).to(kv.keys.dtype)
+        if rot == k.shape[-1]:
+            moved = k * cos_d + _rotate_half(k) * sin_d
+        else:
+            k_rot, k_pass = k[..., :rot], k[..., rot:]
+            moved = torch.cat([k_rot * cos_d + _rotate_half(k_rot) * sin_d, k_pass], dim=-1)
+        keys = moved.to(kv.keys.dtype)
         return ChunkKV(
             keys=keys,
             values=kv.values,

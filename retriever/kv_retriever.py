@@ -12,6 +12,7 @@ reconciled with the catalog (the source of truth) when opened.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ragkv import codec
 from ragkv.cache.catalog import Catalog, DocumentRecord
+from ragkv.cache.prefetch import prefetch
 from ragkv.cache.store import TieredStore
 from ragkv.digests import fields_digest, text_digest, tokens_digest
 from ragkv.errors import CodecError
@@ -250,28 +252,65 @@ class KVRetriever:
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
-        key = self.chunk_key(token_ids, self.config.codec, self.config.level)
-        blob = self.store.get(key.storage_key)
-        if blob is not None:
-            try:
-                kv = codec.decode(
-                    blob,
-                    device=self.adapter.device,
-                    dtype=self.adapter.dtype,
-                    expect_model_fingerprint=self.adapter.fingerprint,
-                )
-                if kv.num_tokens == len(token_ids):
-                    self.catalog.touch_entries([key.storage_key])
-                    return LoadedChunk(kv, True, len(blob))
-                logger.warning(
-                    "cache entry %s has %d tokens, chunk has %d; recomputing",
-                    key.storage_key,
-                    kv.num_tokens,
-                    len(token_ids),
-                )
-            except CodecError as e:
-                logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
-            self.store.invalidate(key.storage_key)
-        kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
-        nbytes = self._put(kv, key, self.config.codec, self.config.level)
-        return LoadedChunk(kv, False, nbytes)
+        return self.load_many([token_ids])[0]
+
+    def load_many(self, segments: Sequence[Sequence[int]]) -> list[LoadedChunk]:
+        """Several chunks' caches, in order; misses and unusable entries are computed and stored.
+
+        With more than one chunk, blobs are fetched on a background thread, in order, while the
+        main thread decodes the ones already fetched: chunk i+1 loads from its tier while chunk i
+        decodes, so a remote tier's latency hides behind decoding. Only the fetch thread touches
+        the store until every fetch is done; the misses are then computed and stored, and the
+        hits' catalog entries touched in one write. A chunk that occurs twice is fetched once; its
+        repeat counts as a hit (its cache was loaded or computed for the first occurrence).
+        """
+        keys = [self.chunk_key(t, self.config.codec, self.config.level) for t in segments]
+        first: dict[str, int] = {}  # storage key -> index of its first occurrence
+        for i, key in enumerate(keys):
+            first.setdefault(key.storage_key, i)
+        unique = list(first.values())  # a chunk repeated in one prompt is fetched and decoded once
+        blobs: dict[int, bytes | None] = {}
+        decoded: dict[int, ChunkKV | None] = {}
+        storage_keys = [keys[i].storage_key for i in unique]
+        with contextlib.closing(prefetch(storage_keys, self.store.get)) as fetched:
+            for i, blob in zip(unique, fetched, strict=True):
+                blobs[i] = blob  # the next chunks keep loading while this one decodes
+                decoded[i] = None if blob is None else self._decode(keys[i], len(segments[i]), blob)
+        done: dict[int, LoadedChunk] = {}
+        for i in unique:
+            kv, blob = decoded[i], blobs[i]
+            if kv is not None and blob is not None:
+                done[i] = LoadedChunk(kv, True, len(blob))
+                continue
+            if blob is not None:  # present but unusable: drop it everywhere, then recompute
+                self.store.invalidate(keys[i].storage_key)
+            kv = self.adapter.prefill_kv(segments[i], past=[self.prefix_kv()])
+            done[i] = LoadedChunk(kv, False, self._put(kv, keys[i], self.config.codec, self.config.level))
+        hits = [keys[i].storage_key for i in unique if done[i].hit]
+        if hits:
+            self.catalog.touch_entries(hits)
+        out = []
+        for i, key in enumerate(keys):
+            j = first[key.storage_key]
+            # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill
+            out.append(done[j] if i == j else LoadedChunk(done[j].kv, True, done[j].nbytes))
+        return out
+
+    def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:
+        """The stored cache in ``blob``, or None (with a warning) if it is damaged, foreign or stale."""
+        try:
+            kv = codec.decode(
+                blob,
+                device=self.adapter.device,
+                dtype=self.adapter.dtype,
+                expect_model_fingerprint=self.adapter.fingerprint,
+            )
+        except CodecError as e:
+            logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
+            return None
+        if kv.num_tokens != num_tokens:
+            logger.warning(
+                "cache entry %s has %d tokens, chunk has %d; recomputing", key.storage_key, kv.num_tokens, num_tokens
+            )
+            return None
+        return kv

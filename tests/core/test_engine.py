@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.errors import ContextTooLongError
@@ -119,3 +121,62 @@ def test_bad_input_gives_clear_errors(tmp_path, llama_adapter):
             rag.index([str(binary)])
         with pytest.raises(ValueError, match="mode"):
             rag.answer("hi", mode="fast", chunks=[])
+
+
+def _chunk_ids(rag: RagKV) -> list[list[int]]:
+    """Three different indexed chunks' token ids (identical chunk texts share one entry)."""
+    rag.index(DOCS, progress=False)
+    unique = dict.fromkeys(tuple(c.token_ids) for c in rag.retrieve("apples boats clocks", k=8))
+    assert len(unique) >= 3
+    return [list(t) for t in unique][:3]
+
+
+def test_loading_many_chunks_equals_loading_each(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        a, b, c = _chunk_ids(rag)
+        # one damaged entry among hits: a miss, recomputed and stored; the others hits
+        key = rag.retriever.chunk_key(b, rag.config.codec, rag.config.level).storage_key
+        blob = bytearray(rag.store.get(key))
+        blob[-9] ^= 0xFF
+        rag.store.invalidate(key)
+        rag.store.put(key, bytes(blob))
+        many = rag.retriever.load_many([a, b, c, b])
+        # the repeat of b reuses the cache computed for its first occurrence: nothing to prefill
+        assert [m.hit for m in many] == [True, False, True, True]
+        one_by_one = [rag.retriever.load(t) for t in (a, b, c, b)]
+        assert all(o.hit for o in one_by_one)  # the damaged entry was replaced
+        assert [m.nbytes for m in many] == [o.nbytes for o in one_by_one]
+        for i in (0, 2):  # hits: decoded from the same blobs
+            assert torch.equal(many[i].kv.keys, one_by_one[i].kv.keys)
+            assert torch.equal(many[i].kv.values, one_by_one[i].kv.values)
+        exact = llama_adapter.prefill_kv(b, past=[rag.retriever.prefix_kv()])  # the miss: computed now
+        assert torch.equal(many[1].kv.keys, exact.keys) and torch.equal(many[1].kv.values, exact.values)
+        assert many[3].kv is many[1].kv
+        assert rag.retriever.load_many([]) == []
+
+
+def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, monkeypatch):
+    """Pipelining: the last chunk's fetch may wait until the first chunk is decoded. Sequential
+    loading (fetch everything, then decode) would never decode while a fetch is pending."""
+    with _engine(tmp_path, llama_adapter) as rag:
+        ids = _chunk_ids(rag)
+        assert len(ids) >= 3
+        last_key = rag.retriever.chunk_key(ids[-1], rag.config.codec, rag.config.level).storage_key
+        first_decoded = threading.Event()
+        waited: list[bool] = []
+        get, decode = rag.store.get, rag.retriever._decode
+
+        def slow_get(key: str) -> bytes | None:
+            if key == last_key:
+                waited.append(first_decoded.wait(timeout=30))
+            return get(key)
+
+        def spy_decode(*args):
+            out = decode(*args)
+            first_decoded.set()
+            return out
+
+        monkeypatch.setattr(rag.store, "get", slow_get)
+        monkeypatch.setattr(rag.retriever, "_decode", spy_decode)
+        loaded = rag.retriever.load_many(ids)
+        assert waited == [True] and all(x.hit for x in loaded)

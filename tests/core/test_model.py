@@ -75,6 +75,36 @@ def test_rerotate_exact_for_scaled_rope(tiny_tokenizer, rope):
     torch.testing.assert_close(back.keys, _shifted_kv(adapter, ids, 7).keys, atol=ATOL, rtol=1e-4)
 
 
+def test_rerotate_partial_rotary_moves_the_rotated_dims_only(llama_adapter, monkeypatch):
+    """Families rotating only the first dims of each head: the formula written out step by step
+    (undo the rotation at the stored positions, apply it at the targets) on those dims; the rest pass."""
+    a = llama_adapter
+    full_rotary = a.rotary
+    rot = a.spec.head_dim // 2
+
+    def partial(positions):
+        cos, sin = full_rotary(positions)
+        half = cos.shape[-1] // 2  # keep each half's first rot/2 frequencies: a rotary of width rot
+        pick = torch.cat([torch.arange(rot // 2), half + torch.arange(rot // 2)])
+        return cos[..., pick], sin[..., pick]
+
+    monkeypatch.setattr(a, "rotary", partial)
+    kv = a.prefill_kv(_ids(20, 6))
+    moved = a.rerotate(kv, 50)
+    cos_p, sin_p = partial(kv.positions)
+    cos_q, sin_q = partial(torch.arange(50, 70))
+
+    def half_turn(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    k = kv.keys[..., :rot]
+    plain = (k * cos_p - half_turn(k) * sin_p) / (cos_p**2 + sin_p**2)
+    want = plain * cos_q + half_turn(plain) * sin_q
+    torch.testing.assert_close(moved.keys[..., :rot], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(moved.keys[..., rot:], kv.keys[..., rot:])
+
+
 def test_first_chunk_after_prefix_reproduces_full_prefill(tiny_adapter):
     prefix, c1, c2 = _ids(12, 3), _ids(25, 4), _ids(20, 5)
     full = tiny_adapter.prefill_kv(prefix + c1 + c2)
