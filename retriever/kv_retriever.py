@@ -262,27 +262,28 @@ class KVRetriever:
         decodes, so a remote tier's latency hides behind decoding. Only the fetch thread touches
         the store until every fetch is done; the misses are then computed and stored, and the
         hits' catalog entries touched in one write. A chunk that occurs twice is fetched once; its
-        repeat counts as a hit (its cache was loaded or computed for the first occurrence).
+        repeat counts as a hit of 0 bytes (its cache was loaded or computed for the first occurrence).
         """
         keys = [self.chunk_key(t, self.config.codec, self.config.level) for t in segments]
         first: dict[str, int] = {}  # storage key -> index of its first occurrence
         for i, key in enumerate(keys):
             first.setdefault(key.storage_key, i)
         unique = list(first.values())  # a chunk repeated in one prompt is fetched and decoded once
-        blobs: dict[int, bytes | None] = {}
+        sizes: dict[int, int | None] = {}  # bytes of each stored blob (None: not stored)
         decoded: dict[int, ChunkKV | None] = {}
         storage_keys = [keys[i].storage_key for i in unique]
         with contextlib.closing(prefetch(storage_keys, self.store.get)) as fetched:
             for i, blob in zip(unique, fetched, strict=True):
-                blobs[i] = blob  # the next chunks keep loading while this one decodes
+                # the next chunks keep loading while this one decodes; its bytes are dropped after
+                sizes[i] = None if blob is None else len(blob)
                 decoded[i] = None if blob is None else self._decode(keys[i], len(segments[i]), blob)
         done: dict[int, LoadedChunk] = {}
         for i in unique:
-            kv, blob = decoded[i], blobs[i]
-            if kv is not None and blob is not None:
-                done[i] = LoadedChunk(kv, True, len(blob))
+            kv, size = decoded[i], sizes[i]
+            if kv is not None and size is not None:
+                done[i] = LoadedChunk(kv, True, size)
                 continue
-            if blob is not None:  # present but unusable: drop it everywhere, then recompute
+            if size is not None:  # present but unusable: drop it everywhere, then recompute
                 self.store.invalidate(keys[i].storage_key)
             kv = self.adapter.prefill_kv(segments[i], past=[self.prefix_kv()])
             done[i] = LoadedChunk(kv, False, self._put(kv, keys[i], self.config.codec, self.config.level))
@@ -292,8 +293,9 @@ class KVRetriever:
         out = []
         for i, key in enumerate(keys):
             j = first[key.storage_key]
-            # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill
-            out.append(done[j] if i == j else LoadedChunk(done[j].kv, True, done[j].nbytes))
+            # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill,
+            # nothing read
+            out.append(done[j] if i == j else LoadedChunk(done[j].kv, True, 0))
         return out
 
     def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:

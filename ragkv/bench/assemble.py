@@ -37,7 +37,6 @@ def _chunks(adapter: ModelAdapter, k: int, tokens: int) -> tuple[list[int], list
     return prefix, [ids[i * tokens : (i + 1) * tokens] for i in range(k)]
 
 
-@torch.inference_mode()
 def _sequential(
     adapter: ModelAdapter, tier: Tier, keys: list[str], pre: ChunkKV, chunks: list[list[int]]
 ) -> tuple[float, float, float]:
@@ -59,6 +58,7 @@ def _pipelined(adapter: ModelAdapter, tier: Tier, keys: list[str], pre: ChunkKV,
     return (time.perf_counter() - t0) * 1000
 
 
+@torch.inference_mode()
 def run_assemble_bench(
     adapter: ModelAdapter,
     urls: Sequence[str],

@@ -46,15 +46,35 @@ def test_a_failed_fetch_raises_where_its_value_would_be() -> None:
         next(it)
 
 
-def test_fetch_runs_on_one_thread_in_order_and_closing_early_waits_for_it() -> None:
+def test_fetch_runs_on_one_thread_in_order_and_closing_early_stops_it() -> None:
     seen: list[tuple[int, str]] = []
 
     def fetch(key: int) -> int:
         seen.append((key, threading.current_thread().name))
         return key
 
-    it = prefetch(list(range(6)), fetch)
+    it = prefetch(list(range(50)), fetch)
     assert next(it) == 0
-    it.close()  # joins the fetch thread: every fetch has finished when close returns
-    assert [k for k, _ in seen] == list(range(6))
+    it.close()  # stops fetching and joins the fetch thread
+    fetched = [k for k, _ in seen]
+    assert fetched == list(range(len(fetched))) and 1 <= len(fetched) <= 4  # in order, bounded lookahead
     assert len({name for _, name in seen}) == 1 and seen[0][1] != threading.current_thread().name
+
+
+def test_lookahead_is_bounded() -> None:
+    """At most ``ahead`` values past the one the caller holds are fetched."""
+    fetched: list[int] = []
+
+    def fetch(key: int) -> int:
+        fetched.append(key)
+        return key
+
+    it = prefetch(list(range(10)), fetch, ahead=2)
+    for i in range(10):
+        assert next(it) == i
+        assert len(fetched) <= i + 3  # the held value, plus 2 fetched ahead (one may be in flight)
+    assert fetched == list(range(10))
+    with pytest.raises(StopIteration):
+        next(it)
+    with pytest.raises(ValueError, match="ahead"):
+        list(prefetch([1, 2], fetch, ahead=0))
