@@ -310,8 +310,8 @@ class QueryAttention(_Fixed):
     def initial(self, state: SelectionState) -> torch.Tensor:
         every = torch.arange(state.num_chunk_tokens)
         importance = _question_importance(state, state.config.check_layer)
-        if importance is None:  # no question: fall back to sinks only
-            return every[state.sink_mask(every)]
+        if importance is None:  # no question: what `sink` recomputes
+            return Sink().initial(state)
         return _top(importance, state.budget(state.config.ratio), state.sink_mask(every))
 
 
