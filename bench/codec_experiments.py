@@ -22,11 +22,21 @@ import torch
 import ragkv.codec.cachegen as cachegen
 from ragkv.bench.codec import _Case, _kl, _prepare
 from ragkv.bench.fusion import builtin_prompts
-from ragkv.codec import decode, encode
+from ragkv.codec import Expected, decode, encode
 from ragkv.model import ModelAdapter, load_model
-from ragkv.types import ChunkKV
+from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
 FP16_BYTES_PER_TOKEN = 23_040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 (K, V) x 2 bytes
+
+
+_KEY = StorageKey(f"{tenant_namespace('ragkv-bench')}/codec-experiments")
+
+
+def _roundtrip(kv: ChunkKV, level: int) -> tuple[ChunkKV, int]:
+    """``kv`` through cachegen at ``level``: (decoded kv, encoded bytes)."""
+    spec = CodecSpec("cachegen", level)
+    data = encode(kv, spec, key=_KEY).data
+    return decode(data, expect=Expected.of(kv, spec, _KEY)), len(data)
 
 
 def _score(
@@ -53,9 +63,8 @@ def prerope(adapter: ModelAdapter, cases: Sequence[_Case]) -> None:
             def code(kv: ChunkKV, level: int = level, mode: str = mode) -> tuple[ChunkKV, int]:
                 zero = torch.zeros(kv.num_tokens, dtype=torch.long)
                 src = adapter.rerotate(kv, zero) if mode == "pre" else kv
-                data = encode(src, "cachegen", level).data
-                out = decode(data)
-                return (adapter.rerotate(out, kv.positions) if mode == "pre" else out), len(data)
+                out, size = _roundtrip(src, level)
+                return (adapter.rerotate(out, kv.positions) if mode == "pre" else out), size
 
             size, kl = _score(adapter, cases, code)
             print(f"level {level} keys {mode}-RoPE: {size:.0f} bytes/token, KL {kl:.4f}", flush=True)
@@ -93,20 +102,21 @@ def outliers(adapter: ModelAdapter, cases: Sequence[_Case]) -> None:
         for share in (0.0, 0.01, 0.03):
 
             def code(kv: ChunkKV, level: int = level, share: float = share) -> tuple[ChunkKV, int]:
-                data = encode(kv, "cachegen", level).data
-                out = decode(data)
+                out, size = _roundtrip(kv, level)
                 k = round(share * kv.num_tokens)
                 if not k:
-                    return out, len(data)
-                err = sum(
-                    (got - want).float().pow(2).sum((0, 1, 3)) / want.float().pow(2).sum((0, 1, 3))
-                    for got, want in ((out.keys, kv.keys), (out.values, kv.values))
-                )
+                    return out, size
+                err = torch.stack(  # [tokens] relative error of keys plus that of values
+                    [
+                        (got - want).float().pow(2).sum((0, 1, 3)) / want.float().pow(2).sum((0, 1, 3))
+                        for got, want in ((out.keys, kv.keys), (out.values, kv.values))
+                    ]
+                ).sum(0)
                 idx = torch.topk(err, k).indices
                 keys, values = out.keys.clone(), out.values.clone()
                 keys[:, :, idx], values[:, :, idx] = kv.keys[:, :, idx], kv.values[:, :, idx]
                 exact = ChunkKV(keys, values, kv.positions, kv.model_fingerprint)
-                return exact, len(data) + k * FP16_BYTES_PER_TOKEN
+                return exact, size + k * FP16_BYTES_PER_TOKEN
 
             size, kl = _score(adapter, cases, code)
             print(f"level {level}, worst {share:.0%} of tokens exact: {size:.0f} bytes/token, KL {kl:.4f}", flush=True)
@@ -123,7 +133,7 @@ def sensitivity(adapter: ModelAdapter, cases: Sequence[_Case]) -> None:
         schedule = types.SimpleNamespace(key_steps=k, value_steps=v, zstd_level=0, group=lambda i, _n: i)
         cachegen.LEVELS[2] = schedule  # type: ignore[assignment]
         try:
-            return _score(adapter, cases, lambda kv: (decode(data := encode(kv, "cachegen", 2).data), len(data)))
+            return _score(adapter, cases, lambda kv: _roundtrip(kv, 2))
         finally:
             cachegen.LEVELS[2] = base
 

@@ -3,7 +3,8 @@
     python bench/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query", "ratio": 0.15}'
 
 Uses the first N built-in prompts of ``ragkv bench fusion``; each argument after N is a JSON
-object of ``FusionConfig`` fields. Reference: full prefill's 32-token greedy answer.
+object: ``method``, ``ratio`` and any fields of the method's parameter record (e.g.
+``narrow_layer`` for ``QueryFocusParams``). Reference: full prefill's 32-token greedy answer.
 """
 
 from __future__ import annotations
@@ -11,20 +12,27 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1, builtin_prompts
-from ragkv.fusion import FusionInput, fuse
+from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import load_model
-from ragkv.selection import FusionConfig
+from ragkv.selection import strategy_class
+
+
+def _config(fields: dict) -> FusionConfig:
+    """``{"method": ..., "ratio": ..., <knobs of the method's record>}`` -> FusionConfig."""
+    cfg = FusionConfig(**{k: fields.pop(k) for k in ("method", "ratio") if k in fields})
+    return replace(cfg, params=strategy_class(cfg.method).Params(**fields)) if fields else cfg
 
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
     adapter = load_model("smollm2-135m")
-    n, configs = int(argv[0]), [FusionConfig(**json.loads(a)) for a in argv[1:]]
+    n, configs = int(argv[0]), [_config(json.loads(a)) for a in argv[1:]]
     cases = []
     for p in builtin_prompts(adapter, n=n):
         prefix, chunks, suffix = adapter.chat_segments(None, p["chunks"], p["question"])

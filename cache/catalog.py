@@ -10,7 +10,7 @@ Chunk row ids double as FAISS ids and are never reused.
 >>> doc = DocumentRecord("d" * 64, "default", "notes.txt", "c" * 64, "Notes", 1)
 >>> chunk = Chunk("e" * 64, "d" * 64, 0, "hello", (15, 16), "notes.txt")
 >>> rows = catalog.replace_document(doc, [chunk])
->>> catalog.chunks_by_rows(rows)[0].token_ids
+>>> catalog.chunks_by_rows(rows, "default")[0].token_ids
 (15, 16)
 >>> catalog.close()
 """
@@ -25,19 +25,28 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, delete, inspect, select, update
-from sqlalchemy.engine import make_url
+from sqlalchemy import Connection, Engine, and_, create_engine, delete, exists, false, inspect, or_, select, update
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from ragkv.cache._catalog_dialects import DIALECTS, WRITE_OPTION, Dialect
-from ragkv.cache.catalog_schema import SCHEMA_VERSION, TABLE_NAMES, chunks, documents, entries, meta, metadata
+from ragkv.cache.catalog_schema import (
+    ADDED_INDEXES,
+    SCHEMA_VERSION,
+    TABLE_NAMES,
+    chunks,
+    documents,
+    entries,
+    meta,
+    metadata,
+)
 from ragkv.cache.document_record import DocumentRecord
 from ragkv.cache.entry_record import EntryRecord
 from ragkv.cache.keys import key_namespace
 from ragkv.digests import Digest
 from ragkv.errors import CatalogError
-from ragkv.types import DEFAULT_TENANT, Chunk, tenant_namespace
+from ragkv.types import Chunk, tenant_namespace, validate_tenant
 
 __all__ = ["Catalog", "DocumentRecord", "EntryRecord"]
 
@@ -61,9 +70,14 @@ def _database_url(url: str) -> str:
         return url
     if url == ":memory:":
         return "sqlite://"
-    path = os.path.abspath(os.path.expanduser(url))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    return f"sqlite:///{path}"
+    return f"sqlite:///{os.path.abspath(os.path.expanduser(url))}"
+
+
+def _sqlite_file(sa_url: URL) -> str | None:
+    """The file of a file-backed SQLite URL, else None (in-memory SQLite, other databases)."""
+    if sa_url.get_backend_name() != "sqlite" or sa_url.database in (None, "", ":memory:"):
+        return None
+    return os.path.abspath(os.path.expanduser(str(sa_url.database)))
 
 
 class Catalog:
@@ -73,13 +87,17 @@ class Catalog:
         url: a SQLAlchemy URL (``sqlite:///path/catalog.db``,
             ``postgresql+psycopg://user:pw@host/db``) or a plain path to a SQLite file.
         timeout_s: how long to wait for a connection or a lock before raising CatalogError.
+        create: create the catalog (a SQLite file and its directory, the tables) if there is
+            none; False for commands that only read it, so they fail instead of leaving an
+            empty catalog behind.
 
     Raises:
-        CatalogError: the database is unreachable, or its schema version is not this ragkv's.
+        CatalogError: the database is unreachable or is not a ragkv catalog, there is no
+            catalog and ``create`` is False, or its schema version is not this ragkv's.
         ValueError: an unsupported database (SQLite and PostgreSQL are supported).
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 30.0, create: bool = True) -> None:
         try:
             sa_url = make_url(_database_url(url))
         except ArgumentError as e:
@@ -89,6 +107,10 @@ class Catalog:
             raise ValueError(f"unsupported catalog database {sa_url.get_backend_name()!r}; use {sorted(DIALECTS)}")
         self._dialect: Dialect = dialect
         self._display = sa_url.render_as_string(hide_password=True)
+        self._file = _sqlite_file(sa_url)
+        self._create = create
+        if self._file is not None:
+            self._check_file(self._file)
         # hide_parameters: errors and logs must not carry document text or token ids.
         kwargs = {"hide_parameters": True, **dialect.engine_kwargs(timeout_s)}
         if sa_url.get_backend_name() == "sqlite" and sa_url.database in (None, "", ":memory:"):
@@ -108,12 +130,21 @@ class Catalog:
 
     # -- documents and chunks -----------------------------------------------------------------
 
-    def get_document(self, source: str, tenant: str = DEFAULT_TENANT) -> DocumentRecord | None:
+    def get_document(self, source: str, tenant: str) -> DocumentRecord | None:
         """The document indexed from ``source`` for ``tenant``, or None."""
+        validate_tenant(tenant)
         query = select(documents).where(documents.c.tenant == tenant, documents.c.source == source)
         with self._read() as conn:
             row = conn.execute(query).mappings().first()
         return None if row is None else _document(row)
+
+    def document_chunks(self, source: str, tenant: str) -> dict[int, Chunk]:
+        """The chunks recorded for ``(tenant, source)``'s document, by row id, in ordinal order."""
+        validate_tenant(tenant)
+        owner = select(documents.c.row).where(documents.c.tenant == tenant, documents.c.source == source)
+        query = select(chunks).where(chunks.c.document_row.in_(owner.scalar_subquery())).order_by(chunks.c.ordinal)
+        with self._read() as conn:
+            return {int(r["row"]): _chunk(r) for r in conn.execute(query).mappings()}
 
     def replace_document(self, doc: DocumentRecord, chunks_: Sequence[Chunk]) -> list[int]:
         """Atomically replace ``(doc.tenant, doc.source)``'s document and chunks.
@@ -122,9 +153,10 @@ class Catalog:
             The row ids assigned to ``chunks_``, in order (new ids; old ones are never reused).
 
         Raises:
-            ValueError: a chunk belongs to another document, or ``doc.num_chunks`` is not the
-                number of chunks given.
+            ValueError: a chunk belongs to another document, ``doc.num_chunks`` is not the
+                number of chunks given, or ``doc.tenant`` is not a valid tenant name.
         """
+        validate_tenant(doc.tenant)
         _check_document(doc, chunks_)
         now = time.time()
         with self._write() as conn:
@@ -160,22 +192,33 @@ class Catalog:
             inserted = conn.execute(chunks.insert().returning(chunks.c.row, sort_by_parameter_order=True), params)
             return [int(r) for r in inserted.scalars()]
 
-    def remove_document(self, source: str, tenant: str = DEFAULT_TENANT) -> list[int]:
-        """Delete ``(tenant, source)``'s document and chunks. Returns the removed chunk row ids."""
+    def remove_document(self, source: str, tenant: str) -> list[int]:
+        """Delete ``(tenant, source)``'s document and chunks. Returns the removed chunk row ids.
+
+        Chunk rows of ``(tenant, source)`` whose document row is gone (deleted by hand, with
+        SQLite's foreign keys off) are removed too, so a re-index never leaves a second copy.
+        """
+        validate_tenant(tenant)
         with self._write() as conn:
             self._dialect.lock(conn, f"document:{tenant}:{source}")
             return self._remove_document(conn, source, tenant)
 
-    def chunks_by_rows(self, rows: Sequence[int], tenant: str = DEFAULT_TENANT) -> list[Chunk]:
+    def chunks_by_rows(self, rows: Sequence[int], tenant: str) -> list[Chunk]:
         """The chunks with these row ids, in the order given; unknown or other tenants' rows skipped."""
-        wanted = [int(r) for r in rows]
+        found = self.chunk_map(rows, tenant)
+        return [found[int(r)] for r in rows if int(r) in found]
+
+    def chunk_map(self, rows: Sequence[int], tenant: str) -> dict[int, Chunk]:
+        """The chunks with these row ids, by row id; unknown or other tenants' rows left out."""
+        validate_tenant(tenant)
+        wanted = sorted({int(r) for r in rows})
         found: dict[int, Chunk] = {}
         with self._read() as conn:
             for start in range(0, len(wanted), _BATCH):
-                batch = sorted(set(wanted[start : start + _BATCH]))
+                batch = wanted[start : start + _BATCH]
                 query = select(chunks).where(chunks.c.tenant == tenant, chunks.c.row.in_(batch))
                 found.update({int(r["row"]): _chunk(r) for r in conn.execute(query).mappings()})
-        return [found[r] for r in wanted if r in found]
+        return found
 
     def chunks_for_document(self, doc_id: str, tenant: str | None = None) -> list[Chunk]:
         """A document's chunks in order.
@@ -189,6 +232,7 @@ class Catalog:
         """
         query = select(chunks).where(chunks.c.doc_id == doc_id)
         if tenant is not None:
+            validate_tenant(tenant)
             query = query.where(chunks.c.tenant == tenant)
         with self._read() as conn:
             rows = list(conn.execute(query.order_by(chunks.c.tenant, chunks.c.ordinal)).mappings())
@@ -197,14 +241,16 @@ class Catalog:
             raise ValueError(f"document {doc_id} is indexed for several tenants; pass tenant=")
         return [_chunk(r) for r in rows]
 
-    def all_chunk_rows(self, tenant: str = DEFAULT_TENANT) -> list[int]:
+    def all_chunk_rows(self, tenant: str) -> list[int]:
         """Every chunk row id of ``tenant``, ascending (to rebuild a FAISS index)."""
+        validate_tenant(tenant)
         query = select(chunks.c.row).where(chunks.c.tenant == tenant).order_by(chunks.c.row)
         with self._read() as conn:
             return [int(r) for r in conn.execute(query).scalars()]
 
-    def documents(self, tenant: str = DEFAULT_TENANT) -> list[DocumentRecord]:
+    def documents(self, tenant: str) -> list[DocumentRecord]:
         """``tenant``'s documents, by source."""
+        validate_tenant(tenant)
         query = select(documents).where(documents.c.tenant == tenant).order_by(documents.c.source)
         with self._read() as conn:
             return [_document(r) for r in conn.execute(query).mappings()]
@@ -225,8 +271,10 @@ class Catalog:
         """Record (or update) a stored entry. Idempotent; keeps its hit count.
 
         Raises:
-            ValueError: ``storage_key`` is malformed or is not in ``tenant``'s namespace.
+            ValueError: ``storage_key`` is malformed or is not in ``tenant``'s namespace, or
+                ``tenant`` is not a valid tenant name.
         """
+        validate_tenant(tenant)
         if key_namespace(storage_key) != tenant_namespace(tenant):
             raise ValueError(f"storage key {storage_key} is not in tenant {tenant!r}'s namespace")
         now = time.time()
@@ -250,8 +298,9 @@ class Catalog:
         with self._read() as conn:
             return conn.execute(query).first() is not None
 
-    def entries(self, tenant: str = DEFAULT_TENANT) -> list[EntryRecord]:
+    def entries(self, tenant: str) -> list[EntryRecord]:
         """``tenant``'s recorded entries, by storage key."""
+        validate_tenant(tenant)
         query = select(entries).where(entries.c.tenant == tenant).order_by(entries.c.storage_key)
         with self._read() as conn:
             return [EntryRecord(**dict(r)) for r in conn.execute(query).mappings()]
@@ -304,29 +353,51 @@ class Catalog:
                         f"catalog {self._display} has schema version {found}, this ragkv uses "
                         f"{SCHEMA_VERSION}; re-index into a new catalog (or upgrade ragkv)"
                     )
+                for index in ADDED_INDEXES:  # catalogs made before an index was added gain it
+                    index.create(conn, checkfirst=True)
             elif present:
                 raise CatalogError(
                     f"catalog {self._display} has ragkv tables {sorted(present)} but no schema version; "
                     "it was not created by ragkv; use a new database"
                 )
+            elif not self._create:
+                raise CatalogError(f"no ragkv catalog in {self._display}: run `ragkv index` first")
             else:
                 metadata.create_all(conn)
                 conn.execute(meta.insert(), {"key": "schema_version", "value": str(SCHEMA_VERSION)})
+
+    def _check_file(self, path: str) -> None:
+        """Refuse a SQLite catalog that is missing (unless creating it) or is a directory."""
+        if os.path.isdir(path):
+            raise CatalogError(f"the catalog path {path} is a directory; pass the catalog file inside it")
+        if os.path.exists(path):
+            return
+        if not self._create:
+            raise CatalogError(f"no catalog at {path}: run `ragkv index` first, or pass the --data-dir it was built in")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise CatalogError(f"cannot create a catalog at {path} ({e}); pass a writable --data-dir") from e
 
     def _remove_document(self, conn: Connection, source: str, tenant: str) -> list[int]:
         found = conn.execute(
             select(documents.c.row).where(documents.c.tenant == tenant, documents.c.source == source)
         ).scalar_one_or_none()
-        if found is None:
-            return []
-        rows = [
-            int(r)
-            for r in conn.execute(
-                select(chunks.c.row).where(chunks.c.document_row == found).order_by(chunks.c.ordinal)
-            ).scalars()
-        ]
-        conn.execute(delete(chunks).where(chunks.c.document_row == found))
-        conn.execute(delete(documents).where(documents.c.row == found))
+        # Orphans: chunk rows of this source whose document row was deleted by hand (SQLite's
+        # shell runs with foreign keys off, so the cascade never ran). Left alone, every re-index
+        # would add another copy beside them.
+        orphaned = and_(
+            chunks.c.tenant == tenant,
+            chunks.c.source == source,
+            ~exists().where(documents.c.row == chunks.c.document_row),  # per candidate: a primary-key probe
+        )
+        owned = chunks.c.document_row == found if found is not None else false()
+        doomed = or_(owned, orphaned)
+        rows = [int(r) for r in conn.execute(select(chunks.c.row).where(doomed).order_by(chunks.c.row)).scalars()]
+        if rows:
+            conn.execute(delete(chunks).where(doomed))
+        if found is not None:
+            conn.execute(delete(documents).where(documents.c.row == found))
         return rows
 
     @contextlib.contextmanager
@@ -344,7 +415,23 @@ class Catalog:
         try:
             yield
         except SQLAlchemyError as e:
-            raise CatalogError(f"catalog {self._display}: {e}") from e
+            raise CatalogError(self._explain(e)) from e
+
+    def _explain(self, e: SQLAlchemyError) -> str:
+        """A one-line message for a database error, saying what to do about it."""
+        # the driver's own message, without SQLAlchemy's "[SQL: ...]" and "(Background ...)" lines
+        detail = " ".join(str(getattr(e, "orig", None) or e).split())
+        if self._file is not None and ("not a database" in detail or "malformed" in detail):
+            return (
+                f"{self._file} is not a ragkv catalog (SQLite: {detail}); move it away, "
+                "or pass another --data-dir / catalog URL"
+            )
+        if self._file is not None and "unable to open" in detail:
+            return (
+                f"cannot open the catalog at {self._file} (SQLite: {detail}); check that its "
+                "directory exists and is writable, or pass another --data-dir"
+            )
+        return f"catalog {self._display}: {detail}; check that the database is reachable and the URL is right"
 
 
 def _check_document(doc: DocumentRecord, chunks_: Sequence[Chunk]) -> None:

@@ -1,4 +1,9 @@
-"""The catalog's tables (SQLAlchemy Core). Bump ``SCHEMA_VERSION`` with every change."""
+"""The catalog's tables (SQLAlchemy Core).
+
+Bump ``SCHEMA_VERSION`` with every change to a column or a constraint. An index added later
+goes into ``ADDED_INDEXES`` instead: ``Catalog`` creates it on open when it is missing, so
+existing catalogs keep working (no data changes meaning, lookups just get faster).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-__all__ = ["SCHEMA_VERSION", "metadata", "meta", "documents", "chunks", "entries", "TABLE_NAMES"]
+__all__ = ["SCHEMA_VERSION", "metadata", "meta", "documents", "chunks", "entries", "TABLE_NAMES", "ADDED_INDEXES"]
 
 SCHEMA_VERSION = 1
 
@@ -65,6 +70,8 @@ chunks = Table(
     Index("ix_ragkv_chunks_document_row", "document_row"),
     Index("ix_ragkv_chunks_doc_id", "doc_id"),
     Index("ix_ragkv_chunks_tenant_row", "tenant", "row"),
+    # finds a source's chunk rows whose document row is gone (Catalog._remove_document)
+    Index("ix_ragkv_chunks_tenant_source", "tenant", "source"),
     sqlite_autoincrement=True,
 )
 
@@ -84,3 +91,6 @@ entries = Table(
 )
 
 TABLE_NAMES = frozenset(t.name for t in metadata.sorted_tables)
+
+ADDED_INDEXES = tuple(i for i in chunks.indexes if i.name == "ix_ragkv_chunks_tenant_source")
+"""Indexes added after schema version 1 shipped, created on open where missing."""

@@ -172,6 +172,11 @@ class DiskTier(Tier):
             for key in keys:
                 try:
                     value = self._cache.get(key, default=None)
+                except BytesDisk.UnsafePathError as e:  # a tampered row: drop it (BytesDisk.remove spares the file)
+                    logger.warning("disk tier %s: dropping corrupt entry %s: %s", self.name, key, e)
+                    self._add(errors=1)
+                    self._cache.delete(key)
+                    continue
                 except ValueError as e:  # a row BytesDisk will not decode (e.g. a pickle)
                     logger.warning("disk tier %s: ignoring entry %s: %s", self.name, key, e)
                     self._add(errors=1)
@@ -219,6 +224,10 @@ class DiskTier(Tier):
     def _usage(self) -> tuple[int | None, int | None]:
         with self._translate("stats"):
             return self._cache.usage()
+
+    def _namespace_usage(self, namespace: str) -> tuple[int, int] | None:
+        with self._translate("usage"):
+            return self._cache.usage(namespace)
 
     def _close(self) -> None:
         self._cache.close()

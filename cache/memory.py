@@ -129,6 +129,10 @@ class MemoryTier(Tier):
         with self._lock:
             return sum(map(len, self._spaces.values())), self._total_bytes
 
+    def _namespace_usage(self, namespace: str) -> tuple[int, int] | None:
+        with self._lock:
+            return len(self._spaces.get(namespace, {})), self._space_bytes.get(namespace, 0)
+
     def _close(self) -> None:
         with self._lock:
             self._spaces.clear()

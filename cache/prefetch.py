@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -13,7 +13,7 @@ V = TypeVar("V")
 __all__ = ["prefetch"]
 
 
-def prefetch(keys: Sequence[K], fetch: Callable[[K], V], *, ahead: int = 2) -> Iterator[V]:
+def prefetch(keys: Sequence[K], fetch: Callable[[K], V], *, ahead: int = 2) -> Generator[V, None, None]:
     """Yield ``fetch(key)`` for ``keys`` in order, fetching ahead on one background thread.
 
     While the caller processes value i (say, decodes a chunk cache), values i+1 .. i+``ahead``

@@ -207,6 +207,21 @@ class TieredStore:
         """Each tier's counters, by tier name (fastest first; a repeated name gets `` [index]``)."""
         return {label: slot.tier.stats() for label, slot in zip(self._labels(), self._slots, strict=True)}
 
+    def usage(self, namespace: str) -> dict[str, tuple[int, int] | None]:
+        """One tenant namespace's (entries, value bytes) in each tier, by the names stats() uses.
+
+        None for a tier that cannot tell without a scan (Redis, object stores) or that failed.
+        """
+        validate_namespace(namespace)
+        return {
+            label: None if isinstance(found, _Failed) else found
+            for label, found in zip(
+                self._labels(),
+                (self._call(i, "usage", slot.tier.usage, namespace) for i, slot in enumerate(self._slots)),
+                strict=True,
+            )
+        }
+
     def health(self) -> dict[str, str]:
         """Each tier's circuit state, by the names stats() uses: "closed" (in use), "open" (skipped), "half-open"."""
         return {label: slot.breaker.state for label, slot in zip(self._labels(), self._slots, strict=True)}

@@ -134,6 +134,11 @@ class Tier(ABC):
         # Listed in full inside _call, so backend failures surface here, as StoreUnavailableError.
         return iter(self._call(lambda: list(self._keys(namespace))))
 
+    def usage(self, namespace: str) -> tuple[int, int] | None:
+        """(entries, value bytes) one tenant namespace holds now; None if the tier cannot tell cheaply."""
+        validate_namespace(namespace)
+        return self._call(self._namespace_usage, namespace)
+
     def stats(self) -> TierStats:
         """Counters since open, plus current entries and bytes where the tier can tell cheaply."""
         try:
@@ -193,6 +198,10 @@ class Tier(ABC):
     def _usage(self) -> tuple[int | None, int | None]:
         """(entries, value bytes) stored now; (None, None) when it would need a scan."""
         return None, None
+
+    def _namespace_usage(self, namespace: str) -> tuple[int, int] | None:
+        """(entries, value bytes) of one namespace; None when it would need a scan."""
+        return None
 
     def _close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources."""

@@ -1,4 +1,4 @@
-"""``encode`` / ``decode``: ChunkKV <-> one self-describing, checksummed bitstream."""
+"""``encode`` / ``decode``: ChunkKV <-> one self-describing, checksummed bitstream bound to its storage key."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import struct
 import torch
 import zstandard
 
-from ragkv.codec.bitstream import FORMAT_VERSION, pack, unpack
-from ragkv.codec.header import BitstreamHeader, position_runs
+from ragkv.codec.bitstream import FORMAT_VERSION, open_frame, pack
+from ragkv.codec.header import AUTH_HMAC_SHA256, BitstreamHeader, position_runs
 from ragkv.codec.registry import get_codec
-from ragkv.errors import CodecError, IncompatibleCacheError
-from ragkv.types import ChunkKV, EncodedChunk
+from ragkv.codec.trust import Expected, check_expected, check_secret, key_namespace, mac_key
+from ragkv.errors import CodecError
+from ragkv.types import ChunkKV, CodecSpec, EncodedChunk, StorageKey
 
 __all__ = ["encode", "decode"]
 
@@ -35,23 +36,33 @@ _FOREIGN_ERRORS = (
 )
 
 
-def encode(kv: ChunkKV, codec: str = "raw", level: int = 0) -> EncodedChunk:
-    """Encode a chunk's KV into one bitstream.
+def encode(kv: ChunkKV, spec: CodecSpec, *, key: StorageKey, secret: bytes | None = None) -> EncodedChunk:
+    """Encode a chunk's KV into one bitstream, bound to the storage key it will be stored under.
 
     Args:
         kv: the chunk's KV, on any device, float16/bfloat16/float32/float64.
-        codec: a registered codec name (see :func:`available_codecs`).
-        level: one of the codec's levels; lower is more faithful.
+        spec: a registered codec (see :func:`available_codecs`) and one of its levels.
+        key: the storage key the bytes are for (``ChunkKey.storage_key``); a reader asking for any
+            other key refuses them.
+        secret: when given, the bitstream ends with an HMAC-SHA256 tag keyed by this secret and
+            the key's tenant namespace, so that only holders of the secret can write entries a
+            reader with the secret accepts.
 
     Returns:
-        The bitstream with its codec, level and token count.
+        The bitstream with its codec spec and token count.
 
     Raises:
-        ValueError: unknown codec or level, an unsupported dtype, or non-finite values.
+        ValueError: unknown codec or level, a malformed key, an empty secret, an unsupported dtype,
+            or non-finite values.
+        TypeError: ``spec`` is not a CodecSpec or ``secret`` is not bytes.
     """
-    impl = get_codec(codec)
-    if level not in impl.levels:
-        raise ValueError(f"codec {codec!r} has levels {impl.levels}; got {level!r}")
+    if not isinstance(spec, CodecSpec):
+        raise TypeError(f"spec must be a CodecSpec, e.g. CodecSpec('cachegen', 0); got {spec!r}")
+    impl = get_codec(spec.name)
+    if spec.level not in impl.levels:
+        raise ValueError(f"codec {spec.name!r} has levels {impl.levels}; got {spec.level!r}")
+    key_namespace(key)
+    check_secret(secret)
     source_dtype = _DTYPE_NAMES.get(kv.keys.dtype)
     if source_dtype is None or kv.values.dtype != kv.keys.dtype:
         raise ValueError(
@@ -62,11 +73,11 @@ def encode(kv: ChunkKV, codec: str = "raw", level: int = 0) -> EncodedChunk:
     values = kv.values.detach().to("cpu").contiguous()
     if not (bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())):
         raise ValueError("KV holds NaN or infinite values; refusing to encode a broken cache")
-    payload = impl.encode(keys, values, level)
+    payload = impl.encode(keys, values, spec.level)
     header = BitstreamHeader(
         format_version=FORMAT_VERSION,
-        codec=codec,
-        level=level,
+        codec=spec.name,
+        level=spec.level,
         num_layers=kv.num_layers,
         num_kv_heads=kv.num_kv_heads,
         num_tokens=kv.num_tokens,
@@ -76,52 +87,71 @@ def encode(kv: ChunkKV, codec: str = "raw", level: int = 0) -> EncodedChunk:
         position_runs=position_runs(kv.positions.tolist()),
         section_sizes=tuple(len(s) for s in payload.sections),
         params=payload.params,
+        storage_key=key,
+        auth=AUTH_HMAC_SHA256 if secret is not None else "",
     )
-    return EncodedChunk(codec=codec, level=level, num_tokens=kv.num_tokens, data=pack(header, payload.sections))
+    tag_key = None if secret is None else mac_key(secret, key)
+    data = pack(header, payload.sections, mac_key=tag_key)
+    return EncodedChunk(spec=spec, num_tokens=kv.num_tokens, data=data)
 
 
 def decode(
     data: bytes | bytearray | memoryview,
     *,
+    expect: Expected | None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-    expect_model_fingerprint: str | None = None,
 ) -> ChunkKV:
-    """Decode a bitstream written by :func:`encode`.
+    """Decode a bitstream written by :func:`encode`, if it is what ``expect`` asks for.
 
-    Entropy decoding runs on the CPU; dequantization runs on ``device``.
+    Every check that needs no payload runs first, so a refused bitstream costs no allocation
+    for its payload: the prelude and header (with its checksum), the total length against the
+    header's section sizes, the header against ``expect`` (key, model, codec, level, every shape
+    field), the authentication tag (when ``expect.secret`` is set), the codec's own section-size
+    check; only then the payload checksum and the decode. Entropy decoding runs on the CPU;
+    dequantization runs on ``device``.
+
+    A bitstream with a tag decodes without a secret too (the tag is then unchecked extra bytes):
+    a reader without the secret trusts its store anyway.
 
     Args:
         data: the whole bitstream.
+        expect: what the caller asked for (the query path always passes one), or None, explicitly,
+            to decode whatever the bytes hold (tools and benchmarks decoding their own bytes).
         device: where the returned tensors go.
         dtype: floating dtype of the returned keys and values.
-        expect_model_fingerprint: when given, the bitstream must have been made by this model.
 
     Returns:
         The chunk's KV: keys/values ``[layers, kv_heads, tokens, head_dim]``, positions on ``device``.
 
     Raises:
-        IncompatibleCacheError: another model made it, or a newer ragkv wrote it.
-        CodecError: the bytes are truncated, corrupted, foreign, or use an unknown codec.
-        TypeError: ``dtype`` is not a floating dtype.
+        IncompatibleCacheError: it was written for another key, model, codec, level or shape, or
+            by a newer ragkv.
+        CodecError: the bytes are truncated, corrupted, foreign, use an unknown codec, or lack a
+            valid tag that ``expect.secret`` requires.
+        TypeError: ``dtype`` is not a floating dtype, or ``expect`` is not an Expected.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype; got {dtype!r}")
+    if expect is not None and not isinstance(expect, Expected):
+        raise TypeError(f"expect must be a ragkv.codec.Expected or None; got {type(expect).__name__}")
     target = torch.device(device)
-    header, sections = unpack(data)
-    if expect_model_fingerprint is not None and header.model_fingerprint != expect_model_fingerprint:
-        raise IncompatibleCacheError(
-            f"cached KV was computed by model {header.model_fingerprint!r}, not by "
-            f"{expect_model_fingerprint!r}; recompute it for this model"
-        )
+    frame = open_frame(data)
+    header = frame.header
+    if expect is not None:
+        check_expected(header, expect)
+        if expect.secret is not None:
+            frame.verify_tag(mac_key(expect.secret, expect.key))
     try:
         impl = get_codec(header.codec)
     except ValueError as e:
         raise CodecError(f"bitstream uses codec {header.codec!r}, unknown to this ragkv: {e}") from e
     if header.level not in impl.levels:
         raise CodecError(f"bitstream uses level {header.level} that codec {header.codec!r} lacks")
+    impl.check(header)
+    frame.verify_checksum()
     try:
-        keys, values = impl.decode(header, sections, target, dtype)
+        keys, values = impl.decode(header, frame.sections(), target, dtype)
     except CodecError:
         raise
     except _FOREIGN_ERRORS as e:

@@ -24,7 +24,6 @@ class Codec(ABC):
 
     name: ClassVar[str]  # registry name, stored in every bitstream the codec writes
     levels: ClassVar[tuple[int, ...]]  # quality levels, lowest = most faithful
-    default_level: ClassVar[int] = 0
 
     @abstractmethod
     def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
@@ -39,6 +38,19 @@ class Codec(ABC):
             The payload sections and the parameters the decoder needs.
         """
 
+    def check(self, header: BitstreamHeader) -> None:
+        """Refuse a header whose payload sections cannot hold its shape, before anything is allocated.
+
+        Runs on every decode, after the header and the bitstream's length are checked and before
+        the payload is hashed or :meth:`decode` allocates its output. A codec whose section sizes
+        follow from the shape checks them here, so that a crafted header cannot make the decoder
+        allocate for a tensor its bytes do not hold. The default accepts every header.
+
+        Raises:
+            CodecError: the sections (or parameters) do not fit ``header.shape``.
+        """
+        return None
+
     @abstractmethod
     def decode(
         self,
@@ -50,7 +62,7 @@ class Codec(ABC):
         """Decode one chunk's payload.
 
         Args:
-            header: the checked header; ``header.shape`` is the shape to return.
+            header: the header, already passed by :meth:`check`; ``header.shape`` is the shape to return.
             sections: the payload sections, read-only views.
             device: where the returned tensors go; dequantization runs there.
             dtype: dtype of the returned tensors.

@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import numpy as np
 import torch
+import zstandard
 
 from ragkv.codec._entropy import compress_streams, decompress_streams, zstd_compress, zstd_decompress
 from ragkv.codec._quant import pack_nibbles, unpack_nibbles
@@ -66,7 +67,6 @@ class CacheGenCodec(Codec):
 
     name: ClassVar[str] = "cachegen"
     levels: ClassVar[tuple[int, ...]] = tuple(LEVELS)
-    default_level: ClassVar[int] = 1
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
         num_layers, _, num_tokens, _ = keys.shape
@@ -90,6 +90,21 @@ class CacheGenCodec(Codec):
         sections = (first, zstd_compress(tables, 19), *frames)
         return CodecPayload(sections=sections, params={"bits": bits})
 
+    def check(self, header: BitstreamHeader) -> None:
+        num_layers, heads, num_tokens, head_dim = header.shape
+        bits = header.params.get("bits")
+        expected_sections = 0 if num_tokens == 0 else (1 if num_tokens == 1 else 2 + 2 * num_layers)
+        expected_streams = 0 if num_tokens < 2 else 2 * num_layers
+        if (
+            len(header.section_sizes) != expected_sections
+            or not isinstance(bits, list)
+            or len(bits) != expected_streams
+            or not all(b in (4, 8, 16) and not isinstance(b, bool) for b in bits)
+        ):
+            raise CodecError("cachegen payload is malformed (sections or stream bit widths)")
+        if num_tokens and header.section_sizes[0] != 2 * 2 * num_layers * heads * head_dim:  # fp16 first token
+            raise CodecError(f"cachegen first-token section does not hold {header.shape}")
+
     def decode(
         self,
         header: BitstreamHeader,
@@ -98,16 +113,13 @@ class CacheGenCodec(Codec):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_layers, heads, num_tokens, head_dim = header.shape
-        bits = header.params.get("bits")
-        expected_sections = 0 if num_tokens == 0 else (1 if num_tokens == 1 else 2 + 2 * num_layers)
-        expected_streams = 0 if num_tokens < 2 else 2 * num_layers
-        if (
-            len(sections) != expected_sections
-            or not isinstance(bits, list)
-            or len(bits) != expected_streams
-            or not all(b in (4, 8, 16) and not isinstance(b, bool) for b in bits)
-        ):
-            raise CodecError("cachegen payload is malformed (sections or stream bit widths)")
+        bits = header.params["bits"]  # checked by check()
+        # Every zstd frame must declare the size the shape implies before anything is allocated
+        # for it: a frame of a few KB can legitimately expand to hundreds of MB.
+        if num_tokens > 1:
+            count = heads * (num_tokens - 1) * head_dim
+            tables = 3 * 2 * num_layers * heads * head_dim  # uint8 step codes, int16 means
+            _check_content_sizes(sections[1:], [tables] + [_stream_nbytes(b, count) for b in bits])
         # On CPU numpy dequantizes (3x faster than torch's mixed int16 * float32 multiply here);
         # elsewhere torch does it on the device.
         on_cpu = device.type == "cpu"
@@ -208,6 +220,17 @@ def _symbol_layouts(q: np.ndarray) -> list[tuple[bytes, int]]:
 
 def _stream_nbytes(bits: int, count: int) -> int:
     return (count + 1) // 2 if bits == 4 else count * bits // 8
+
+
+def _check_content_sizes(frames: Sequence[memoryview], sizes: Sequence[int]) -> None:
+    """Refuse zstd frames that do not declare exactly ``sizes`` (read from their frame headers)."""
+    for frame, size in zip(frames, sizes, strict=True):
+        try:
+            declared = zstandard.frame_content_size(frame)
+        except zstandard.ZstdError as e:
+            raise CodecError(f"cachegen stream has no valid zstd frame header: {e}") from e
+        if declared != size:
+            raise CodecError(f"cachegen stream declares {declared} bytes; {size} expected")
 
 
 def _tables(section: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

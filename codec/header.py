@@ -11,13 +11,16 @@ from typing import Any
 
 from ragkv.errors import CodecError
 
-__all__ = ["BitstreamHeader", "MAX_ELEMENTS"]
+__all__ = ["AUTH_HMAC_SHA256", "BitstreamHeader", "MAX_ELEMENTS"]
 
 # A header that passed its checksum can still be hostile (crafted, not damaged). Shapes past
 # these bounds are refused before anything is allocated for them.
 MAX_ELEMENTS = 1 << 36  # per tensor (keys or values): 128 GiB of fp16
 _MAX_DIM = 1 << 24
 _SOURCE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+AUTH_HMAC_SHA256 = "hmac-sha256"  # the bitstream ends with a 32-byte HMAC-SHA256 tag (see codec/trust.py)
+_AUTH_SCHEMES = ("", AUTH_HMAC_SHA256)
+_MAX_KEY = 256  # storage keys are "<16 hex>/<64 hex>"; anything far longer is not one
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,11 @@ class BitstreamHeader:
     position_runs: tuple[tuple[int, int], ...]  # (first position, run length) of consecutive positions
     section_sizes: tuple[int, ...]  # byte length of each payload section, in order
     params: Mapping[str, Any] = field(default_factory=dict)  # codec parameters (JSON values)
+    # The storage key the bytes were written for ("<namespace>/<digest>", which digests tenant,
+    # model, tokenizer, prefix, tokens, codec, level and format): a blob copied under another key
+    # names the wrong one. Required from format 2 on; "" in format 1.
+    storage_key: str = ""
+    auth: str = ""  # "" or AUTH_HMAC_SHA256: the bitstream ends with an authentication tag
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -59,6 +67,11 @@ class BitstreamHeader:
         """Length of the payload, all sections together."""
         return sum(self.section_sizes)
 
+    @property
+    def tag_nbytes(self) -> int:
+        """Length of the authentication tag that ends the bitstream (0: none)."""
+        return 32 if self.auth == AUTH_HMAC_SHA256 else 0
+
     def positions(self) -> list[int]:
         """The positions the keys were rotated at, one per token."""
         out: list[int] = []
@@ -75,6 +88,7 @@ class BitstreamHeader:
             "format": self.format_version,
             "head_dim": self.head_dim,
             "heads": self.num_kv_heads,
+            "key": self.storage_key,
             "layers": self.num_layers,
             "level": self.level,
             "params": dict(self.params),
@@ -82,6 +96,10 @@ class BitstreamHeader:
             "sections": list(self.section_sizes),
             "tokens": self.num_tokens,
         }
+        if self.format_version < 2:
+            del doc["key"]
+        if self.auth:
+            doc["auth"] = self.auth
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
             "ascii"
         )
@@ -99,8 +117,9 @@ class BitstreamHeader:
             raise CodecError(f"bitstream header is not valid JSON: {e}") from e
         if not isinstance(doc, dict):
             raise CodecError("bitstream header must be a JSON object")
+        version = _int(doc, "format", 1)
         header = cls(
-            format_version=_int(doc, "format", 1),
+            format_version=version,
             codec=_str(doc, "codec"),
             level=_int(doc, "level", 0),
             num_layers=_int(doc, "layers", 1),
@@ -112,6 +131,8 @@ class BitstreamHeader:
             position_runs=_runs(doc.get("positions")),
             section_sizes=_sizes(doc.get("sections")),
             params=_params(doc.get("params")),
+            storage_key=_str(doc, "key") if version >= 2 else "",
+            auth=_str(doc, "auth") if "auth" in doc else "",
         )
         header.validate()
         return header
@@ -128,6 +149,10 @@ class BitstreamHeader:
             raise CodecError(f"bitstream header has unknown source dtype {self.source_dtype!r}")
         if sum(length for _, length in self.position_runs) != self.num_tokens:
             raise CodecError("bitstream header positions do not cover its tokens")
+        if self.format_version >= 2 and not 0 < len(self.storage_key) <= _MAX_KEY:
+            raise CodecError("bitstream header does not name the storage key it was written for")
+        if self.auth not in _AUTH_SCHEMES or (self.auth and self.format_version < 2):
+            raise CodecError(f"bitstream uses authentication {self.auth!r}, unknown to its format version")
 
 
 def _reject_constant(name: str) -> None:

@@ -47,6 +47,21 @@ class Int4Codec(Codec):
             sections += [to_bytes(step), to_bytes(low), pack_nibbles(q.numpy()).tobytes()]
         return CodecPayload(sections=tuple(sections), params={"group": GROUP})
 
+    def check(self, header: BitstreamHeader) -> None:
+        group = header.params.get("group")
+        if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= 1 << 16:
+            raise CodecError(f"int4 payload has a malformed group size {group!r}")
+        sizes: tuple[int, ...] = ()
+        for dim in (2, 3):
+            if math.prod(header.shape) == 0:
+                sizes += (0, 0, 0)
+                continue
+            gshape, tshape = _table_shapes(header.shape, dim, group)
+            table = 2 * math.prod(tshape)  # fp16 steps, then fp16 minima
+            sizes += (table, table, (math.prod(gshape) + 1) // 2)
+        if header.section_sizes != sizes:
+            raise CodecError(f"int4 payload sections {header.section_sizes} do not hold {header.shape}")
+
     def decode(
         self,
         header: BitstreamHeader,
@@ -54,18 +69,13 @@ class Int4Codec(Codec):
         device: torch.device,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        group = header.params.get("group")
-        if len(sections) != 6 or not isinstance(group, int) or not 1 <= group <= 1 << 16:
-            raise CodecError("int4 payload is malformed (sections or group size)")
+        group = header.params["group"]  # checked by check()
         out = []
         for (steps, lows, packed), dim in ((sections[0:3], 2), (sections[3:6], 3)):
             if math.prod(header.shape) == 0:
-                if len(steps) or len(lows) or len(packed):
-                    raise CodecError("int4 payload of an empty chunk must be empty")
                 out.append(torch.empty(header.shape, device=device, dtype=dtype))
                 continue
-            gshape = _grouped_shape(header.shape, dim, group)
-            tshape = (*gshape[:-2], 1, gshape[-1]) if dim == 2 else (*gshape[:-1], 1)
+            gshape, tshape = _table_shapes(header.shape, dim, group)
             step = section_array(steps, "<f2", math.prod(tshape)).reshape(tshape).astype(np.float32)
             low = section_array(lows, "<f2", math.prod(tshape)).reshape(tshape).astype(np.float32)
             count = math.prod(gshape)
@@ -81,6 +91,13 @@ def _grouped_shape(shape: tuple[int, int, int, int], dim: int, group: int) -> tu
     if dim == 2:  # [L, H, groups, size, D]
         return (shape[0], shape[1], groups, size if groups == 1 else group, shape[3])
     return (shape[0], shape[1], shape[2], groups, size if groups == 1 else group)
+
+
+def _table_shapes(shape: tuple[int, int, int, int], dim: int, group: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the grouped symbols and of their per-group steps (and minima)."""
+    gshape = _grouped_shape(shape, dim, group)
+    tshape = (*gshape[:-2], 1, gshape[-1]) if dim == 2 else (*gshape[:-1], 1)
+    return gshape, tshape
 
 
 def _grouped(x: torch.Tensor, dim: int, group: int) -> torch.Tensor:

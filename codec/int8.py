@@ -44,6 +44,11 @@ class Int8Codec(Codec):
             sections += [to_bytes(scale), to_bytes(q)]
         return CodecPayload(sections=tuple(sections))
 
+    def check(self, header: BitstreamHeader) -> None:
+        scales, symbols = 2 * math.prod(header.shape[:3]), math.prod(header.shape)  # fp16, int8
+        if header.section_sizes != (scales, symbols) * 2:
+            raise CodecError(f"int8 payload sections {header.section_sizes} do not hold {header.shape}")
+
     def decode(
         self,
         header: BitstreamHeader,
@@ -51,8 +56,6 @@ class Int8Codec(Codec):
         device: torch.device,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(sections) != 4:
-            raise CodecError(f"int8 payload has {len(sections)} sections; 4 expected")
         shape = header.shape
         out = []
         for scales, symbols in (sections[0:2], sections[2:4]):

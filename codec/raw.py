@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -40,6 +41,11 @@ class RawCodec(Codec):
             sections.append(to_bytes(half))
         return CodecPayload(sections=tuple(sections))
 
+    def check(self, header: BitstreamHeader) -> None:
+        nbytes = 2 * math.prod(header.shape)  # fp16
+        if header.section_sizes != (nbytes, nbytes):
+            raise CodecError(f"raw payload sections {header.section_sizes} do not hold fp16 {header.shape}")
+
     def decode(
         self,
         header: BitstreamHeader,
@@ -47,8 +53,6 @@ class RawCodec(Codec):
         device: torch.device,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(sections) != 2:
-            raise CodecError(f"raw payload has {len(sections)} sections; 2 expected")
         keys = from_section(sections[0], torch.float16, header.shape, device, dtype)
         values = from_section(sections[1], torch.float16, header.shape, device, dtype)
         return keys, values

@@ -21,8 +21,9 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
     name = getattr(cls, "name", "")
     if not isinstance(name, str) or not name:
         raise ValueError(f"{cls.__name__} must set a non-empty class attribute `name`")
-    if not cls.levels or cls.default_level not in cls.levels:
-        raise ValueError(f"{cls.__name__} must list its levels, default_level among them")
+    levels = getattr(cls, "levels", ())
+    if not levels or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in levels):
+        raise ValueError(f"{cls.__name__} must list its levels, ints >= 0, e.g. levels = (0,)")
     current = _CODECS.get(name)
     if current is not None and type(current) is not cls:
         raise ValueError(f"codec name {name!r} is already taken by {type(current).__name__}")

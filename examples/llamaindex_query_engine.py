@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
+from llama_index.core.base.response.schema import RESPONSE_TYPE
 
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.integrations.llamaindex import RagKVEmbedding, RagKVLLM, RagKVNodePostprocessor
@@ -39,6 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def ragkv_stats(response: RESPONSE_TYPE) -> dict[str, Any]:
+    """What ragkv measured for one answer (ragkv's LLM puts it in the response metadata)."""
+    if not response.metadata or "ragkv" not in response.metadata:
+        raise RuntimeError("the response carries no ragkv metadata: answer with ragkv's RagKVLLM")
+    stats: dict[str, Any] = response.metadata["ragkv"]
+    return stats
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="ragkv-llamaindex-"))
@@ -58,9 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     plain.query("warm-up")  # first model call pays one-time setup; keep it out of the timings
     for question in args.question or QUESTIONS:
         with_ragkv.query(question)  # first sight of these nodes: their caches are computed and stored
-        base = plain.query(question).metadata["ragkv"]
+        base = ragkv_stats(plain.query(question))
         response = with_ragkv.query(question)
-        s = response.metadata["ragkv"]
+        s = ragkv_stats(response)
         print(f"Q: {question}")
         print(f"A: {str(response).strip()}")
         print(f"   TTFT without ragkv: {base['ttft_ms']:8.1f} ms  (prompt {base['prompt_tokens']} tokens prefilled)")

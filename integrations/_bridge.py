@@ -120,7 +120,7 @@ def stream(
     gains ``chunks_in_prompt`` (how many segments were cached chunks). ``reuse_chunks=False``
     prefills the whole prompt like the plain model (the baseline).
     """
-    from ragkv.engine import CachedText
+    from ragkv.types import CachedText
 
     if not prompt:
         raise ValueError("the prompt is empty; pass some text")

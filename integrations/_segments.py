@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ragkv.engine import CachedText
+from ragkv.types import CachedText
 
 __all__ = ["SEPARATOR", "ChunkRegistry", "MatchConfig", "Segment", "chunk_forms", "split_prompt"]
 

@@ -95,9 +95,9 @@ class _RagKVModel(BaseModel):
             return self.model_name
         if self.engine is not None:
             return str(self.engine.adapter.name)
-        from ragkv.engine import EngineConfig
+        from ragkv.resolver import DEFAULT_MODEL
 
-        return EngineConfig().model
+        return DEFAULT_MODEL
 
     def _generation(self, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationConfig:
         model = kwargs.get("model")

@@ -1,7 +1,6 @@
 """ragkv: precomputed, compressed, shared KV caches for retrieval-augmented generation."""
 
 from ragkv.errors import (
-    CacheMissError,
     CodecError,
     IncompatibleCacheError,
     RagkvError,
@@ -13,7 +12,6 @@ from ragkv.types import Chunk, ChunkKey, ChunkKV, EncodedChunk, GenerationResult
 __version__ = "0.1.0"
 
 __all__ = [
-    "CacheMissError",
     "Chunk",
     "ChunkKV",
     "ChunkKey",

@@ -21,91 +21,125 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
+# Options default to None ("not given"): EngineConfig and its component records hold the defaults,
+# written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Index and cache directory [env RAGKV_DATA_DIR].")]
-Model = Annotated[str, typer.Option("--model", help="Model alias, local path or .gguf file.")]
+Model = Annotated[str | None, typer.Option("--model", help="Model alias, local path or .gguf file [smollm2-135m].")]
 Store = Annotated[str | None, typer.Option("--store", help="Tier URLs, comma-separated [env RAGKV_STORE].")]
 CatalogUrl = Annotated[str | None, typer.Option("--catalog", help="SQLAlchemy URL [env RAGKV_CATALOG].")]
-Tenant = Annotated[str, typer.Option("--tenant", help="Namespace of index and cache entries.")]
+Tenant = Annotated[
+    str | None, typer.Option("--tenant", help="Namespace of index and cache entries [env RAGKV_TENANT; default].")
+]
 Fusion = Annotated[
     str | None, typer.Option("--fusion", help="Fusion method (naive, blend, query_focus, ...; see docs/concepts.md).")
 ]
 Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
+MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Cap on answer tokens [128].")]
 
 
-def _engine(
-    data_dir: Path | None,
-    model: str,
-    store: str | None,
-    catalog: str | None,
-    tenant: str,
+def _config(
+    data_dir: Path | None = None,
+    model: str | None = None,
+    store: str | None = None,
+    catalog: str | None = None,
+    tenant: str | None = None,
     fusion: str | None = None,
     ratio: float | None = None,
     top_k: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> Any:
+    """EngineConfig from its defaults, then RAGKV_* variables, then the options the user gave."""
     from dataclasses import replace
 
-    from ragkv.engine import EngineConfig, RagKV, default_data_dir
+    from ragkv.engine import EngineConfig
 
-    store = store or os.environ.get("RAGKV_STORE")
-    fcfg = EngineConfig().fusion
-    if fusion:
-        fcfg = replace(fcfg, method=fusion)
-    if ratio is not None:
-        fcfg = replace(fcfg, ratio=ratio)
-    kwargs: dict[str, Any] = {"top_k": top_k} if top_k else {}
-    cfg = EngineConfig(
-        data_dir=data_dir or default_data_dir(),
+    cfg = EngineConfig.from_env(
+        data_dir=data_dir,
         model=model,
-        store=tuple(u for u in (store or "").split(",") if u.strip()),
-        catalog=catalog or os.environ.get("RAGKV_CATALOG"),
+        store=None if store is None else tuple(u.strip() for u in store.split(",") if u.strip()),
+        catalog=catalog,
         tenant=tenant,
-        fusion=fcfg,
-        **kwargs,
     )
-    return RagKV(cfg)
+    if fusion is not None:
+        cfg = replace(cfg, fusion=replace(cfg.fusion, method=fusion))
+    if ratio is not None:
+        cfg = replace(cfg, fusion=replace(cfg.fusion, ratio=ratio))
+    if top_k is not None:
+        cfg = replace(cfg, retriever=replace(cfg.retriever, top_k=top_k))
+    if max_new_tokens is not None:
+        cfg = replace(cfg, generation=replace(cfg.generation, max_new_tokens=max_new_tokens))
+    return cfg
+
+
+def _engine(**options: Any) -> Any:
+    from ragkv.engine import RagKV
+
+    return RagKV(_config(**options))
 
 
 @app.command()
 def index(
     paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
     data_dir: DataDir = None,
-    model: Model = "smollm2-135m",
+    model: Model = None,
     store: Store = None,
     catalog: CatalogUrl = None,
-    tenant: Tenant = "default",
+    tenant: Tenant = None,
 ) -> None:
-    """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing)."""
-    with _engine(data_dir, model, store, catalog, tenant) as engine:
+    """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing).
+
+    Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
+    are not recorded, so running the command again retries them.
+    """
+    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
         r = engine.index([str(p) for p in paths])
     typer.echo(
         f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
         f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
         f"in {r.seconds:.1f} s"
     )
+    if r.failed:
+        typer.echo(
+            f"error: {r.failed} chunk caches could not be stored (no storage tier accepted them); "
+            f"{len(r.failed_documents)} documents were not recorded. Check the store (ragkv stats) and run again.",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 @app.command()
 def ask(
     question: Annotated[str, typer.Argument(help="The question.")],
     data_dir: DataDir = None,
-    model: Model = "smollm2-135m",
+    model: Model = None,
     store: Store = None,
     catalog: CatalogUrl = None,
-    tenant: Tenant = "default",
+    tenant: Tenant = None,
     fusion: Fusion = None,
     ratio: Ratio = None,
-    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve.")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve [4].")] = None,
     full: Annotated[bool, typer.Option("--full", help="Prefill everything instead of reusing caches.")] = False,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+    max_new_tokens: MaxNewTokens = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print {answer, sources, stats} as JSON.")] = False,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
-    from ragkv.generation import GenerationConfig
+    cfg = _config(
+        data_dir=data_dir,
+        model=model,
+        store=store,
+        catalog=catalog,
+        tenant=tenant,
+        fusion=fusion,
+        ratio=ratio,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+    )
+    from ragkv.engine import RagKV
 
-    with _engine(data_dir, model, store, catalog, tenant, fusion, ratio, top_k) as engine:
-        stream = engine.stream(
-            question, mode="full" if full else "reuse", generation=GenerationConfig(max_new_tokens=max_new_tokens)
-        )
+    with RagKV(cfg) as engine:
+        stream = engine.stream(question, mode="full" if full else "reuse")
+        if stream.warning:
+            typer.echo(f"warning: {stream.warning}", err=True)
         for delta in stream:
             if not as_json:
                 typer.echo(delta, nl=False)
@@ -115,7 +149,7 @@ def ask(
         typer.echo(json.dumps({"answer": res.text, "sources": sources, "stats": res.stats.as_dict()}))
         return
     s = res.stats
-    typer.echo("\n\nsources: " + ", ".join(f"{x['source']}#{x['chunk']}" for x in sources))
+    typer.echo("\n\nsources: " + (", ".join(f"{x['source']}#{x['chunk']}" for x in sources) or "none"))
     typer.echo(
         f"TTFT {s.ttft_ms:.0f} ms | prompt {s.prompt_tokens} tokens | reused {s.reused_tokens}, "
         f"recomputed {s.recomputed_tokens}, prefilled {s.prefilled_chunk_tokens} chunk tokens | "
@@ -126,18 +160,18 @@ def ask(
 @app.command()
 def demo(
     data_dir: DataDir = None,
-    model: Model = "smollm2-135m",
+    model: Model = None,
     fusion: Fusion = None,
     ratio: Ratio = None,
-    questions: Annotated[int, typer.Option("--questions", help="How many demo questions to ask.")] = 4,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 48,
+    questions: Annotated[int, typer.Option("--questions", help="How many demo questions to ask.", min=1)] = 4,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Cap on answer tokens.")] = 48,
 ) -> None:
     """Index Python stdlib documentation and answer questions with cache reuse and with full prefill."""
     from ragkv.generation import GenerationConfig
     from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    with _engine(data_dir, model, None, None, "default", fusion, ratio) as engine:
+    with _engine(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio) as engine:
         docs = stdlib_corpus()
         typer.echo(f"indexing {len(docs)} stdlib modules' documentation into {engine.config.data_dir} ...")
         r = engine.index(docs)
@@ -169,35 +203,49 @@ def stats(
     data_dir: DataDir = None,
     store: Store = None,
     catalog: CatalogUrl = None,
-    tenant: Tenant = "default",
+    tenant: Tenant = None,
+    all_tenants: Annotated[
+        bool, typer.Option("--all-tenants", help="Also show each tier's totals over every tenant.")
+    ] = False,
 ) -> None:
-    """Show catalog contents and per-tier store statistics."""
+    """Show the tenant's catalog contents and its entries in each storage tier."""
     from ragkv.cache.catalog import Catalog
     from ragkv.cache.store import open_store
-    from ragkv.engine import EngineConfig, default_data_dir
+    from ragkv.types import tenant_namespace
 
-    cfg = EngineConfig(
-        data_dir=data_dir or default_data_dir(),
-        store=tuple(u for u in (store or os.environ.get("RAGKV_STORE") or "").split(",") if u),
-        catalog=catalog or os.environ.get("RAGKV_CATALOG"),
-        tenant=tenant,
-    )
-    cat = Catalog(cfg.catalog_url())
-    docs, entries = cat.documents(tenant), cat.entries(tenant)
-    typer.echo(
-        f"catalog {cfg.catalog_url()}: {len(docs)} documents, {sum(d.num_chunks for d in docs)} chunks, "
-        f"{len(entries)} cache entries ({sum(e.nbytes for e in entries) / 1e6:.1f} MB, "
-        f"{sum(e.num_tokens for e in entries)} tokens), reused {sum(e.hits for e in entries)} times"
-    )
+    cfg = _config(data_dir=data_dir, store=store, catalog=catalog, tenant=tenant)
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # a missing catalog is an error, not a new one
+        docs, entries = cat.documents(cfg.tenant), cat.entries(cfg.tenant)
+        typer.echo(
+            f"catalog {cat.url}, tenant {cfg.tenant!r}: {len(docs)} documents, "
+            f"{sum(d.num_chunks for d in docs)} chunks, {len(entries)} cache entries "
+            f"({sum(e.nbytes for e in entries) / 1e6:.1f} MB, {sum(e.num_tokens for e in entries)} tokens), "
+            f"reused {sum(e.hits for e in entries)} times"
+        )
     st = open_store(cfg.store_urls())
-    typer.echo(f"{'tier':<40}{'entries':>9}{'MB':>9}{'hits':>7}{'misses':>8}{'evictions':>10}{'errors':>8}")
-    for name, s in st.stats().items():
-        entries = "?" if s.entries is None else str(s.entries)
-        mb = "?" if s.bytes_stored is None else f"{s.bytes_stored / 1e6:.1f}"
-        typer.echo(f"{name:<40}{entries:>9}{mb:>9}{s.hits:>7}{s.misses:>8}{s.evictions:>10}{s.errors:>8}")
-    typer.echo("(hits, misses, evictions and errors count this process; entries and MB are the tier's)")
-    cat.close()
-    st.close()
+    try:
+        usage = st.usage(tenant_namespace(cfg.tenant))
+        typer.echo(f"{'tier':<40}{'entries':>9}{'MB':>9}{'hits':>7}{'misses':>8}{'evictions':>10}{'errors':>8}")
+        for name, s in st.stats().items():
+            mine = usage.get(name)
+            n, mb = ("?", "?") if mine is None else (str(mine[0]), f"{mine[1] / 1e6:.1f}")
+            typer.echo(f"{name:<40}{n:>9}{mb:>9}{s.hits:>7}{s.misses:>8}{s.evictions:>10}{s.errors:>8}")
+            if all_tenants:
+                total = "?" if s.entries is None else str(s.entries)
+                tmb = "?" if s.bytes_stored is None else f"{s.bytes_stored / 1e6:.1f}"
+                typer.echo(f"{'  (all tenants)':<40}{total:>9}{tmb:>9}")
+        typer.echo(
+            "(entries and MB are this tenant's in each tier; hits, misses, evictions and errors count this process)"
+        )
+    finally:
+        st.close()
+
+
+def _load_model(model: str | None) -> Any:
+    from ragkv.model import load_model
+    from ragkv.resolver import DEFAULT_MODEL
+
+    return load_model(model or DEFAULT_MODEL)
 
 
 def _load_prompts(path: Path | None) -> list[dict[str, Any]] | None:
@@ -230,7 +278,7 @@ JsonOut = Annotated[Path | None, typer.Option("--json", help="Write result rows 
 @bench_app.command("fusion")
 def bench_fusion(
     prompts: Prompts = None,
-    model: Model = "smollm2-135m",
+    model: Model = None,
     out: JsonOut = None,
     limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
     methods: Annotated[str | None, typer.Option("--methods", help="method:ratio,... to run")] = None,
@@ -238,10 +286,9 @@ def bench_fusion(
 ) -> None:
     """Fidelity and TTFT of fusion methods against full prefill."""
     from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
-    from ragkv.model import load_model
 
     rows = run_fusion_bench(
-        load_model(model), _load_prompts(prompts), parse_grid(methods) if methods else DEFAULT_GRID, limit=limit
+        _load_model(model), _load_prompts(prompts), parse_grid(methods) if methods else DEFAULT_GRID, limit=limit
     )
     typer.echo(format_table(rows))
     _write_rows(rows, out)
@@ -252,7 +299,7 @@ def bench_fusion(
 @bench_app.command("codec")
 def bench_codec(
     prompts: Prompts = None,
-    model: Model = "smollm2-135m",
+    model: Model = None,
     out: JsonOut = None,
     limit: Annotated[int, typer.Option("--limit")] = 6,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save a size vs KL plot here.")] = None,
@@ -260,9 +307,8 @@ def bench_codec(
     """Size, fidelity and speed of every codec and level."""
     from ragkv.bench.codec import format_table, plot_rows, run_codec_bench
     from ragkv.bench.fusion import builtin_prompts
-    from ragkv.model import load_model
 
-    adapter = load_model(model)
+    adapter = _load_model(model)
     ps = (_load_prompts(prompts) or builtin_prompts(adapter, n=limit, max_tokens=2000))[:limit]
     rows = run_codec_bench(adapter, ps)
     typer.echo(format_table(rows))
@@ -291,9 +337,8 @@ def bench_store(
     typer.echo(format_table(rows))
     if model:
         from ragkv.bench.assemble import format_assemble_table, run_assemble_bench
-        from ragkv.model import load_model
 
-        assembled = run_assemble_bench(load_model(model), urls, k=k, codec_name=codec_name, level=level)
+        assembled = run_assemble_bench(_load_model(model), urls, k=k, codec_name=codec_name, level=level)
         typer.echo("\n" + format_assemble_table(assembled))
         rows = rows + assembled
     _write_rows(rows, out)
@@ -309,6 +354,9 @@ def main() -> None:
     try:
         app()
     except (RagkvError, ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except ImportError as e:  # a missing optional package: its message carries the install hint
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
 

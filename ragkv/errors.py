@@ -4,7 +4,6 @@ from __future__ import annotations
 
 __all__ = [
     "RagkvError",
-    "CacheMissError",
     "CodecError",
     "StoreUnavailableError",
     "IncompatibleCacheError",
@@ -18,16 +17,16 @@ class RagkvError(Exception):
     """Root of every error ragkv raises on purpose."""
 
 
-class CacheMissError(RagkvError):
-    """A chunk's cache entry is absent (or was unusable and has been treated as absent)."""
-
-
 class CodecError(RagkvError):
-    """Bytes that are not a valid, intact ragkv bitstream: truncated, corrupted, foreign or too new."""
+    """Bytes that are not a valid, intact ragkv bitstream: truncated, corrupted, foreign, unauthenticated, too new."""
 
 
 class IncompatibleCacheError(CodecError):
-    """An intact bitstream that was made for another model, shape or format version than the caller's."""
+    """An intact bitstream made for something else than the caller asked for.
+
+    Another storage key (a moved or swapped entry), model, codec, level or shape, or a newer
+    format version.
+    """
 
 
 class StoreUnavailableError(RagkvError):

@@ -6,6 +6,11 @@ through the model's own decoder layers (their queries see the whole fused cache 
 causal mask, their fresh K/V replace the cached entries), as CacheBlend does, with selection
 strategies from a registry (see ``ragkv.selection``).
 
+The steps, each a function: :func:`_place` (re-rotate chunks into one buffer),
+:func:`_question_attention` (the question probe, for query-aware strategies), :func:`_recompute`
+(the layer loop, narrowing the active tokens at check layers in :func:`_checked_layer`) and
+:func:`_finish` (the fused cache, and the suffix's logits when it rode along).
+
 Shapes: K/V are ``[layers, kv_heads, tokens, head_dim]``; hidden states ``[1, q, hidden]``.
 """
 
@@ -14,17 +19,41 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from ragkv.model import ModelAdapter, ScatterCache
-from ragkv.selection import FusionConfig, SelectionState, get_strategy
+from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
 from ragkv.types import ChunkKV
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import DynamicCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusionInput", "FusedContext", "fuse"]
+__all__ = ["FusedContext", "FusionConfig", "FusionInput", "fuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class FusionConfig:
+    """How to fuse chunk caches. Defaults come from ``ragkv bench fusion`` (docs/benchmarks.md).
+
+    ``params`` takes the method's own record, named by ``strategy_class(method).Params``, e.g.
+    ``FusionConfig(method="blend", ratio=0.15, params=BlendParams(deviation="kv"))``; a record of
+    another method raises TypeError naming the right one.
+    """
+
+    method: str = "query_focus"  # strategy name, see ragkv.selection.available_strategies()
+    ratio: float = 0.15  # share of chunk tokens recomputed through all layers
+    params: StrategyParams | None = None  # the method's own knobs; None = the method's defaults
+
+    def __post_init__(self) -> None:
+        self.strategy()  # unknown method, ratio out of range, wrong params record: fail here
+
+    def strategy(self) -> Strategy:
+        """The selection strategy this config names, with its ratio and parameters."""
+        return strategy_class(self.method)(self.ratio, self.params)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +80,46 @@ class FusedContext:
     suffix_logits: torch.Tensor | None = None  # [suffix, vocab] fp32 when fused with prefill_suffix
 
 
-def _place(
-    adapter: ModelAdapter, inp: FusionInput, extra: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Re-rotate chunks to their offsets into one buffer with ``extra`` free slots at the end.
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """The naively placed context: what :func:`_place` returns."""
 
-    Returns (keys, values) ``[layers, kv_heads, N + extra, head_dim]`` in the model's dtype and
-    device, the chunk tokens' slots and their token ids.
+    keys: torch.Tensor  # [layers, kv_heads, n_ctx + extra, head_dim], model dtype and device
+    values: torch.Tensor  # same
+    slots: torch.Tensor  # [n_chunk] cache slot of every chunk token (CPU)
+    ids: torch.Tensor  # [n_chunk] token id of every chunk token (CPU)
+    n_ctx: int  # prefix + chunk tokens; slots n_ctx.. are free (for the suffix)
+
+
+@torch.no_grad()
+def fuse(
+    adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = None, *, prefill_suffix: bool = False
+) -> FusedContext:
+    """Fuse ``inp`` into one cache, recomputing the tokens ``config``'s strategy selects.
+
+    With ``prefill_suffix``, the suffix runs through every layer together with the recomputed
+    tokens (it sees each layer's fused K/V, exactly as a prefill after fusion would) and the
+    result holds its logits and K/V: one pass over the layers instead of two.
     """
+    strategy = (config or FusionConfig()).strategy()
+    suffix = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)  # [S]
+    probe = strategy.wants_query_attention and suffix.numel() > 0
+    placed = _place(adapter, inp, suffix.numel() if (probe or prefill_suffix) else 0)
+    state = SelectionState.start([len(ids) for ids in inp.chunk_ids])
+    if probe and placed.slots.numel() > 0:
+        slots = placed.slots.to(adapter.device)
+        state.query_attention = _question_attention(adapter, placed.keys, placed.values, suffix, placed.n_ctx, slots)
+    forced = _forced_tokens(inp)
+    active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
+    tail = suffix if prefill_suffix else suffix[:0]  # rides along after the active tokens
+    if placed.slots.numel() == 0 or active.numel() == 0:
+        return _reused(adapter, placed, tail)
+    active, hidden = _recompute(adapter, strategy, state, placed, active, forced, tail)
+    return _finish(adapter, placed, active, forced, hidden, tail.numel())
+
+
+def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:
+    """Re-rotate chunks to their offsets into one buffer with ``extra`` free slots at the end."""
     if len(inp.chunks) != len(inp.chunk_ids):
         raise ValueError("FusionInput needs one token-id list per chunk")
     for kv, tok in zip(inp.chunks, inp.chunk_ids, strict=True):
@@ -81,104 +142,120 @@ def _place(
         keys[:, :, offset:end] = adapter.rerotate(kv, offset).keys
         values[:, :, offset:end] = kv.values
         offset = end
-    slots = torch.arange(n_prefix, total)
     ids = [torch.as_tensor(list(tok), dtype=torch.long) for tok in inp.chunk_ids]
-    return keys, values, slots, (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long))
+    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+    return _Placed(keys, values, torch.arange(n_prefix, total), flat, total)
 
 
-def _to_dynamic(adapter: ModelAdapter, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
-    cache = DynamicCache(config=adapter.model.config)
-    for i in range(keys.shape[0]):
-        cache.update(keys[i : i + 1], values[i : i + 1], i)
-    return cache
+def _reused(adapter: ModelAdapter, placed: _Placed, tail: torch.Tensor) -> FusedContext:
+    """Nothing to recompute: the placed cache as is (and the tail prefilled on top of it)."""
+    n_ctx, n_chunk = placed.n_ctx, int(placed.slots.numel())
+    cache = adapter.dynamic_cache(placed.keys[:, :, :n_ctx], placed.values[:, :, :n_ctx])
+    logits = adapter.forward(tail, cache, n_ctx) if tail.numel() else None  # [S, vocab]
+    return FusedContext(cache, n_ctx, 0, n_chunk, suffix_logits=logits)
+
+
+def _recompute(
+    adapter: ModelAdapter,
+    strategy: Strategy,
+    state: SelectionState,
+    placed: _Placed,
+    active: torch.Tensor,
+    forced: torch.Tensor,
+    tail: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the ``active`` chunk tokens and the ``tail`` through every layer, narrowing at check layers.
+
+    Writes the fresh K/V into ``placed.keys``/``placed.values`` (the scatter cache's layers are
+    views of them). Returns the chunk tokens active after the last layer and the last hidden
+    states ``[1, active + tail, hidden]``.
+    """
+    cache = adapter.scatter_cache(placed.keys, placed.values)
+    checks = set(strategy.check_layers(state, adapter.spec.num_layers))
+    slots = placed.slots.to(adapter.device)
+    tail_pos = torch.arange(placed.n_ctx, placed.n_ctx + tail.numel(), device=adapter.device)  # [S]
+    hidden = adapter.embed(placed.ids[active])  # [1, active, hidden]
+    if tail.numel():
+        hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
+    step: _Step | None = None
+    for layer in range(adapter.spec.num_layers):
+        if step is None:  # the active set changed: new positions, mask and rotary tables
+            step = _Step.at(adapter, torch.cat([slots[active], tail_pos]), placed.keys.shape[2], hidden)
+        if layer not in checks:
+            hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask)
+            continue
+        active, hidden = _checked_layer(adapter, strategy, state, cache, layer, step, hidden, active, forced)
+        step = None
+        if active.numel() == 0 and not tail.numel():
+            break
+    return active, hidden
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """What a layer needs for the tokens running it; rebuilt only when the active set changes."""
+
+    pos: torch.Tensor  # [q] positions (= cache slots) of the active tokens, then the tail
+    mask: torch.Tensor  # [1, 1, q, slots] exact causal mask
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos/sin [1, q, rot_dim]
+
+    @classmethod
+    def at(cls, adapter: ModelAdapter, pos: torch.Tensor, num_slots: int, hidden: torch.Tensor) -> _Step:
+        mask = adapter.causal_mask(pos, num_slots, hidden.dtype)
+        return cls(pos, mask, adapter.position_embeddings(pos, hidden))
+
+
+def _checked_layer(
+    adapter: ModelAdapter,
+    strategy: Strategy,
+    state: SelectionState,
+    cache: ScatterCache,
+    layer: int,
+    step: _Step,
+    hidden: torch.Tensor,
+    active: torch.Tensor,
+    forced: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run check layer ``layer``, measure the active tokens' K/V deviation, keep those the strategy selects.
+
+    Returns the narrowed active set and its hidden rows (the tail's rows always stay).
+    """
+    n_active = int(active.numel())
+    pos = step.pos[:n_active]  # the active tokens' slots (the tail's come after)
+    layer_k, layer_v = cache.layer_kv(layer)  # [1, H, slots, D]
+    old_k, old_v = layer_k[:, :, pos].clone(), layer_v[:, :, pos].clone()  # [1, H, active, D]
+    hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask)
+    layer_k, layer_v = cache.layer_kv(layer)
+    k_dev, v_dev = _deviation(layer_k[:, :, pos], old_k), _deviation(layer_v[:, :, pos], old_v)
+    strategy.observe(state, layer, active, k_dev=k_dev, v_dev=v_dev)
+    is_forced = torch.isin(active, forced)
+    state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
+    keep = _union(strategy.select(state, layer), torch.nonzero(is_forced).flatten())  # positions within `active`
+    rows = torch.cat([keep, torch.arange(n_active, hidden.shape[1])])  # kept tokens, then the tail
+    return active[keep], hidden[:, rows.to(hidden.device)]
+
+
+def _finish(
+    adapter: ModelAdapter, placed: _Placed, active: torch.Tensor, forced: torch.Tensor, hidden: torch.Tensor, tail: int
+) -> FusedContext:
+    """The fused cache (prefix, chunks, and the tail's K/V when it rode along) and the tail's logits."""
+    logits = adapter.final_logits(hidden[:, hidden.shape[1] - tail :])[0] if tail else None  # [S, vocab]
+    kept = placed.n_ctx + tail
+    return FusedContext(
+        adapter.dynamic_cache(placed.keys[:, :, :kept], placed.values[:, :, :kept]),
+        placed.n_ctx,
+        int(active.numel()) - int(forced.numel()),
+        int(placed.slots.numel()),
+        forced_tokens=int(forced.numel()),
+        selected=placed.slots[active.cpu()],
+        suffix_logits=logits,
+    )
 
 
 def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
     """Per-token relative L2 deviation ``[q]`` between ``[1, H, q, D]`` tensors."""
     diff = (fresh.float() - cached.float()).pow(2).sum(dim=(0, 1, 3))
     return (diff / cached.float().pow(2).sum(dim=(0, 1, 3)).clamp_min(1e-12)).sqrt()
-
-
-@torch.no_grad()
-def fuse(
-    adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = None, *, prefill_suffix: bool = False
-) -> FusedContext:
-    """Fuse ``inp`` into one cache, recomputing the tokens ``config``'s strategy selects.
-
-    With ``prefill_suffix``, the suffix runs through every layer together with the recomputed
-    tokens (it sees each layer's fused K/V, exactly as a prefill after fusion would) and the
-    result holds its logits and K/V: one pass over the layers instead of two.
-    """
-    config = config or FusionConfig()
-    strategy = get_strategy(config.method)
-    suffix = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)
-    n_suffix = int(suffix.numel())
-    probe = strategy.wants_query_attention and n_suffix > 0
-    keys, values, slots, ids = _place(adapter, inp, n_suffix if (probe or prefill_suffix) else 0)
-    n_ctx = inp.prefix.num_tokens + int(slots.numel())
-    n_chunk = int(slots.numel())
-    state = SelectionState.start(config, inp, n_chunk)
-    slots_dev = slots.to(adapter.device)
-    if probe and n_chunk > 0:
-        state.query_attention = _question_attention(adapter, keys, values, suffix, n_ctx, slots_dev)
-    forced = _forced_tokens(inp)
-    active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
-    if n_chunk == 0 or active.numel() == 0:
-        placed = _to_dynamic(adapter, keys[:, :, :n_ctx], values[:, :, :n_ctx])
-        logits = adapter.forward(suffix, placed, n_ctx) if prefill_suffix and n_suffix else None
-        return FusedContext(placed, n_ctx, 0, n_chunk, suffix_logits=logits)
-
-    num_layers = adapter.spec.num_layers
-    checks = set(strategy.check_layers(state, num_layers))
-    cache = ScatterCache(keys, values)
-    hidden = adapter.embed(ids[active])
-    # the suffix rides along after the active chunk tokens through every layer
-    tail = n_suffix if prefill_suffix else 0
-    tail_pos = torch.arange(n_ctx, n_ctx + tail, device=adapter.device)
-    if tail:
-        hidden = torch.cat([hidden, adapter.embed(suffix)], dim=1)
-    pos = mask = pe = None
-    for layer in range(num_layers):
-        if pos is None:  # the active set changed: new positions, mask and rotary tables
-            pos = slots_dev[active]
-            run_pos = torch.cat([pos, tail_pos])
-            mask = adapter.causal_mask(run_pos, keys.shape[2], hidden.dtype)
-            pe = adapter.position_embeddings(run_pos, hidden)
-        assert pos is not None and mask is not None and pe is not None
-        if layer in checks:
-            layer_k, layer_v = cache.layer_kv(layer)
-            old_k, old_v = layer_k[:, :, pos].clone(), layer_v[:, :, pos].clone()
-        hidden = adapter.run_layer(layer, hidden, run_pos, cache, pe, mask)
-        if layer in checks:
-            layer_k, layer_v = cache.layer_kv(layer)
-            state.observe(
-                layer,
-                active,
-                k_dev=_deviation(layer_k[:, :, pos], old_k),
-                v_dev=_deviation(layer_v[:, :, pos], old_v),
-            )
-            is_forced = torch.isin(active, forced)
-            state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
-            keep = strategy.select(state, layer)  # positions within `active` to keep
-            keep = _union(keep, torch.nonzero(is_forced).flatten())
-            rows = torch.cat([keep, torch.arange(active.numel(), active.numel() + tail)])
-            active, hidden = active[keep], hidden[:, rows.to(hidden.device)]
-            pos = None
-            if active.numel() == 0 and not tail:
-                break
-    # the scatter cache's layers are views of `keys`/`values`: they already hold the fused K/V
-    logits = adapter.final_logits(hidden[:, hidden.shape[1] - tail :])[0] if tail else None
-    kept = n_ctx + tail
-    recomputed = int(active.numel()) - int(forced.numel())
-    return FusedContext(
-        _to_dynamic(adapter, keys[:, :, :kept], values[:, :, :kept]),
-        n_ctx,
-        recomputed,
-        n_chunk,
-        forced_tokens=int(forced.numel()),
-        selected=slots[active.cpu()],
-        suffix_logits=logits,
-    )
 
 
 def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -211,9 +288,9 @@ def _question_attention(
     the free slots after the context (``keys``/``values`` have ``len(suffix)`` of them), which
     fusion overwrites or drops; the context slots are not touched.
     """
-    probe_cache = ScatterCache(keys, values)
-    pos = torch.arange(n_ctx, n_ctx + len(suffix), device=adapter.device)
-    hidden = adapter.embed(suffix)
+    probe_cache = adapter.scatter_cache(keys, values)
+    pos = torch.arange(n_ctx, n_ctx + len(suffix), device=adapter.device)  # [S]
+    hidden = adapter.embed(suffix)  # [1, S, hidden]
     mask = adapter.causal_mask(pos, keys.shape[2], hidden.dtype)
     pe = adapter.position_embeddings(pos, hidden)
     with adapter.attention_probe() as probe:

@@ -4,16 +4,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
-    from ragkv.model import ModelAdapter
+    from ragkv.types import ChunkKV
 
-__all__ = ["GenerationConfig", "decode_loop", "stream_text"]
+__all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "stream_text"]
+
+
+class Decoder(Protocol):
+    """What generation runs on (``ragkv.model.ModelAdapter`` is one): no import of the model adapter here."""
+
+    @property
+    def eos_token_ids(self) -> set[int]: ...
+
+    def build_cache(self, context: Sequence[ChunkKV]) -> Cache: ...
+
+    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int) -> torch.Tensor: ...
+
+
+class TextDecoder(Protocol):
+    """What :func:`stream_text` needs: token ids to text."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +70,7 @@ def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | No
 
 
 def decode_loop(
-    adapter: ModelAdapter, cache: Cache, first_logits: torch.Tensor, start: int, cfg: GenerationConfig
+    adapter: Decoder, cache: Cache, first_logits: torch.Tensor, start: int, cfg: GenerationConfig
 ) -> Iterator[int]:
     """Yield answer token ids one at a time (stops at EOS or ``max_new_tokens``).
 
@@ -80,7 +97,18 @@ def decode_loop(
             logits = adapter.forward([tok], cache, start + i)[-1]
 
 
-def stream_text(adapter: ModelAdapter, tokens: Iterator[int], stop: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
+def generate_ids(
+    adapter: Decoder, context: Sequence[ChunkKV], suffix_ids: Sequence[int], max_new_tokens: int
+) -> list[int]:
+    """Greedy answer ids of ``suffix_ids`` on top of ``context`` (stops at EOS): a reference answer."""
+    start = sum(p.num_tokens for p in context)
+    cache = adapter.build_cache(context)
+    logits = adapter.forward(suffix_ids, cache, start)[-1]  # [vocab]
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens)
+    return list(decode_loop(adapter, cache, logits, start + len(suffix_ids), cfg))
+
+
+def stream_text(adapter: TextDecoder, tokens: Iterator[int], stop: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
     """Turn a token stream into text deltas, holding back text that may start a stop string.
 
     Yields ``(delta, token_id)``; a delta may be empty while a multi-byte character or a possible

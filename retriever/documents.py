@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ragkv.digests import Digest, fields_digest
 
-__all__ = ["Document", "load_documents", "TEXT_SUFFIXES"]
+__all__ = ["Document", "load_documents", "document_source", "TEXT_SUFFIXES"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ _SNIFF_BYTES = 8192  # a NUL byte in the first 8 KiB marks a file as binary (as 
 class Document:
     """One source text to be chunked and indexed."""
 
-    source: str  # where it came from: a file path, or a name such as "pydoc:json"
+    source: str  # its id: a file's resolved absolute path, or a name such as "pydoc:json"
     text: str  # the full text, newlines normalized to "\n"
     title: str  # a human-readable title (first heading, <title>, or the file name)
 
@@ -39,6 +39,24 @@ class Document:
     def doc_id(self) -> Digest:
         """sha256 over source and text: the same file with new content is a new document."""
         return fields_digest([("source", self.source), ("text", self.text)])
+
+
+def document_source(doc: Document) -> str:
+    """``doc``'s id in the catalog: its source, stripped (a user-given name is kept as given).
+
+    >>> document_source(Document("  pydoc:json ", "text", "json"))
+    'pydoc:json'
+
+    Raises:
+        ValueError: the source is empty.
+    """
+    source = doc.source.strip()
+    if not source:
+        raise ValueError(
+            f"document {doc.title!r} has an empty source; give every Document a source that names it "
+            "(a path or an id such as 'wiki:Paris'): re-indexing the same source replaces it"
+        )
+    return source
 
 
 class _BinaryFileError(ValueError):
@@ -54,7 +72,8 @@ def load_documents(paths: Sequence[str | Path], *, glob: str = "**/*") -> list[D
 
     Directories are walked with ``glob`` (recursive by default) in sorted order; hidden files and
     directories (names starting with ".") are skipped. HTML is reduced to its visible text. Each
-    file is loaded once even if several arguments reach it.
+    file is loaded once even if several arguments reach it. A file's source is its resolved
+    absolute path, so ``corpus/``, ``./corpus/`` and ``/abs/corpus/`` name the same documents.
 
     Args:
         paths: Files and/or directories.
@@ -140,7 +159,8 @@ def _read_document(path: Path) -> Document:
         title = _first_heading(text) or title
     if not text.strip():
         raise _EmptyFileError(f"{path} is empty (no text to index); remove it from the list or add content")
-    return Document(source=str(path), text=text, title=title)
+    # The resolved path is the document's id: two spellings of one file must not make two documents.
+    return Document(source=str(path.resolve()), text=text, title=title)
 
 
 def _binary_message(path: Path) -> str:

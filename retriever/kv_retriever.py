@@ -16,7 +16,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -24,14 +25,23 @@ from ragkv import codec
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.prefetch import prefetch
 from ragkv.cache.store import TieredStore
-from ragkv.digests import fields_digest, text_digest, tokens_digest
+from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
 from ragkv.errors import CodecError
 from ragkv.model import ModelAdapter
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
-from ragkv.retriever.documents import Document
+from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
-from ragkv.types import DEFAULT_TENANT, Chunk, ChunkKey, ChunkKV
+from ragkv.types import (
+    DEFAULT_CODEC,
+    Chunk,
+    ChunkKey,
+    ChunkKV,
+    CodecSpec,
+    ModelFingerprint,
+    TokenizerFingerprint,
+    validate_tenant,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +50,25 @@ __all__ = ["IndexReport", "KVRetriever", "RetrieverConfig", "LoadedChunk"]
 
 @dataclass(frozen=True, slots=True)
 class RetrieverConfig:
-    """Indexing and retrieval settings."""
+    """Indexing and retrieval settings (the tenant and the store secret are the caller's identity,
+    passed to :class:`KVRetriever` on their own)."""
 
     top_k: int = 4  # chunks retrieved per question
     chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
-    codec: str = "raw"  # codec used when loading
-    level: int = 0  # level used when loading
-    index_levels: tuple[tuple[str, int], ...] = (("raw", 0),)  # (codec, level) pairs stored at index time
-    tenant: str = DEFAULT_TENANT  # namespace of catalog rows and cache entries
+    codec: CodecSpec = DEFAULT_CODEC  # codec and level chunks are stored and loaded at
+    index_codecs: tuple[CodecSpec, ...] = ()  # further (codec, level) pairs stored at index time
     system: str | None = None  # system prompt (None = ragkv.prompt.DEFAULT_SYSTEM)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be an integer >= 1 (chunks retrieved per question); got {self.top_k!r}")
+        if not isinstance(self.codec, CodecSpec) or not all(isinstance(c, CodecSpec) for c in self.index_codecs):
+            raise TypeError("codec and index_codecs take CodecSpec records, e.g. CodecSpec('cachegen', 0)")
+
+    @property
+    def stored_codecs(self) -> tuple[CodecSpec, ...]:
+        """Every (codec, level) written at index time: ``codec`` first, then ``index_codecs``."""
+        return tuple(dict.fromkeys((self.codec, *self.index_codecs)))
 
 
 @dataclass(slots=True)
@@ -56,11 +76,13 @@ class IndexReport:
     """What an indexing run did."""
 
     documents: int = 0  # documents seen
-    unchanged: int = 0  # documents skipped because their content was already indexed
+    unchanged: int = 0  # documents skipped: same content, all chunk rows, vectors and caches present
     chunks: int = 0  # chunks of new or changed documents
     computed: int = 0  # chunk caches prefilled by this run
     reused: int = 0  # chunk caches already in the store
-    bytes_stored: int = 0  # encoded bytes written
+    bytes_stored: int = 0  # encoded bytes some tier accepted
+    failed: int = 0  # chunks whose cache no tier accepted (their documents were not committed)
+    failed_documents: list[str] = field(default_factory=list)  # sources not committed, to retry
     seconds: float = 0.0
 
 
@@ -84,12 +106,15 @@ class KVRetriever:
         index: FaissIndex,
         embedder: Embedder,
         config: RetrieverConfig | None = None,
+        *,
+        tenant: str,
+        store_secret: bytes | None = None,
     ) -> None:
         self.adapter, self.store, self.catalog = adapter, store, catalog
         self.index, self.embedder = index, embedder
         self.config = config or RetrieverConfig()
-        if self.config.top_k < 1:
-            raise ValueError("top_k must be >= 1")
+        self.tenant = validate_tenant(tenant)  # namespace of catalog rows and cache entries
+        self.store_secret = store_secret  # MAC key material for stored entries (None: unauthenticated)
         self.layout = adapter.layout(self.config.system)
         self.chunker = Chunker(lambda t: len(adapter.encode(t)), self.config.chunker)
         self._prefix_ids = adapter.encode(self.layout.prefix)
@@ -107,16 +132,16 @@ class KVRetriever:
             self._prefix_kv = self.adapter.prefill_kv(self._prefix_ids)
         return self._prefix_kv
 
-    def chunk_key(self, token_ids: Sequence[int], codec_name: str, level: int) -> ChunkKey:
+    def chunk_key(self, token_ids: Sequence[int], spec: CodecSpec) -> ChunkKey:
+        """The key of the chunk ``token_ids`` encoded with ``spec``, for this model, prefix and tenant."""
         return ChunkKey(
-            model_fingerprint=self.adapter.fingerprint,
-            tokenizer_fingerprint=self.adapter.tokenizer_fingerprint,
+            model_fingerprint=ModelFingerprint(self.adapter.fingerprint),
+            tokenizer_fingerprint=TokenizerFingerprint(self.adapter.tokenizer_fingerprint),
             prefix_digest=tokens_digest(self._prefix_ids),
             tokens_digest=tokens_digest(token_ids),
-            codec=codec_name,
-            level=level,
+            codec=spec,
             format_version=codec.FORMAT_VERSION,
-            tenant=self.config.tenant,
+            tenant=self.tenant,
         )
 
     def chunk_token_ids(self, text: str) -> tuple[int, ...]:
@@ -125,19 +150,29 @@ class KVRetriever:
 
     # ---- indexing -----------------------------------------------------------------------------
     def index_documents(self, documents: Sequence[Document], *, progress: bool = True) -> IndexReport:
-        """Chunk, embed and precompute caches for ``documents``; unchanged documents cost nothing."""
+        """Chunk, embed and precompute caches for ``documents``; documents already indexed cost little.
+
+        A document is skipped as unchanged only if the catalog holds it with this content, all
+        its chunk rows, the FAISS index all their vectors, and the store every chunk's cache at
+        every stored codec. Otherwise it is redone, reusing the caches still stored, so a damaged
+        catalog or a lost cache heals on the next run. A document with a chunk cache that no tier
+        accepted is not committed (any older version of it stays) and is reported in
+        ``failed_documents``, so the next run retries it.
+
+        Raises:
+            ValueError: a document has an empty source.
+        """
         t0 = time.perf_counter()
         report = IndexReport(documents=len(documents))
-        tenant = self.config.tenant
-        todo = []
+        todo: dict[str, tuple[Document, Digest]] = {}  # source -> (document, content digest)
         for doc in documents:
+            doc = replace(doc, source=document_source(doc))
             digest = text_digest(doc.text)
-            old = self.catalog.get_document(doc.source, tenant)
-            if old is not None and old.content_digest == digest:
+            if (doc.source in todo and todo[doc.source][1] == digest) or self._is_indexed(doc.source, digest):
                 report.unchanged += 1
-                continue
-            todo.append((doc, digest))
-        chunked = [(doc, digest, self._chunk(doc, digest)) for doc, digest in todo]  # cheap next to prefill
+            else:
+                todo[doc.source] = (doc, digest)
+        chunked = [(doc, digest, self._chunk(doc, digest)) for doc, digest in todo.values()]  # cheap next to prefill
         bar = tqdm(
             total=sum(len(c) for _, _, c in chunked),
             desc="indexing chunks",
@@ -145,33 +180,69 @@ class KVRetriever:
             disable=not progress or not todo,
         )
         for doc, digest, chunks in chunked:
+            failed = 0
             for chunk in chunks:  # caches first: a killed run leaves them reusable, never half-visible
-                computed, nbytes = self._ensure_stored(chunk.token_ids)
+                computed, nbytes, stored = self._ensure_stored(chunk.token_ids)
                 report.computed += computed
                 report.reused += not computed
                 report.bytes_stored += nbytes
+                failed += not stored
                 bar.update(1)
-            record = DocumentRecord(
-                doc_id=chunks[0].doc_id,
-                tenant=tenant,
-                source=doc.source,
-                content_digest=digest,
-                title=doc.title,
-                num_chunks=len(chunks),
-            )
-            removed = self.catalog.remove_document(doc.source, tenant)
-            if removed:
-                self.index.remove(removed)
-            rows = self.catalog.replace_document(record, chunks)
-            self.index.add(rows, self.embedder.embed([c.text for c in chunks]))
-            self.index.save()
+            if failed:
+                logger.warning(
+                    "%s: no store tier accepted %d of its %d chunk caches; not indexing it (the next run retries)",
+                    doc.source,
+                    failed,
+                    len(chunks),
+                )
+                report.failed += failed
+                report.failed_documents.append(doc.source)
+                continue
+            self._commit(doc, digest, chunks)
             report.chunks += len(chunks)
         bar.close()
+        if todo:
+            self._reconcile()  # rows lost from the catalog by hand leave vectors no commit removed
         report.seconds = time.perf_counter() - t0
         return report
 
+    def _is_indexed(self, source: str, digest: str) -> bool:
+        """Whether ``source`` is indexed with content ``digest``: document, chunk rows, vectors and caches."""
+        old = self.catalog.get_document(source, self.tenant)
+        if old is None or old.content_digest != digest:
+            return False
+        rows = self.catalog.document_chunks(source, self.tenant)
+        if len(rows) != old.num_chunks or any(row not in self.index for row in rows):
+            return False
+        return all(
+            self.store.contains(self.chunk_key(chunk.token_ids, spec).storage_key)
+            for chunk in rows.values()
+            for spec in self.config.stored_codecs
+        )
+
+    def _commit(self, doc: Document, digest: str, chunks: list[Chunk]) -> None:
+        """Make ``doc``'s chunks the ones the catalog and the FAISS index hold for its source."""
+        record = DocumentRecord(
+            doc_id=self._doc_id(doc, digest),
+            tenant=self.tenant,
+            source=doc.source,
+            content_digest=digest,
+            title=doc.title,
+            num_chunks=len(chunks),
+        )
+        removed = self.catalog.remove_document(doc.source, self.tenant)
+        if removed:
+            self.index.remove(removed)
+        rows = self.catalog.replace_document(record, chunks)
+        if rows:
+            self.index.add(rows, self.embedder.embed([c.text for c in chunks]))
+        self.index.save()
+
+    def _doc_id(self, doc: Document, digest: str) -> Digest:
+        return fields_digest([("source", doc.source), ("content", digest), ("tenant", self.tenant)])
+
     def _chunk(self, doc: Document, digest: str) -> list[Chunk]:
-        doc_id = fields_digest([("source", doc.source), ("content", digest), ("tenant", self.config.tenant)])
+        doc_id = self._doc_id(doc, digest)
         chunks = []
         # chunk text is kept stripped: frameworks strip retrieved text before pasting it into their
         # prompts, so the stripped form is what a prompt contains and what the cache is made of
@@ -191,29 +262,38 @@ class KVRetriever:
 
     def ensure(self, token_ids: Sequence[int]) -> bool:
         """Store the chunk's cache unless present (and promote it to the fast tiers); True if computed."""
-        computed, _ = self._ensure_stored(token_ids)
+        computed, _, _ = self._ensure_stored(token_ids)
         if not computed:
-            self.store.get(self.chunk_key(token_ids, self.config.codec, self.config.level).storage_key)
+            self.store.get(self.chunk_key(token_ids, self.config.codec).storage_key)
         return computed
 
-    def _ensure_stored(self, token_ids: Sequence[int]) -> tuple[bool, int]:
-        """Compute and store the chunk's cache at every index level unless all are stored."""
-        keys = [(c, lvl, self.chunk_key(token_ids, c, lvl)) for c, lvl in self.config.index_levels]
-        missing = [(c, lvl, k) for c, lvl, k in keys if not self.store.contains(k.storage_key)]
-        if not missing:
-            return False, 0
-        kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
-        return True, sum(self._put(kv, k, c, lvl) for c, lvl, k in missing)
+    def _ensure_stored(self, token_ids: Sequence[int]) -> tuple[bool, int, bool]:
+        """Compute and store the chunk's cache at every stored codec unless all are stored.
 
-    def _put(self, kv: ChunkKV, key: ChunkKey, codec_name: str, level: int) -> int:
-        enc = codec.encode(kv, codec_name, level)
-        self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens))
+        Returns:
+            (computed, bytes some tier accepted, whether every codec's cache is now stored).
+        """
+        keys = [(spec, self.chunk_key(token_ids, spec)) for spec in self.config.stored_codecs]
+        missing = [(spec, k) for spec, k in keys if not self.store.contains(k.storage_key)]
+        if not missing:
+            return False, 0, True
+        kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
+        written = [self._put(kv, k) for _, k in missing]
+        return True, sum(written), all(written)
+
+    def _put(self, kv: ChunkKV, key: ChunkKey) -> int:
+        """Encode ``kv`` as ``key`` says, bound to its storage key (and signed, with a store secret); store it."""
+        enc = codec.encode(kv, key.codec, key=key.storage_key, secret=self.store_secret)
+        if not self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens)):
+            # no tier took it (down, full, read-only): record nothing, report 0 bytes stored
+            logger.warning("no store tier accepted the cache entry %s (%d bytes)", key.storage_key, enc.nbytes)
+            return 0
         self.catalog.record_entry(
             key.storage_key,
-            tenant=self.config.tenant,
+            tenant=self.tenant,
             tokens_digest=key.tokens_digest,
-            codec=codec_name,
-            level=level,
+            codec=key.codec.name,
+            level=key.codec.level,
             nbytes=enc.nbytes,
             num_tokens=kv.num_tokens,
         )
@@ -221,7 +301,7 @@ class KVRetriever:
 
     def _reconcile(self) -> None:
         """Make the FAISS index hold exactly the catalog's chunk rows (the catalog is the truth)."""
-        rows = set(self.catalog.all_chunk_rows(self.config.tenant))
+        rows = set(self.catalog.all_chunk_rows(self.tenant))
         have = set(self.index.ids())
         stale = have - rows
         if stale:
@@ -229,26 +309,47 @@ class KVRetriever:
         missing = sorted(rows - have)
         if missing:
             logger.info("re-embedding %d chunks missing from the FAISS index", len(missing))
-            chunks = self.catalog.chunks_by_rows(missing, self.config.tenant)
+            chunks = self.catalog.chunks_by_rows(missing, self.tenant)
             self.index.add(missing, self.embedder.embed([c.text for c in chunks]))
         if stale or missing:
             self.index.save()
 
     # ---- query time ---------------------------------------------------------------------------
     def retrieve(self, query: str, k: int | None = None) -> list[Chunk]:
-        """The top-``k`` chunks for ``query``, best first, with their similarity scores."""
+        """The top-``k`` distinct chunks for ``query``, best first, with their similarity scores.
+
+        A chunk comes back once even if several rows hold it (the same text in several documents,
+        or one file indexed under several names by an older ragkv): FAISS is asked for more
+        neighbours until ``k`` distinct chunks are found or the index is exhausted.
+        """
         if not query.strip():
             raise ValueError("the question is empty; pass some text to retrieve for")
-        if len(self.index) == 0:
-            return []
-        hits = self.index.search(self.embedder.embed([query])[0], k or self.config.top_k)
-        by_row = {row: score for row, score in hits}  # type: ignore[misc]
-        chunks = self.catalog.chunks_by_rows(list(by_row), self.config.tenant)
-        rows = [row for row, _ in hits]  # type: ignore[misc]
-        return [
-            Chunk(c.chunk_id, c.doc_id, c.ordinal, c.text, c.token_ids, c.source, float(by_row[r]))
-            for r, c in zip(rows, chunks, strict=False)
-        ]
+        want = self.config.top_k if k is None else k
+        if want < 1:
+            raise ValueError(f"k must be >= 1 (chunks to retrieve); got {want}")
+        vector = self.embedder.embed([query])[0]
+        out: list[Chunk] = []
+        looked: set[int] = set()  # rows already considered
+        seen: set[str] = set()  # chunk ids and texts already returned
+        ask = want
+        while True:
+            hits = cast(list[tuple[int, float]], self.index.search(vector, ask)) if len(self.index) else []
+            # FAISS orders tied scores arbitrarily, differently for each k: rows of an earlier, smaller
+            # search keep their places and only new rows are appended, so the top hits stay the top hits
+            fresh = [(row, score) for row, score in hits if row not in looked]
+            looked.update(row for row, _ in fresh)
+            found = self.catalog.chunk_map([row for row, _ in fresh], self.tenant)
+            for row, score in fresh:
+                c = found.get(row)
+                if c is None or c.chunk_id in seen or c.text in seen:
+                    continue
+                seen.update((c.chunk_id, c.text))
+                out.append(Chunk(c.chunk_id, c.doc_id, c.ordinal, c.text, c.token_ids, c.source, float(score)))
+                if len(out) == want:
+                    return out
+            if len(hits) < ask or ask >= len(self.index):
+                return out  # every row was looked at
+            ask = min(ask * 2, len(self.index))
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
@@ -264,7 +365,7 @@ class KVRetriever:
         hits' catalog entries touched in one write. A chunk that occurs twice is fetched once; its
         repeat counts as a hit of 0 bytes (its cache was loaded or computed for the first occurrence).
         """
-        keys = [self.chunk_key(t, self.config.codec, self.config.level) for t in segments]
+        keys = [self.chunk_key(t, self.config.codec) for t in segments]
         first: dict[str, int] = {}  # storage key -> index of its first occurrence
         for i, key in enumerate(keys):
             first.setdefault(key.storage_key, i)
@@ -286,7 +387,7 @@ class KVRetriever:
             if size is not None:  # present but unusable: drop it everywhere, then recompute
                 self.store.invalidate(keys[i].storage_key)
             kv = self.adapter.prefill_kv(segments[i], past=[self.prefix_kv()])
-            done[i] = LoadedChunk(kv, False, self._put(kv, keys[i], self.config.codec, self.config.level))
+            done[i] = LoadedChunk(kv, False, self._put(kv, keys[i]))
         hits = [keys[i].storage_key for i in unique if done[i].hit]
         if hits:
             self.catalog.touch_entries(hits)
@@ -299,20 +400,28 @@ class KVRetriever:
         return out
 
     def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:
-        """The stored cache in ``blob``, or None (with a warning) if it is damaged, foreign or stale."""
+        """The stored cache in ``blob``, or None (with a warning) if it is not what ``key`` asks for.
+
+        None for a damaged, truncated or unauthenticated blob, and for an intact one made for
+        another key (a swapped or moved entry), model, codec, level or shape; the caller then
+        invalidates the entry and recomputes the chunk.
+        """
+        arch = self.adapter.spec
+        # Everything expected comes from the key asked for and the loaded model, never from the
+        # stored bytes: a blob made for another chunk, tenant, codec or shape is refused before
+        # its payload is read.
+        expect = codec.Expected(
+            key=key.storage_key,
+            model_fingerprint=key.model_fingerprint,
+            spec=key.codec,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            num_tokens=num_tokens,
+            secret=self.store_secret,
+        )
         try:
-            kv = codec.decode(
-                blob,
-                device=self.adapter.device,
-                dtype=self.adapter.dtype,
-                expect_model_fingerprint=self.adapter.fingerprint,
-            )
+            return codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
         except CodecError as e:
             logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
             return None
-        if kv.num_tokens != num_tokens:
-            logger.warning(
-                "cache entry %s has %d tokens, chunk has %d; recomputing", key.storage_key, kv.num_tokens, num_tokens
-            )
-            return None
-        return kv

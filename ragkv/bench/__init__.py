@@ -1,1 +1,1 @@
-"""ragkv.bench."""
+"""The benchmarks behind ``ragkv bench`` (codec, fusion, store, assembly), printed by one table formatter."""

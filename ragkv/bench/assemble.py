@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ragkv import codec
+from ragkv.bench import table
+from ragkv.bench.table import Column
 from ragkv.cache.prefetch import prefetch
 from ragkv.cache.registry import open_tier
 from ragkv.cache.tier import Tier
 from ragkv.digests import tokens_digest
-from ragkv.fusion import FusionInput, fuse
+from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.model import ModelAdapter
-from ragkv.selection import FusionConfig
-from ragkv.types import ChunkKV, tenant_namespace
+from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
-__all__ = ["run_assemble_bench", "format_assemble_table"]
+__all__ = ["TABLE", "run_assemble_bench", "format_assemble_table"]
 
 
 def _chunks(adapter: ModelAdapter, k: int, tokens: int) -> tuple[list[int], list[list[int]]]:
@@ -37,23 +38,30 @@ def _chunks(adapter: ModelAdapter, k: int, tokens: int) -> tuple[list[int], list
     return prefix, [ids[i * tokens : (i + 1) * tokens] for i in range(k)]
 
 
+def _decode(adapter: ModelAdapter, blob: bytes, expect: codec.Expected) -> ChunkKV:
+    return codec.decode(blob, expect=expect, dtype=adapter.dtype)
+
+
 def _sequential(
-    adapter: ModelAdapter, tier: Tier, keys: list[str], pre: ChunkKV, chunks: list[list[int]]
+    adapter: ModelAdapter, tier: Tier, expects: list[codec.Expected], pre: ChunkKV, chunks: list[list[int]]
 ) -> tuple[float, float, float]:
     """Read every blob, then decode them, then place them: (read, decode, total) ms."""
     t0 = time.perf_counter()
-    got = [tier.get(key) for key in keys]
+    got = [tier.get(e.key) for e in expects]
     t1 = time.perf_counter()
-    kvs = [codec.decode(b, dtype=adapter.dtype) for b in got if b is not None]
+    kvs = [_decode(adapter, b, e) for b, e in zip(got, expects, strict=True) if b is not None]
     t2 = time.perf_counter()
     fuse(adapter, FusionInput(pre, kvs, chunks), FusionConfig(method="naive"))
     return (t1 - t0) * 1000, (t2 - t1) * 1000, (time.perf_counter() - t0) * 1000
 
 
-def _pipelined(adapter: ModelAdapter, tier: Tier, keys: list[str], pre: ChunkKV, chunks: list[list[int]]) -> float:
+def _pipelined(
+    adapter: ModelAdapter, tier: Tier, expects: list[codec.Expected], pre: ChunkKV, chunks: list[list[int]]
+) -> float:
     """The query path's loader (chunk i+1 is read while chunk i decodes), then placement: total ms."""
     t0 = time.perf_counter()
-    kvs = [codec.decode(b, dtype=adapter.dtype) for b in prefetch(keys, tier.get) if b is not None]
+    fetched = prefetch([e.key for e in expects], tier.get)
+    kvs = [_decode(adapter, b, e) for b, e in zip(fetched, expects, strict=True) if b is not None]
     fuse(adapter, FusionInput(pre, kvs, chunks), FusionConfig(method="naive"))
     return (time.perf_counter() - t0) * 1000
 
@@ -72,9 +80,12 @@ def run_assemble_bench(
     """One row per tier plus the prefill baseline; times are medians over ``repeats``."""
     prefix, chunks = _chunks(adapter, k, tokens)
     pre = adapter.prefill_kv(prefix)
-    blobs = [codec.encode(adapter.prefill_kv(c, past=[pre]), codec_name, level).data for c in chunks]
+    spec = CodecSpec(codec_name, level)
     ns = tenant_namespace("ragkv-bench")
-    keys = [f"{ns}/{tokens_digest(c)}" for c in chunks]
+    keys = [StorageKey(f"{ns}/{tokens_digest(c)}") for c in chunks]
+    kvs = [adapter.prefill_kv(c, past=[pre]) for c in chunks]
+    blobs = [codec.encode(kv, spec, key=key).data for kv, key in zip(kvs, keys, strict=True)]
+    expects = [codec.Expected.of(kv, spec, key) for kv, key in zip(kvs, keys, strict=True)]
     n_tokens = len(prefix) + k * tokens
 
     def prefill() -> float:
@@ -104,7 +115,7 @@ def run_assemble_bench(
             samples = []
 
             for r in range(repeats):  # alternate which goes first, so neither gets the warmer tier
-                args = (adapter, tier, keys, pre, chunks)
+                args = (adapter, tier, expects, pre, chunks)
                 if r % 2:
                     p = _pipelined(*args)
                     samples.append((*_sequential(*args), p))
@@ -131,15 +142,19 @@ def run_assemble_bench(
     return rows
 
 
-def format_assemble_table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        f"{'tier':<28}{'k':>3}{'tokens':>8}{'MB':>7}{'read ms':>9}{'decode ms':>11}{'total ms':>10}"
-        f"{'pipelined ms':>14}{'vs prefill':>11}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['tier']:<28}{r['k']:>3}{r['tokens']:>8}{r['mb']:>7.1f}{r['read_ms']:>9.1f}"
-            f"{r['decode_ms']:>11.1f}{r['assemble_ms']:>10.1f}{r['pipelined_ms']:>14.1f}{r['speedup']:>10.1f}x"
-        )
-    return "\n".join(lines)
+TABLE = (
+    Column("tier"),
+    Column("k"),
+    Column("tokens"),
+    Column("mb", "MB", "{:.1f}"),
+    Column("read_ms", "read ms", "{:.1f}"),
+    Column("decode_ms", "decode ms", "{:.1f}"),
+    Column("assemble_ms", "total ms", "{:.1f}"),
+    Column("pipelined_ms", "pipelined ms", "{:.1f}"),
+    Column("speedup", "vs prefill", "{:.1f}x"),
+)
+
+
+def format_assemble_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The assembly bench's rows as a Markdown table (:data:`TABLE`'s columns)."""
+    return table.format_table(rows, TABLE)

@@ -15,10 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ragkv.codec import available_codecs, decode, encode
-from ragkv.types import ChunkKV
+from ragkv.bench import table
+from ragkv.bench.table import Column
+from ragkv.codec import Expected, available_codecs, decode, encode
+from ragkv.generation import Decoder, generate_ids
+from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
-__all__ = ["ROW_KEYS", "run_codec_bench", "format_table"]
+__all__ = ["ROW_KEYS", "TABLE", "run_codec_bench", "format_table"]
 
 ROW_KEYS = (
     "codec",
@@ -33,9 +36,10 @@ ROW_KEYS = (
     "decode_mbps",
 )
 _BASELINE = ("int8", 0)  # ratio_vs_int8 is measured against this, in the same run
+_BENCH_KEY = StorageKey(f"{tenant_namespace('ragkv-bench')}/codec-bench")  # every blob names a key
 
 
-class _Adapter(Protocol):
+class _Adapter(Decoder, Protocol):
     def chat_segments(
         self, system: str, chunks: list[str], question: str
     ) -> tuple[list[int], list[list[int]], list[int]]: ...
@@ -45,8 +49,6 @@ class _Adapter(Protocol):
     def suffix_logits(
         self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], answer_ids: Sequence[int] = ()
     ) -> torch.Tensor: ...
-
-    def generate_ids(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], max_new_tokens: int) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +69,7 @@ def _prepare(adapter: _Adapter, prompt: Mapping[str, Any], answer_tokens: int) -
     for seg in segments:
         bounds.append(bounds[-1] + len(seg))
     slices = tuple(kv.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
-    answer = adapter.generate_ids([kv], suffix, answer_tokens)
+    answer = generate_ids(adapter, [kv], suffix, answer_tokens)
     logits = adapter.suffix_logits([kv], suffix, answer)
     return _Case(slices=slices, suffix=tuple(suffix), answer=tuple(answer), logits=logits.float())
 
@@ -88,6 +90,7 @@ def _measure(
     decode_repeats: int,
     quality: bool,
 ) -> dict[str, Any]:
+    spec = CodecSpec(codec, level)
     nbytes = tokens = elements = 0
     encode_s = decode_s = 0.0
     kls: list[torch.Tensor] = []
@@ -97,12 +100,13 @@ def _measure(
         decoded = []
         for kv in case.slices:
             start = time.perf_counter()
-            data = encode(kv, codec, level).data
+            data = encode(kv, spec, key=_BENCH_KEY).data
             encode_s += time.perf_counter() - start
             best = float("inf")
+            expect = Expected.of(kv, spec, _BENCH_KEY)  # checked as the query path checks it
             for _ in range(decode_repeats):  # best of n: the machine may be shared
                 start = time.perf_counter()
-                out = decode(data)
+                out = decode(data, expect=expect)
                 best = min(best, time.perf_counter() - start)
             decode_s += best
             decoded.append(out)
@@ -113,7 +117,7 @@ def _measure(
             logits = adapter.suffix_logits(decoded, case.suffix, case.answer)
             kls.append(_kl(case.logits, logits))
             top1.append((logits.argmax(-1) == case.logits.argmax(-1)).float())
-            answer = adapter.generate_ids(decoded, case.suffix, answer_tokens)
+            answer = generate_ids(adapter, decoded, case.suffix, answer_tokens)
             matches += int(tuple(answer) == case.answer)
     fp16_mb = elements * 2 / 1e6
     return {
@@ -141,7 +145,7 @@ def run_codec_bench(
 
     Args:
         adapter: a ``ragkv.model.ModelAdapter`` (or anything with its ``chat_segments``,
-            ``prefill_kv``, ``suffix_logits`` and ``generate_ids``).
+            ``prefill_kv``, ``suffix_logits``, ``build_cache``, ``forward`` and ``eos_token_ids``).
         prompts: dicts ``{"system": str, "chunks": [str, ...], "question": str}``.
         codecs: codec name -> levels to measure; default every registered codec and level.
         answer_tokens: length of the greedy answers that are compared.
@@ -169,36 +173,23 @@ def run_codec_bench(
     return rows
 
 
+TABLE = (
+    Column("codec"),
+    Column("level"),
+    Column("bytes_per_token", "bytes/token", "{:,.0f}"),
+    Column("ratio_vs_fp16", "vs fp16", "{:.2f}"),
+    Column("ratio_vs_int8", "vs int8", "{:.2f}"),
+    Column("kl", "mean KL", "{:.4f}"),
+    Column("top1", "top-1", "{:.3f}"),
+    Column("answer_match", "answers identical", "{:.2f}"),
+    Column("encode_mbps", "encode MB/s", "{:,.0f}"),
+    Column("decode_mbps", "decode MB/s", "{:,.0f}"),
+)
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """A Markdown table of benchmark rows."""
-    header = (
-        "codec",
-        "level",
-        "bytes/token",
-        "vs fp16",
-        "vs int8",
-        "mean KL",
-        "top-1",
-        "answers identical",
-        "encode MB/s",
-        "decode MB/s",
-    )
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for r in rows:
-        cells = (
-            r["codec"],
-            str(r["level"]),
-            f"{r['bytes_per_token']:,.0f}",
-            f"{r['ratio_vs_fp16']:.2f}",
-            f"{r['ratio_vs_int8']:.2f}",
-            f"{r['kl']:.4f}",
-            f"{r['top1']:.3f}",
-            f"{r['answer_match']:.2f}",
-            f"{r['encode_mbps']:,.0f}",
-            f"{r['decode_mbps']:,.0f}",
-        )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """The codec bench's rows as a Markdown table (:data:`TABLE`'s columns)."""
+    return table.format_table(rows, TABLE)
 
 
 def plot_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> None:

@@ -12,17 +12,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from ragkv.fusion import FusionInput, fuse
+from ragkv.bench import table
+from ragkv.bench.table import Column
+from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter
-from ragkv.selection import FusionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +188,21 @@ def run_fusion_bench(
     return out
 
 
-def format_table(rows: list[dict]) -> str:
-    head = f"{'method':<15}{'recompute':>10}{'KL':>9}{'top1':>7}{'exact':>7}{'F1':>7}{'TTFT ms':>10}{'ratio':>7}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['method']:<15}{r['recompute_ratio']:>10.3f}{r['kl']:>9.4f}{r['top1']:>7.3f}"
-            f"{r['exact_match']:>7.2f}{r['f1']:>7.2f}{r['ttft_ms']:>10.0f}{r['ttft_ratio']:>7.3f}"
-        )
-    return "\n".join(lines)
+TABLE = (
+    Column("method"),
+    Column("recompute_ratio", "recompute", "{:.3f}"),
+    Column("kl", "KL", "{:.4f}"),
+    Column("top1", "top1", "{:.3f}"),
+    Column("exact_match", "exact", "{:.2f}"),
+    Column("f1", "F1", "{:.2f}"),
+    Column("ttft_ms", "TTFT ms", "{:.0f}"),
+    Column("ttft_ratio", "ratio", "{:.3f}"),
+)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The fusion bench's rows as a Markdown table (:data:`TABLE`'s columns)."""
+    return table.format_table(rows, TABLE)
 
 
 def plot_rows(rows: list[dict], path: Path) -> None:

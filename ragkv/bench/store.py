@@ -18,10 +18,11 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ragkv.bench import table
 from ragkv.cache.registry import open_tier
 from ragkv.cache.tier import Tier
 from ragkv.digests import sha256_hex
@@ -38,7 +39,8 @@ _BENCH_TENANT = "ragkv-bench"
 
 
 class _Target(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def put(self, key: str, value: bytes) -> bool: ...
     def get(self, key: str) -> bytes | None: ...
@@ -155,19 +157,9 @@ def run_store_bench(
     return rows
 
 
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Rows as an aligned plain-text (and Markdown) table."""
-    if not rows:
-        return ""
-    columns = list(rows[0])
-    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-
-    def line(values: Sequence[str]) -> str:
-        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(columns), rule, *(line(r) for r in cells)])
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The store bench's rows as a Markdown table, one column per row key."""
+    return table.format_table(rows)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

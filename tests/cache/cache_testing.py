@@ -107,3 +107,7 @@ class BrokenTier(MemoryTier):
     def _delete(self, key: str) -> bool:
         self._fail()
         return False
+
+    def _namespace_usage(self, namespace: str) -> tuple[int, int] | None:
+        self._fail()
+        return None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -219,4 +221,80 @@ def test_two_processes_share_a_directory_within_budget(tmp_path: Path) -> None:
     for key in tier.keys(tenant_namespace("default")):
         value = tier.get(key)
         assert value is not None and value in (b"a" * 1000, b"b" * 1000)
+    tier.close()
+
+
+def _point_row_at(tier: DiskTier, key: str, filename: str) -> None:
+    """Tamper with the tier's index as an attacker with write access to cache.db would."""
+    conn = sqlite3.connect(Path(tier.directory) / "cache.db")
+    conn.execute("UPDATE Cache SET filename = ? WHERE key = ?", (filename, key))
+    conn.commit()
+    conn.close()
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    secret = tmp_path / "elsewhere" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("not the tier's to delete")
+    return secret
+
+
+@pytest.mark.parametrize("spelling", ["absolute", "traversal", "symlink"])
+def test_a_row_pointing_outside_the_tier_is_never_read_or_deleted(
+    tmp_path: Path, outside: Path, spelling: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = disk(tmp_path / "kv")
+    keys = [make_key(i) for i in range(4)]
+    for key in keys:
+        assert tier.put(key, b"v" * 40_000)  # over the inline limit: each value is a file
+    if spelling == "symlink":
+        (tmp_path / "kv" / "link.val").symlink_to(outside)
+    filename = {
+        "absolute": str(outside),
+        "traversal": f"../elsewhere/{outside.name}",
+        "symlink": "link.val",
+    }[spelling]
+    for key in keys:
+        _point_row_at(tier, key, filename)
+    with caplog.at_level(logging.WARNING, logger="ragkv.cache"):
+        assert tier.get(keys[0]) is None  # not opened: the secret is not served as a cache entry
+        assert keys[0] not in keys_of(tier)  # the corrupt row is dropped
+        assert tier.delete(keys[1])  # invalidate: the row goes, the file it names stays
+        assert tier.put(keys[2], b"new" * 20_000)  # an overwrite removes the old value's file
+    assert outside.read_text() == "not the tier's to delete"
+    assert "outside" in caplog.text
+    assert tier.get(keys[2]) == b"new" * 20_000
+    assert keys_of(tier) == {keys[2], keys[3]}
+    tier.close()
+
+
+def test_eviction_never_deletes_outside_the_tier(tmp_path: Path, outside: Path) -> None:
+    tier = disk(tmp_path / "kv", "max_bytes=100000")
+    old = make_key("old")
+    assert tier.put(old, b"o" * 40_000)
+    _point_row_at(tier, old, str(outside))
+    assert tier.put(make_key("a"), b"a" * 40_000)
+    assert tier.put(make_key("b"), b"b" * 40_000)  # evicts the tampered entry
+    assert old not in keys_of(tier)
+    assert outside.exists()
+    tier.close()
+
+
+def test_removing_a_value_file_never_removes_the_tier_directory(tmp_path: Path) -> None:
+    disk_ = bytes_disk.BytesDisk(str(tmp_path / "kv"))
+    filename, full_path = disk_.filename()
+    disk_.write_file(full_path, b"x")
+    disk_.remove(filename)
+    assert not Path(full_path).exists() and not Path(full_path).parent.exists()
+    assert (tmp_path / "kv").is_dir()
+
+
+def test_invalidating_a_tampered_entry_keeps_the_file_it_names(tmp_path: Path, outside: Path) -> None:
+    tier = disk(tmp_path / "kv")
+    key = make_key(1)
+    assert tier.put(key, b"v" * 40_000)
+    _point_row_at(tier, key, f"../elsewhere/{outside.name}")
+    assert tier.delete(key)
+    assert outside.exists() and key not in keys_of(tier)
     tier.close()

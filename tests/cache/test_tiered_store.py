@@ -203,3 +203,23 @@ def test_stats_names_duplicate_tiers_apart() -> None:
     store = TieredStore([MemoryTier.from_url(), MemoryTier.from_url()])
     assert list(store.stats()) == ["memory://", "memory:// [1]"]
     store.close()
+
+
+def test_usage_is_one_tenants_entries_and_bytes_per_tier(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+    """`ragkv stats` shows the asking tenant's usage, not everyone's."""
+    store = stores(["memory://", f"disk://{tmp_path / 'kv'}", f"file://{tmp_path / 'objects'}"])
+    for i in range(3):
+        store.put(make_key(i, "alice"), b"a" * 100)
+    store.put(make_key(0, "bob"), b"b" * 40_000)  # a file on disk: counted all the same
+    memory, disk, objects = (tier.name for tier in store.tiers)
+    assert store.usage(tenant_namespace("alice")) == {memory: (3, 300), disk: (3, 300), objects: None}
+    assert store.usage(tenant_namespace("bob")) == {memory: (1, 40_000), disk: (1, 40_000), objects: None}
+    assert store.usage(tenant_namespace("carol"))[memory] == (0, 0)
+    with pytest.raises(ValueError):
+        store.usage("not a namespace")
+
+
+def test_usage_of_a_failing_tier_is_unknown(stores: Callable[..., TieredStore]) -> None:
+    store = stores([BrokenTier(TierConfig.from_url("memory://")), "memory://"])
+    store.put(make_key(1), b"x" * 10)
+    assert list(store.usage(tenant_namespace("default")).values()) == [None, (1, 10)]

@@ -8,9 +8,27 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ragkv.types import ChunkKV
+from ragkv.codec import Expected, decode, encode
+from ragkv.digests import sha256_hex
+from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
 KVFactory = Callable[..., ChunkKV]
+KEY = StorageKey(f"{tenant_namespace('test')}/{sha256_hex(b'a chunk')}")  # the key test blobs are stored under
+
+
+def encoded(kv: ChunkKV, name: str = "raw", level: int = 0, secret: bytes | None = None) -> bytes:
+    """``kv``'s bitstream under :data:`KEY`."""
+    return encode(kv, CodecSpec(name, level), key=KEY, secret=secret).data
+
+
+def expected(kv: ChunkKV, name: str = "raw", level: int = 0, secret: bytes | None = None) -> Expected:
+    """What a reader of ``kv`` under :data:`KEY` expects."""
+    return Expected.of(kv, CodecSpec(name, level), KEY, secret)
+
+
+def roundtrip(kv: ChunkKV, name: str = "raw", level: int = 0, **decode_kw: object) -> ChunkKV:
+    """``kv`` encoded and decoded again, with the expectation the query path would have."""
+    return decode(encoded(kv, name, level), expect=expected(kv, name, level), **decode_kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture

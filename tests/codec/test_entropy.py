@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ragkv.codec import encode, read_header
+from ragkv.codec import read_header
 from ragkv.codec.cachegen import LEVELS, _quantize
-from tests.codec.conftest import KVFactory
+from tests.codec.conftest import KVFactory, encoded
 
 
 def _entropy_bytes(symbols: torch.Tensor) -> float:
@@ -20,7 +20,7 @@ def test_stream_sizes_track_the_symbol_entropy(make_kv: KVFactory) -> None:
     layers = 4
     kv = make_kv(layers, 2, 400, 32, dtype=torch.float32)
     for level, schedule in LEVELS.items():
-        header = read_header(encode(kv, "cachegen", level).data)
+        header = read_header(encoded(kv, "cachegen", level))
         coded = header.section_sizes[2:]
         ideal = []
         for x, rel, per_layer in ((kv.keys, schedule.key_steps, True), (kv.values, schedule.value_steps, False)):

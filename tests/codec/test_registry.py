@@ -19,22 +19,28 @@ from ragkv.codec import (
     register_codec,
 )
 from ragkv.codec._tensors import from_section, to_bytes
-from ragkv.types import ChunkKV
-from tests.codec.conftest import KVFactory
+from ragkv.types import DEFAULT_CODEC, ChunkKV, CodecSpec, StorageKey
+from tests.codec.conftest import KEY, KVFactory, encoded, expected, roundtrip
 
 
 def test_builtin_codecs_and_levels() -> None:
     codecs = available_codecs()
     assert codecs["raw"] == (0,) and codecs["int8"] == (0,) and codecs["int4"] == (0,)
     assert len(codecs["cachegen"]) >= 3
-    assert get_codec("cachegen").default_level in codecs["cachegen"]
+    assert DEFAULT_CODEC.level in codecs[DEFAULT_CODEC.name]
 
 
 def test_unknown_codec_or_level_is_a_value_error(make_kv: KVFactory) -> None:
     with pytest.raises(ValueError, match="unknown codec 'nope'.*available"):
         get_codec("nope")
     with pytest.raises(ValueError, match="levels"):
-        encode(make_kv(), "cachegen", 99)
+        encode(make_kv(), CodecSpec("cachegen", 99), key=KEY)
+    with pytest.raises(ValueError, match="level"):
+        CodecSpec("cachegen", -1)
+    with pytest.raises(TypeError, match="CodecSpec"):
+        encode(make_kv(), "cachegen", key=KEY)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="storage key"):
+        encode(make_kv(), CodecSpec("raw", 0), key=StorageKey("no-namespace"))
 
 
 def test_broken_inputs_are_refused(make_kv: KVFactory) -> None:
@@ -42,15 +48,15 @@ def test_broken_inputs_are_refused(make_kv: KVFactory) -> None:
     bad = kv.keys.clone()
     bad[0, 0, 3, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
-        encode(ChunkKV(bad, kv.values, kv.positions, "test"), "cachegen")
+        encoded(ChunkKV(bad, kv.values, kv.positions, "test"), "cachegen")
     ints = ChunkKV(kv.keys.to(torch.int32), kv.values.to(torch.int32), kv.positions, "test")
     with pytest.raises(ValueError, match="float16"):
-        encode(ints, "raw")
+        encoded(ints, "raw")
     huge = ChunkKV(kv.keys * 1e6, kv.values, kv.positions, "test")
     with pytest.raises(ValueError, match="fp16 range"):
-        encode(huge, "raw")
+        encoded(huge, "raw")
     with pytest.raises(TypeError, match="floating"):
-        decode(encode(kv).data, dtype=torch.int8)
+        decode(encoded(kv), expect=expected(kv), dtype=torch.int8)
 
 
 class _Negate(Codec):
@@ -74,7 +80,7 @@ def test_user_codec_registers_and_round_trips(make_kv: KVFactory) -> None:
     register_codec(_Negate)  # idempotent for the same class
     assert available_codecs()["test-negate"] == (0, 1)
     kv = make_kv(dtype=torch.float32)
-    out = decode(encode(kv, "test-negate", 1).data)
+    out = roundtrip(kv, "test-negate", 1)
     assert torch.equal(out.keys, kv.keys) and torch.equal(out.values, kv.values)
 
     class Impostor(_Negate):

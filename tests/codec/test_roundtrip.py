@@ -9,7 +9,8 @@ import torch
 
 from ragkv.codec import available_codecs, decode, encode
 from ragkv.codec.cachegen import LEVELS
-from tests.codec.conftest import KVFactory
+from ragkv.types import CodecSpec
+from tests.codec.conftest import KEY, KVFactory, encoded, expected, roundtrip
 
 SHAPES = [(4, 2, 37, 16), (1, 1, 1, 1), (3, 2, 0, 8), (2, 3, 5, 7), (1, 1, 2, 3), (2, 1, 130, 64)]
 ALL = [(name, level) for name, levels in available_codecs().items() for level in levels]
@@ -18,7 +19,7 @@ ALL = [(name, level) for name, levels in available_codecs().items() for level in
 @pytest.mark.parametrize("shape", SHAPES)
 def test_raw_is_bit_exact_for_fp16(make_kv: KVFactory, shape: tuple[int, int, int, int]) -> None:
     kv = make_kv(*shape)
-    out = decode(encode(kv, "raw").data, dtype=torch.float16)
+    out = roundtrip(kv, "raw", dtype=torch.float16)
     assert torch.equal(out.keys, kv.keys) and torch.equal(out.values, kv.values)
     assert torch.equal(out.positions, kv.positions)
     assert out.model_fingerprint == "test"
@@ -30,9 +31,9 @@ def test_every_codec_round_trips_shapes(
     make_kv: KVFactory, name: str, level: int, shape: tuple[int, int, int, int]
 ) -> None:
     kv = make_kv(*shape, start=11)
-    enc = encode(kv, name, level)
-    assert (enc.codec, enc.level, enc.num_tokens) == (name, level, shape[2])
-    out = decode(enc.data)
+    enc = encode(kv, CodecSpec(name, level), key=KEY)
+    assert (enc.spec, enc.num_tokens) == (CodecSpec(name, level), shape[2])
+    out = decode(enc.data, expect=expected(kv, name, level))
     assert out.keys.shape == kv.keys.shape and out.values.shape == kv.values.shape
     assert out.keys.dtype == torch.float32
     assert torch.equal(out.positions, kv.positions)
@@ -45,7 +46,7 @@ def _max_abs_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def test_int8_error_is_half_a_step(make_kv: KVFactory) -> None:
     kv = make_kv(4, 2, 37, 16, dtype=torch.float32)
-    out = decode(encode(kv, "int8").data)
+    out = roundtrip(kv, "int8")
     for x, y in ((kv.keys, out.keys), (kv.values, out.values)):
         step = x.abs().amax(-1, keepdim=True) / 127
         assert bool((_max_abs_err(x, y) <= step * 0.5 * 1.01 + 1e-6).all())
@@ -53,7 +54,7 @@ def test_int8_error_is_half_a_step(make_kv: KVFactory) -> None:
 
 def test_int4_error_is_half_a_group_step(make_kv: KVFactory) -> None:
     kv = make_kv(2, 2, 100, 16, dtype=torch.float32)
-    out = decode(encode(kv, "int4").data)
+    out = roundtrip(kv, "int4")
     # keys: per channel over token groups of 64; values: per token over channel groups.
     k_span = torch.cat(
         [
@@ -72,7 +73,7 @@ def test_int4_error_is_half_a_group_step(make_kv: KVFactory) -> None:
 def test_cachegen_error_is_half_a_step(make_kv: KVFactory, level: int) -> None:
     layers = 6
     kv = make_kv(layers, 2, 50, 16, dtype=torch.float32)
-    out = decode(encode(kv, "cachegen", level).data)
+    out = roundtrip(kv, "cachegen", level)
     schedule = LEVELS[level]
     slack = 2 ** (1 / 16) * 0.5 * 1.001  # step codes round to 1/8 octave
     for x, y, rel, per_layer in (
@@ -93,13 +94,13 @@ def test_cachegen_levels_trade_bytes_for_error(make_kv: KVFactory) -> None:
     kv = make_kv(6, 2, 120, 32, dtype=torch.float32)
     sizes, errors = [], []
     for level in sorted(LEVELS):
-        enc = encode(kv, "cachegen", level)
-        out = decode(enc.data)
+        enc = encode(kv, CodecSpec("cachegen", level), key=KEY)
+        out = decode(enc.data, expect=expected(kv, "cachegen", level))
         sizes.append(enc.nbytes)
         errors.append(float(torch.mean((out.values - kv.values) ** 2 + (out.keys - kv.keys) ** 2)))
     assert sizes == sorted(sizes, reverse=True)
     assert errors == sorted(errors)
-    assert sizes[0] < encode(kv, "int8").nbytes
+    assert sizes[0] < len(encoded(kv, "int8"))
 
 
 def test_cachegen_keeps_outliers_via_wide_symbols() -> None:
@@ -109,7 +110,7 @@ def test_cachegen_keeps_outliers_via_wide_symbols() -> None:
     from ragkv.types import ChunkKV
 
     kv = ChunkKV(keys, kv_values, torch.arange(40), "test")
-    out = decode(encode(kv, "cachegen", 0).data)
+    out = roundtrip(kv, "cachegen", 0)
     assert abs(float(out.keys[1, 0, 7, 3]) - 3000.0) < 3000.0 * 0.05
     assert float((out.keys - keys).abs()[0].max()) < 0.2
 
@@ -118,10 +119,10 @@ def test_cachegen_keeps_outliers_via_wide_symbols() -> None:
 @pytest.mark.parametrize("name", sorted(available_codecs()))
 def test_decode_to_dtype_and_device(make_kv: KVFactory, dtype: torch.dtype, name: str) -> None:
     kv = make_kv(2, 2, 9, 8)
-    data = encode(kv, name).data
-    ref = decode(data)
+    data = encoded(kv, name)
+    ref = decode(data, expect=expected(kv, name))
     for device in ("cpu", torch.device("cpu")):
-        out = decode(data, device=device, dtype=dtype)
+        out = decode(data, expect=expected(kv, name), device=device, dtype=dtype)
         assert out.keys.dtype == dtype and out.values.dtype == dtype
         assert out.keys.device.type == "cpu" and out.positions.dtype == torch.int64
         tol = 1e-2 * float(ref.keys.abs().max())
@@ -133,7 +134,7 @@ def test_decode_to_dtype_and_device(make_kv: KVFactory, dtype: torch.dtype, name
 def test_device_path_runs_off_cpu(make_kv: KVFactory, name: str) -> None:
     """The meta device exercises the non-CPU (torch) dequantization path without a GPU."""
     kv = make_kv(2, 2, 9, 8)
-    out = decode(encode(kv, name).data, device="meta", dtype=torch.float16)
+    out = roundtrip(kv, name, device="meta", dtype=torch.float16)
     assert out.keys.device.type == "meta" and out.keys.shape == kv.keys.shape
     assert out.values.dtype == torch.float16
 
@@ -143,8 +144,8 @@ def test_device_path_runs_off_cpu(make_kv: KVFactory, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(available_codecs()))
 def test_cuda_decode_matches_cpu(make_kv: KVFactory, name: str) -> None:
     kv = make_kv(4, 2, 37, 16)
-    data = encode(kv, name).data
-    cpu, gpu = decode(data), decode(data, device="cuda")
+    data = encoded(kv, name)
+    cpu, gpu = decode(data, expect=expected(kv, name)), decode(data, expect=expected(kv, name), device="cuda")
     assert gpu.keys.is_cuda
     assert torch.allclose(gpu.keys.cpu(), cpu.keys, atol=1e-5, rtol=1e-5)
     assert torch.allclose(gpu.values.cpu(), cpu.values, atol=1e-5, rtol=1e-5)
@@ -153,7 +154,7 @@ def test_cuda_decode_matches_cpu(make_kv: KVFactory, name: str) -> None:
 @pytest.mark.parametrize(("name", "level"), ALL)
 def test_encoding_is_deterministic(make_kv: KVFactory, name: str, level: int) -> None:
     kv = make_kv(3, 2, 41, 16, dtype=torch.float32)
-    assert encode(kv, name, level).data == encode(kv, name, level).data
+    assert encoded(kv, name, level) == encoded(kv, name, level)
 
 
 def test_non_contiguous_positions_round_trip(make_kv: KVFactory) -> None:
@@ -162,12 +163,12 @@ def test_non_contiguous_positions_round_trip(make_kv: KVFactory) -> None:
     from ragkv.types import ChunkKV
 
     kv = ChunkKV(kv.keys, kv.values, positions, "test")
-    assert torch.equal(decode(encode(kv, "cachegen").data).positions, positions)
+    assert torch.equal(roundtrip(kv, "cachegen").positions, positions)
 
 
 def test_bfloat16_and_wide_inputs_encode(make_kv: KVFactory) -> None:
     kv = make_kv(2, 2, 10, 8, dtype=torch.bfloat16)
-    out = decode(encode(kv, "raw").data, dtype=torch.bfloat16)
+    out = roundtrip(kv, "raw", dtype=torch.bfloat16)
     assert torch.allclose(out.keys.float(), kv.keys.float(), atol=math.ldexp(1, -6))
 
 
@@ -175,12 +176,13 @@ def test_bfloat16_and_wide_inputs_encode(make_kv: KVFactory) -> None:
 def test_decode_works_in_a_forked_child(make_kv: KVFactory) -> None:
     import os
 
-    data = encode(make_kv(4, 2, 400, 64, dtype=torch.float32), "cachegen").data
-    decode(data)  # starts the decode thread pool in the parent
+    kv = make_kv(4, 2, 400, 64, dtype=torch.float32)
+    data = encoded(kv, "cachegen")
+    decode(data, expect=expected(kv, "cachegen"))  # starts the decode thread pool in the parent
     pid = os.fork()
     if pid == 0:  # child: must not hang on the parent's dead pool threads
         try:
-            decode(data)
+            decode(data, expect=expected(kv, "cachegen"))
             os._exit(0)
         except BaseException:
             os._exit(1)

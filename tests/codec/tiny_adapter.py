@@ -11,9 +11,10 @@ from ragkv.types import ChunkKV
 
 
 class TinyLlamaAdapter:
-    """The four adapter methods the codec benchmark uses, on a model built from a config."""
+    """The adapter methods the codec benchmark uses, on a model built from a config."""
 
     fingerprint = "tiny-llama-test"
+    eos_token_ids: frozenset[int] = frozenset()  # answers run to max_new_tokens
 
     def __init__(self, seed: int = 0, layers: int = 3, vocab: int = 96) -> None:
         torch.manual_seed(seed)
@@ -69,14 +70,11 @@ class TinyLlamaAdapter:
         )
         return out.logits[0].float()
 
+    def build_cache(self, context: Sequence[ChunkKV]) -> DynamicCache:
+        return self._cache(context)[0]
+
     @torch.no_grad()
-    def generate_ids(self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        cache, start = self._cache(context)
-        ids, answer = list(suffix_ids), []
-        pos = torch.arange(start, start + len(ids))
-        for _ in range(max_new_tokens):
-            logits = self.model(torch.tensor([ids]), past_key_values=cache, position_ids=pos[None]).logits
-            token = int(logits[0, -1].argmax())
-            answer.append(token)
-            ids, pos = [token], pos[-1:] + 1
-        return answer
+    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+        pos = torch.arange(start, start + ids.shape[1])
+        return self.model(ids, past_key_values=cache, position_ids=pos[None]).logits[0].float()

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragkv.engine import EngineConfig, RagKV
+from ragkv.engine import CachedText, EngineConfig, RagKV
 from ragkv.errors import ContextTooLongError
+from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
+from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
-from ragkv.selection import FusionConfig
+from ragkv.retriever.kv_retriever import RetrieverConfig
 
 DOCS = [
     Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
@@ -26,9 +28,7 @@ GEN = GenerationConfig(max_new_tokens=8)
 def _engine(tmp_path: Path, adapter, **kw) -> RagKV:
     cfg = EngineConfig(
         data_dir=tmp_path,
-        top_k=2,
-        min_chunk_tokens=40,
-        max_chunk_tokens=120,
+        retriever=RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120)),
         store=("memory://", str(tmp_path / "kv")),
         **kw,
     )
@@ -74,7 +74,7 @@ def test_damaged_entry_is_a_miss_then_recomputed(tmp_path, llama_adapter):
         rag.index(DOCS, progress=False)
         chunks = rag.retrieve("apples orchards")
         clean = rag.answer("apples?", chunks=chunks, generation=GEN)
-        key = rag.retriever.chunk_key(chunks[0].token_ids, rag.config.codec, rag.config.level).storage_key
+        key = rag.retriever.chunk_key(chunks[0].token_ids, rag.config.retriever.codec).storage_key
         blob = bytearray(rag.store.get(key))
         blob[len(blob) // 2] ^= 0xFF
         rag.store.invalidate(key)
@@ -135,7 +135,7 @@ def test_loading_many_chunks_equals_loading_each(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
         a, b, c = _chunk_ids(rag)
         # one damaged entry among hits: a miss, recomputed and stored; the others hits
-        key = rag.retriever.chunk_key(b, rag.config.codec, rag.config.level).storage_key
+        key = rag.retriever.chunk_key(b, rag.config.retriever.codec).storage_key
         blob = bytearray(rag.store.get(key))
         blob[-9] ^= 0xFF
         rag.store.invalidate(key)
@@ -161,7 +161,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
     with _engine(tmp_path, llama_adapter) as rag:
         ids = _chunk_ids(rag)
         assert len(ids) >= 3
-        last_key = rag.retriever.chunk_key(ids[-1], rag.config.codec, rag.config.level).storage_key
+        last_key = rag.retriever.chunk_key(ids[-1], rag.config.retriever.codec).storage_key
         first_decoded = threading.Event()
         waited: list[bool] = []
         get, decode = rag.store.get, rag.retriever._decode
@@ -180,3 +180,52 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
         monkeypatch.setattr(rag.retriever, "_decode", spy_decode)
         loaded = rag.retriever.load_many(ids)
         assert waited == [True] and all(x.hit for x in loaded)
+
+
+def test_four_threads_answering_at_once_match_one_thread(tmp_path, llama_adapter):
+    """Regression: concurrent answers raised KeyError (the prefix LRU) and left the model in probe mode."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = ["Where do apples grow?", "What do sails do?", "How do clocks work?", "What colour are apples?"]
+    # framework-style prompts with their own prefixes exercise the prefix LRU from every thread
+    prompts = [
+        [f"system {i}: answer briefly.\n", CachedText(DOCS[i % 3].text[:200]), f"\nQ: {q}\nA:"]
+        for i, q in enumerate(questions)
+    ]
+    attn_before = llama_adapter.model.config._attn_implementation
+    with _engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS, progress=False)
+
+        def one(i: int) -> tuple[str, str]:
+            text = rag.answer(questions[i], generation=GEN).text
+            segs = "".join(d for d, _ in rag.generate_segments(prompts[i], generation=GEN))
+            return text, segs
+
+        alone = [one(i) for i in range(4)]
+        for _ in range(3):
+            with ThreadPoolExecutor(4) as pool:
+                together = list(pool.map(one, range(4)))
+            assert together == alone
+    assert llama_adapter.model.config._attn_implementation == attn_before
+
+
+def test_empty_index_answers_with_a_warning(tmp_path, llama_adapter, caplog):
+    with _engine(tmp_path, llama_adapter) as rag, caplog.at_level("WARNING", logger="ragkv.engine"):
+        stream = rag.stream("anything?", generation=GEN)
+        assert stream.warning and "empty" in stream.warning and "index" in stream.warning
+        list(stream)
+        res = stream.result
+        assert res.sources == () and res.stats.extra["warning"] == stream.warning
+        assert any("empty" in r.message for r in caplog.records)
+        with pytest.raises(ValueError, match="k must be"):
+            rag.retrieve("apples", k=0)
+
+
+def test_config_nests_component_records_and_validates_tenant(tmp_path):
+    cfg = EngineConfig(data_dir=tmp_path)
+    assert cfg.retriever == RetrieverConfig() and cfg.fusion == FusionConfig()
+    with pytest.raises(ValueError, match="at most 256"):
+        EngineConfig(data_dir=tmp_path, tenant="t" * 257)
+    with pytest.raises(ValueError, match="top_k"):
+        RetrieverConfig(top_k=0)
+    assert "sssss" not in repr(EngineConfig(data_dir=tmp_path, store_secret=b"s" * 32))  # never logged

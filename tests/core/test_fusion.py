@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ragkv.fusion import FusionInput, _question_attention, fuse
+from ragkv.fusion import FusionConfig, FusionInput, _question_attention, fuse
 from ragkv.model import ModelAdapter
-from ragkv.selection import FusionConfig, SelectionState, available_strategies, get_strategy
+from ragkv.selection import QueryFocusParams, QueryParams, SelectionState, available_strategies, strategy_class
 from tests.core.test_model import _ids
+
+
+def _config(method: str, ratio: float, **knobs) -> FusionConfig:
+    """``method`` at ``ratio``, with those of ``knobs`` that its parameter record has."""
+    record = strategy_class(method).Params
+    names = {f.name for f in dataclasses.fields(record)}
+    return FusionConfig(method, ratio, record(**{k: v for k, v in knobs.items() if k in names}))
 
 
 def _prompt(adapter: ModelAdapter, sizes=(20, 17, 23), seed: int = 0):
@@ -119,12 +128,12 @@ def test_the_question_probe_records_the_attention_the_question_pays(llama_adapte
 def test_selective_recompute_equals_slow_loop(llama_adapter, method):
     a = llama_adapter
     _, chunk_ids, suffix, inp = _prompt(a)
-    cfg = FusionConfig(method=method, ratio=0.3, narrow_layer=2, budget=0.05, focus_ratio=0.6)
+    cfg = _config(method, 0.3, narrow_layer=2, budget=0.05, focus_ratio=0.6)
     fused = fuse(a, inp, cfg)
     # the slow path replays the same selection decisions layer by layer with explicit attention
     slots = torch.arange(inp.prefix.num_tokens, fused.num_tokens)
     keys, values = _naive_kv(a, inp)
-    strategy, state = get_strategy(method), SelectionState.start(cfg, inp, len(slots))
+    strategy, state = cfg.strategy(), SelectionState.start([len(c) for c in chunk_ids])
     if strategy.wants_query_attention:
         state.query_attention = _slow_question_attention(a, inp, slots)
     active = strategy.initial(state)
@@ -138,7 +147,7 @@ def test_selective_recompute_equals_slow_loop(llama_adapter, method):
             if i in checks:
                 dk = ((keys[i][:, :, pos] - old_k).pow(2).sum((0, 1, 3)) / old_k.pow(2).sum((0, 1, 3))).sqrt()
                 dv = ((values[i][:, :, pos] - old_v).pow(2).sum((0, 1, 3)) / old_v.pow(2).sum((0, 1, 3))).sqrt()
-                state.observe(i, active, dk, dv)
+                strategy.observe(state, i, active, dk, dv)
                 keep = strategy.select(state, i)
                 active, hidden = active[keep], hidden[:, keep]
     assert fused.recomputed_tokens == active.numel()
@@ -174,7 +183,7 @@ def test_recompute_reduces_error_vs_naive(llama_adapter):
 
 def test_unknown_method_lists_choices():
     with pytest.raises(ValueError, match="blend"):
-        get_strategy("nope")
+        strategy_class("nope")
     assert {"naive", "full", "blend", "blend_sink", "sink", "gradual", "query", "budget"} <= set(available_strategies())
     with pytest.raises(ValueError, match="ratio"):
         FusionConfig(ratio=1.5)
@@ -202,9 +211,9 @@ def test_uncached_segments_are_computed_in_place(llama_adapter, method):
 
 
 def test_query_scores_weight_deviation_by_later_layer_attention():
-    cfg = FusionConfig(method="query", ratio=0.5, sink_tokens=0)
-    inp = FusionInput(None, [], [[0] * 4], ())  # one 4-token chunk; only the layout is read
-    state = SelectionState.start(cfg, inp, 4)
+    query = FusionConfig(method="query", ratio=0.5, params=QueryParams(sink_tokens=0)).strategy()
+    blend = FusionConfig(method="blend", ratio=0.5).strategy()
+    state = SelectionState.start([4])  # one 4-token chunk
     state.query_attention = torch.tensor(
         [
             [1.0, 1.0, 1.0, 1.0],  # layer 0 (before the check: ignored)
@@ -213,10 +222,10 @@ def test_query_scores_weight_deviation_by_later_layer_attention():
             [0.0, 0.1, 0.4, 0.5],
         ]
     )
-    state.observe(1, torch.arange(4), k_dev=torch.zeros(4), v_dev=torch.tensor([4.0, 3.0, 2.0, 1.0]))
+    query.observe(state, 1, torch.arange(4), k_dev=torch.zeros(4), v_dev=torch.tensor([4.0, 3.0, 2.0, 1.0]))
     # plain deviation would keep tokens 0 and 1; weighted by the question's attention: 2 and 3
-    assert get_strategy("blend").select(state, 1).tolist() == [0, 1]
-    assert get_strategy("query").select(state, 1).tolist() == [2, 3]
+    assert blend.select(state, 1).tolist() == [0, 1]
+    assert query.select(state, 1).tolist() == [2, 3]
 
 
 @pytest.mark.parametrize(
@@ -226,7 +235,7 @@ def test_prefilling_the_suffix_inside_fusion_equals_prefilling_it_after(llama_ad
     """The fast path (suffix riding along the recomputed tokens) equals fusing, then prefilling."""
     a = llama_adapter
     _, chunk_ids, suffix, inp = _prompt(a, sizes=(30, 25, 35))
-    cfg = FusionConfig(method=method, ratio=0.2, narrow_layer=2)
+    cfg = _config(method, 0.2, narrow_layer=2)
     slow = fuse(a, inp, cfg)
     slow_logits = _suffix_logits_from(a, slow, suffix)
     fast = fuse(a, inp, cfg, prefill_suffix=True)
@@ -243,7 +252,7 @@ def test_query_focus_runs_only_its_focus_set_through_the_check_layer(tiny_adapte
     _, chunk_ids, suffix, inp = _prompt(tiny_adapter)
     n = sum(map(len, chunk_ids))
     seen: dict[int, int] = {}
-    cls = type(get_strategy("query_focus"))
+    cls = strategy_class("query_focus")
     select = cls.select
 
     def spy(self, state, layer):
@@ -251,7 +260,7 @@ def test_query_focus_runs_only_its_focus_set_through_the_check_layer(tiny_adapte
         return select(self, state, layer)
 
     monkeypatch.setattr(cls, "select", spy)
-    cfg = FusionConfig(method="query_focus", ratio=0.1, focus_ratio=0.5, narrow_layer=1, check_layer=0)
+    cfg = FusionConfig("query_focus", 0.1, QueryFocusParams(focus_ratio=0.5, narrow_layer=1, check_layer=0))
     fused = fuse(tiny_adapter, inp, cfg)
     assert seen[0] == round(0.5 * n)  # the focus set, not every chunk token, ran the first check
     assert fused.recomputed_tokens == round(0.1 * n)

