@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,10 +36,24 @@ __all__ = [
     "render_completion",
     "stream",
     "summarize",
+    "sync_indexed",
     "warm",
 ]
 
+SYNC_EVERY_S = 2.0  # how often a prompt may trigger a look at the catalog for newly indexed chunks
+# Phrases of the context templates of LlamaIndex and LangChain (and common hand-written ones): a
+# prompt holding one of them was meant to carry retrieved text, so finding no chunk is worth a word.
+_CONTEXT_MARKERS = (
+    "context information",
+    "---------------------",
+    "context:",
+    "<context>",
+    "use the following pieces of",
+    "retrieved context",
+)
+
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 STATS_KEY = "ragkv"  # the key stats live under in every framework's metadata dict
 
@@ -63,6 +79,9 @@ class EngineState:
     # not documented as safe under concurrent calls, and LangChain's batch runs calls in threads.
     # A plain Lock (not RLock) because an abandoned stream may be closed from another thread.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    indexed_rows: frozenset[int] = frozenset()  # catalog rows whose texts are pinned in the registry
+    synced_at: float = float("-inf")  # perf_counter of the last catalog check
+    warned: set[str] = field(default_factory=set)  # no-reuse reasons already logged
 
 
 _STATES: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
@@ -125,21 +144,82 @@ def stream(
     if not prompt:
         raise ValueError("the prompt is empty; pass some text")
     state = engine_state(engine)
+    if reuse_chunks:
+        sync_indexed(engine)
     segments = state.registry.split(prompt) if reuse_chunks else [prompt]
     found = sum(isinstance(s, CachedText) for s in segments)
+    missed = no_reuse_reason(state, prompt) if reuse_chunks and not found else None
     with state.lock:
         for delta, stats in engine.generate_segments(segments, generation=generation):
             if stats is not None:
                 stats.extra["chunks_in_prompt"] = found
+                if missed is not None:
+                    stats.extra["reuse_warning"] = missed
             yield delta, stats
 
 
-def warm(engine: RagKV, texts: Sequence[str]) -> int:
+def sync_indexed(engine: RagKV, *, force: bool = False) -> int:
+    """Pin the texts of the chunks in ``engine``'s own index (its tenant) in the registry; return how many were added.
+
+    So a prompt built from ragkv's indexed chunks reuses their caches without any retriever or
+    postprocessor of ours in the chain. Cheap: at most one row-id query every ``SYNC_EVERY_S``
+    seconds, texts fetched only for new rows, and the registry's anchor index keeps matching
+    cost independent of the number of texts.
+    """
+    state = engine_state(engine)
+    now = time.perf_counter()
+    if not force and now - state.synced_at < SYNC_EVERY_S:
+        return 0
+    state.synced_at = now
+    tenant = engine.config.tenant
+    rows = frozenset(engine.catalog.all_chunk_rows(tenant))
+    if rows == state.indexed_rows:
+        return 0
+    if not rows >= state.indexed_rows:  # documents were removed or replaced: pin afresh
+        state.registry.unpin_all()
+        state.indexed_rows = frozenset()
+    new = sorted(rows - state.indexed_rows)
+    state.registry.add([c.text for c in engine.catalog.chunks_by_rows(new, tenant)], pinned=True)
+    state.indexed_rows = rows
+    return len(new)
+
+
+def no_reuse_reason(state: EngineState, prompt: str) -> str | None:
+    """Why a prompt that looks like it carries retrieved context reuses no chunk (None: it does not look so).
+
+    The reason is logged as a warning once per engine and reason.
+    """
+    low = prompt.lower()
+    if not any(m in low for m in _CONTEXT_MARKERS):
+        return None
+    if not len(state.registry):
+        reason = (
+            "no chunk text is known to this engine: nothing is indexed with RagKV.index and no retriever or "
+            "postprocessor of ragkv registered any; add RagKVNodePostprocessor(engine) to the LlamaIndex query "
+            "engine, retrieve with RagKVRetriever, or call register_texts (LangChain)"
+        )
+    else:
+        reason = (
+            f"none of the {len(state.registry)} chunk texts known to this engine appears in the prompt verbatim "
+            "(the documents came from another retriever or splitter, or the framework rewrote or truncated "
+            "them); add RagKVNodePostprocessor(engine) on the nodes that reach the prompt, or retrieve with "
+            "RagKVRetriever"
+        )
+    if reason not in state.warned:
+        state.warned.add(reason)
+        logger.warning("ragkv: a prompt with retrieved context reuses no chunk cache: %s", reason)
+    return reason
+
+
+def warm(engine: RagKV, texts: Sequence[str], *, progress: bool = False) -> int:
     """Register ``texts`` and make sure their caches are stored and in the fast tiers; return how many were computed.
 
     The form warmed is the stripped text plus the separator: how frameworks lay out every chunk
-    but the last, and the form ragkv's own index stores.
+    but the last, and the form ragkv's own index stores. ``progress`` shows a bar (one step per
+    text) and logs each cache computed, since a first query over new texts prefills them all.
     """
+    from tqdm.auto import tqdm
+
     from ragkv.integrations._segments import SEPARATOR
 
     state = engine_state(engine)
@@ -148,8 +228,18 @@ def warm(engine: RagKV, texts: Sequence[str]) -> int:
     forms = list(dict.fromkeys(t.strip() + SEPARATOR for t in texts if len(t.strip()) >= min_chars))
     if not forms:
         return 0
-    with state.lock:
-        return engine.warm(forms)
+    computed = 0
+    with (
+        state.lock,
+        tqdm(total=len(forms), desc="ragkv chunk caches", unit="chunk", disable=not progress, delay=1.0) as bar,
+    ):
+        for i, form in enumerate(forms, 1):
+            built = engine.warm([form])
+            computed += built
+            if built and progress:
+                logger.info("ragkv: built chunk cache %d/%d (%d chars)", i, len(forms), len(form))
+            bar.update(1)
+    return computed
 
 
 def collect(deltas: Iterator[tuple[str, dict[str, Any] | None]]) -> tuple[str, dict[str, Any]]:
@@ -166,11 +256,14 @@ def summarize(calls: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One stats dict for several generations (refine, tree_summarize, condense steps).
 
     Counters are summed; ``ttft_ms`` is the first call's (when the first answer token appeared);
-    ``calls`` keeps each call's own stats.
+    ``calls`` keeps each call's own stats. ``reuse_warning`` is kept when every call had one.
     """
     out: dict[str, Any] = {"llm_calls": len(calls), "ttft_ms": calls[0]["ttft_ms"] if calls else 0.0}
     for key in _SUMMED:
         out[key] = sum(int(c.get(key, 0)) for c in calls)
+    warnings = [c.get("reuse_warning") for c in calls]
+    if calls and all(warnings):
+        out["reuse_warning"] = warnings[-1]
     out["total_ms"] = round(sum(float(c.get("total_ms", 0.0)) for c in calls), 2)
     out["calls"] = [dict(c) for c in calls]
     return out

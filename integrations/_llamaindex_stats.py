@@ -6,6 +6,12 @@ sink when a synthesizer, query engine or chat engine method starts, the LLM reco
 open sink of its context, and when the method returns, the sink's summary is put under
 ``metadata["ragkv"]`` of what it returned.
 
+Beside the summed per-call stats the summary carries what only the span sees: ``ttft_ms`` as the
+user sees it (from the start of the query or chat call to the first token of its last LLM call,
+the one whose answer the user gets: retrieval, cache building and refine's earlier calls
+included), ``llm_ttft_ms`` (that last call's own time to first token), and ``cache_build_ms`` /
+``caches_built`` (chunk caches computed by the postprocessor before the LLM ran).
+
 A streaming response is returned before its tokens exist. The LLM captures the open sinks when it
 is called (inside the method) and records when its stream ends; the summary dict attached to the
 response is updated in place, so it is complete once the stream has been consumed.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from contextvars import ContextVar
 from typing import Any
 
@@ -25,7 +32,7 @@ from pydantic import PrivateAttr
 
 from ragkv.integrations._bridge import STATS_KEY, summarize
 
-__all__ = ["StatsSink", "current_sinks", "install", "record"]
+__all__ = ["StatsSink", "current_sinks", "install", "record", "record_build"]
 
 _SINKS: ContextVar[tuple[StatsSink, ...]] = ContextVar("ragkv_llamaindex_sinks", default=())
 _TRACKED_METHODS = frozenset(
@@ -39,17 +46,43 @@ class StatsSink:
     """The stats of the LLM calls made within one synthesizer / query engine / chat engine call."""
 
     def __init__(self) -> None:
+        self.started = time.perf_counter()  # the tracked call began (the user's clock starts)
         self.calls: list[dict[str, Any]] = []
-        self.summary: dict[str, Any] = summarize([])  # updated in place: streaming responses hold it
+        self.last_first_token = self.started  # perf_counter of the last call's first token
+        self.build_ms = 0.0
+        self.built = 0
+        self.summary: dict[str, Any] = self._summarize()  # updated in place: streaming responses hold it
         self.used = False  # an LLM call captured this sink (maybe still streaming)
         self._lock = threading.Lock()
 
-    def add(self, stats: dict[str, Any]) -> None:
+    def add(self, stats: dict[str, Any], first_token_at: float | None = None) -> None:
+        """Record one LLM call's stats; ``first_token_at`` is the perf_counter of its first token."""
         with self._lock:
             self.calls.append(stats)
-            fresh = summarize(self.calls)
-            self.summary.clear()
-            self.summary.update(fresh)
+            if first_token_at is not None:
+                self.last_first_token = first_token_at
+            self._refresh()
+
+    def add_build(self, ms: float, built: int) -> None:
+        """Record chunk caches built on the query path (by the postprocessor)."""
+        with self._lock:
+            self.build_ms += ms
+            self.built += built
+            self._refresh()
+
+    def _refresh(self) -> None:
+        fresh = self._summarize()
+        self.summary.clear()
+        self.summary.update(fresh)
+
+    def _summarize(self) -> dict[str, Any]:
+        out = summarize(self.calls)
+        if self.calls:
+            out["llm_ttft_ms"] = self.calls[-1].get("ttft_ms", 0.0)
+            out["ttft_ms"] = round((self.last_first_token - self.started) * 1000, 2)
+        out["cache_build_ms"] = round(self.build_ms, 2)
+        out["caches_built"] = self.built
+        return out
 
 
 def current_sinks() -> tuple[StatsSink, ...]:
@@ -60,9 +93,15 @@ def current_sinks() -> tuple[StatsSink, ...]:
     return sinks
 
 
-def record(sinks: tuple[StatsSink, ...], stats: dict[str, Any]) -> None:
+def record(sinks: tuple[StatsSink, ...], stats: dict[str, Any], first_token_at: float | None = None) -> None:
     for s in sinks:
-        s.add(stats)
+        s.add(stats, first_token_at)
+
+
+def record_build(ms: float, built: int) -> None:
+    """Add cache-building time to every sink open in this context (and mark them used)."""
+    for s in current_sinks():
+        s.add_build(ms, built)
 
 
 _tracked_types: tuple[type, ...] = ()

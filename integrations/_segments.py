@@ -9,7 +9,10 @@ span of the prompt that is exactly one of those texts, or a tolerated variant of
 1. the text as registered;
 2. the text stripped of surrounding whitespace (every LlamaIndex synthesizer strips chunks);
 3. one paragraph of the text, when the framework split the text apart (pieces shorter than
-   ``min_chars`` are left alone: too likely to occur by chance, too short to pay off).
+   ``min_chars`` are left alone: too likely to occur by chance, too short to pay off);
+4. the text as Python prints it inside a list (``repr`` without its quotes): llama-index-core
+   0.14's ``simple_summarize`` formats the chunk *list* into its prompt, so the prompt holds
+   ``['first chunk', 'second\\nchunk']`` with escaped newlines and quotes.
 
 Each form is also tried with the blank-line separator appended, because that is how ragkv lays a
 chunk out at index time (``PromptLayout.chunk_end``) and how both frameworks join documents: a
@@ -37,7 +40,7 @@ SEPARATOR = "\n\n"  # ragkv's chunk_end, LangChain's document_separator, LlamaIn
 Segment = str | CachedText
 
 # Match priority: lower claims first; within a priority, longer forms claim first.
-_EXACT, _STRIPPED, _PIECE = 0, 1, 2
+_EXACT, _STRIPPED, _PIECE, _LISTED = 0, 1, 2, 3
 _ANCHOR = 16  # characters of a form looked up in the prompt's window set before a full find()
 _ANCHOR_ABOVE = 64  # below this many forms, plain find() is cheaper than building the window set
 
@@ -79,6 +82,10 @@ def chunk_forms(text: str, config: MatchConfig = MatchConfig()) -> list[tuple[in
     add(_EXACT, text)
     stripped = text.strip()
     add(_STRIPPED, stripped)
+    for t in (text, stripped):
+        listed = repr(t)[1:-1]
+        if listed != t:
+            add(_LISTED, listed)
     if config.pieces:
         paragraphs = [p.strip() for p in stripped.split(SEPARATOR)]
         if len(paragraphs) > 1:
@@ -151,42 +158,79 @@ class ChunkRegistry:
             raise ValueError("capacity must be >= 1")
         self.capacity, self.config = capacity, config
         self._texts: OrderedDict[str, None] = OrderedDict()
+        self._pinned: set[str] = set()  # texts kept regardless of capacity (the engine's own index)
         self._lock = threading.Lock()
         self._ordered: list[str] | None = None  # claiming order of all forms, rebuilt after a change
+        self._anchors: dict[str, list[int]] = {}  # form[:_ANCHOR] -> indices into _ordered
+        self._short: list[int] = []  # forms shorter than an anchor: always tried
 
-    def add(self, texts: Iterable[str]) -> None:
-        """Register ``texts`` (re-registering one makes it the most recent)."""
+    def add(self, texts: Iterable[str], *, pinned: bool = False) -> None:
+        """Register ``texts`` (re-registering one makes it the most recent).
+
+        ``pinned`` texts (chunks of the engine's own index) do not count against ``capacity``.
+        """
         if isinstance(texts, str):
             raise TypeError("ChunkRegistry.add takes a list of texts; wrap a single text in a list")
         with self._lock:
             for t in texts:
                 if not isinstance(t, str):
                     raise TypeError(f"chunk texts must be str, got {type(t).__name__}")
+                if pinned:
+                    self._pinned.add(t)
+                    continue
                 self._texts[t] = None
                 self._texts.move_to_end(t)
             while len(self._texts) > self.capacity:
                 self._texts.popitem(last=False)
             self._ordered = None
 
+    def unpin_all(self) -> None:
+        """Forget every pinned text (before pinning the engine's index again)."""
+        with self._lock:
+            self._pinned.clear()
+            self._ordered = None
+
     def clear(self) -> None:
         with self._lock:
             self._texts.clear()
+            self._pinned.clear()
             self._ordered = None
 
     def __len__(self) -> int:
-        return len(self._texts)
+        return len(self._texts.keys() | self._pinned)
 
     def __contains__(self, text: object) -> bool:
-        return text in self._texts
+        return text in self._texts or text in self._pinned
 
     def split(self, prompt: str, *, require_suffix: bool = True) -> list[Segment]:
-        """``split_prompt`` over the registered texts."""
+        """``split_prompt`` over the registered texts.
+
+        Only forms whose first characters occur in the prompt are searched (an anchor index), so
+        the cost grows with the prompt, not with the number of registered texts.
+        """
         with self._lock:
             if self._ordered is None:
-                self._ordered = _claim_order(f for t in self._texts for f in chunk_forms(t, self.config))
-            ordered = self._ordered
-        spans = _find_spans(prompt, ordered) if ordered else []
+                self._rebuild()
+            ordered, anchors, short = self._ordered or [], self._anchors, self._short
+        if not ordered:
+            return _assemble(prompt, [], require_suffix)
+        hit = set(short)
+        for i in range(max(0, len(prompt) - _ANCHOR + 1)):
+            found = anchors.get(prompt[i : i + _ANCHOR])
+            if found:
+                hit.update(found)
+        spans = _find_spans(prompt, [ordered[i] for i in sorted(hit)])
         return _assemble(prompt, spans, require_suffix)
+
+    def _rebuild(self) -> None:
+        texts = [*self._texts, *(t for t in self._pinned if t not in self._texts)]
+        self._ordered = _claim_order(f for t in texts for f in chunk_forms(t, self.config))
+        self._anchors, self._short = {}, []
+        for i, form in enumerate(self._ordered):
+            if len(form) < _ANCHOR:
+                self._short.append(i)
+            else:
+                self._anchors.setdefault(form[:_ANCHOR], []).append(i)
 
 
 def _assemble(prompt: str, spans: list[tuple[int, int]], require_suffix: bool) -> list[Segment]:

@@ -1,5 +1,8 @@
 """LangChain integration: a chat model and an LLM that reuse ragkv chunk caches, and a retriever.
 
+``ragkv.integrations.langchain.RagKVLLM`` and ``RagKVRetriever`` are LangChain classes; the
+LlamaIndex ones of the same names live in ``ragkv.integrations.llamaindex``.
+
 Install with ``pip install 'ragkv[langchain]'``. Typical use (an LCEL RAG chain)::
 
     rag = RagKV()
@@ -22,6 +25,7 @@ as ``input_token_details.cache_read``, chunks computed now as ``cache_creation``
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -60,6 +64,34 @@ __all__ = ["ChatRagKV", "RagKVLLM", "RagKVRetriever", "register_texts"]
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "tool"}
 Stats = dict[str, Any]
+logger = logging.getLogger(__name__)
+# Standard LangChain settings of hosted models that mean nothing for a local model in this
+# process: accepted (the standard test suites pass them) and ignored with a logged warning.
+_IGNORED = frozenset({"timeout", "request_timeout", "max_retries", "api_key"})
+_NO_TOOLS = (
+    "ChatRagKV does not support tool calling: it runs a small local model through ragkv's generation "
+    "loop, which has no tool-call parsing or constrained decoding; put tool results in the prompt instead"
+)
+
+
+def _check_settings(cls: type[BaseModel], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` without the ignored hosted-model settings; anything else unknown raises TypeError."""
+    for k in sorted(_IGNORED & set(kwargs)):
+        kwargs.pop(k)
+        logger.warning("%s ignores %s=: generation runs locally, with no API and no network call", cls.__name__, k)
+    if "model_kwargs" in kwargs:
+        raise TypeError(
+            f"{cls.__name__} takes no model_kwargs: pass the settings themselves "
+            "(max_tokens, temperature, top_p, top_k, seed, stop)"
+        )
+    known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(
+            f"{cls.__name__} got unsupported settings {unknown}; supported: engine, max_tokens, temperature, "
+            "top_p, top_k, seed, stop, reuse_chunks, and LangChain's callbacks/tags/metadata"
+        )
+    return kwargs
 
 
 def register_texts(engine: RagKV, texts: Sequence[str]) -> None:
@@ -91,13 +123,19 @@ class _RagKVModel(BaseModel):
         return self.engine if self.engine is not None else _bridge.default_engine()
 
     def _name(self) -> str:
-        if self.model_name:
-            return self.model_name
+        """The model that really generates (``model=`` may only repeat it)."""
         if self.engine is not None:
             return str(self.engine.adapter.name)
         from ragkv.resolver import DEFAULT_MODEL
 
         return DEFAULT_MODEL
+
+    def _check_model(self) -> None:
+        if self.model_name is not None and self.model_name != self._name():
+            raise ValueError(
+                f"model={self.model_name!r} is not the model this engine runs ({self._name()!r}); "
+                "drop model= or build a RagKV engine for that model (EngineConfig(model=...))"
+            )
 
     def _generation(self, stop: list[str] | None, kwargs: dict[str, Any]) -> GenerationConfig:
         model = kwargs.get("model")
@@ -108,7 +146,7 @@ class _RagKVModel(BaseModel):
             )
         stops = [*(self.stop or []), *(stop or [])]
         return GenerationConfig(
-            max_new_tokens=kwargs.get("max_tokens") or self.max_tokens,
+            max_new_tokens=kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_tokens,
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             top_k=kwargs.get("top_k", self.top_k),
@@ -169,6 +207,14 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
     """
 
     streaming: bool = False  # stream through callbacks on invoke
+
+    def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
+        super().__init__(engine=engine, **_check_settings(type(self), kwargs))
+        self._check_model()
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | None = None, **kwargs: Any) -> Any:
+        """Not supported: see ``_NO_TOOLS`` (raised as the message)."""
+        raise NotImplementedError(_NO_TOOLS)
 
     @property
     def _llm_type(self) -> str:
@@ -266,6 +312,10 @@ class RagKVLLM(_RagKVModel, LLM):
     """
 
     chat_template: bool = True  # False: raw completion
+
+    def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
+        super().__init__(engine=engine, **_check_settings(type(self), kwargs))
+        self._check_model()
 
     @property
     def _llm_type(self) -> str:
@@ -367,6 +417,9 @@ class RagKVRetriever(BaseRetriever):
 
     engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV to retrieve from")
     k: int | None = Field(default=None, ge=1)
+
+    def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
+        super().__init__(engine=engine, **kwargs)
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None

@@ -1,5 +1,8 @@
 """LlamaIndex integration: a local LLM that reuses ragkv chunk caches, a node postprocessor, a retriever.
 
+``ragkv.integrations.llamaindex.RagKVLLM`` and ``RagKVRetriever`` are LlamaIndex classes; the
+LangChain ones of the same names live in ``ragkv.integrations.langchain``.
+
 Install with ``pip install 'ragkv[llamaindex]'``. Typical use::
 
     rag = RagKV()
@@ -20,6 +23,8 @@ replace the postprocessor. Stats: ``CompletionResponse.additional_kwargs["ragkv"
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -51,7 +56,7 @@ from pydantic import Field
 from ragkv.engine import RagKV
 from ragkv.generation import GenerationConfig
 from ragkv.integrations import _bridge
-from ragkv.integrations._llamaindex_stats import current_sinks, install, record
+from ragkv.integrations._llamaindex_stats import current_sinks, install, record, record_build
 
 __all__ = ["RagKVEmbedding", "RagKVLLM", "RagKVNodePostprocessor", "RagKVRetriever"]
 
@@ -62,6 +67,25 @@ _ROLES = {
     MessageRole.FUNCTION: "tool",
 }
 _GEN_KEYS = frozenset(GenerationConfig.__dataclass_fields__)
+# LlamaIndex's own names for generation settings (what other LlamaIndex LLMs take)
+_ALIASES = {"max_tokens": "max_new_tokens", "num_output": "max_new_tokens"}
+_CALL_KEYS = _GEN_KEYS | frozenset(_ALIASES)
+logger = logging.getLogger(__name__)
+_warned_kwargs: set[str] = set()
+
+
+def _aliased(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with LlamaIndex names (``max_tokens``) renamed to ragkv's; both given must agree."""
+    out = dict(kwargs)
+    for alias, name in _ALIASES.items():
+        if alias in out:
+            value = out.pop(alias)
+            if value is None:
+                continue
+            if out.get(name) is not None and out[name] != value:
+                raise ValueError(f"{alias}={value} and {name}={out[name]} disagree; pass one of them")
+            out[name] = value
+    return out
 
 
 def _message_dict(m: ChatMessage) -> dict[str, str]:
@@ -73,10 +97,21 @@ class RagKVLLM(CustomLLM):
 
     Chat calls render the messages with the tokenizer's chat template; ``complete`` wraps the
     prompt as one user turn unless ``formatted=True`` or ``chat_template=False`` (raw completion).
-    Keyword arguments named like ``GenerationConfig`` fields override the settings per call.
+    Keyword arguments named like ``GenerationConfig`` fields, or LlamaIndex's ``max_tokens``,
+    override the settings per call; other per-call keywords are ignored with a logged warning.
+
+    Without ``RagKVNodePostprocessor`` the LLM still finds the chunks of the engine's own index
+    (``RagKV.index``) in its prompts; a prompt that looks like retrieved context but reuses no
+    cache gets ``reuse_warning`` in its stats and a one-time logged warning saying why.
 
     Args:
         engine: the ragkv engine (default: a process-wide ``RagKV()`` with every default).
+        max_new_tokens: answer length cap; ``max_tokens`` (LlamaIndex's name) is the same setting.
+        context_window: what ``metadata`` reports to LlamaIndex's prompt packing (default and
+            ceiling: the model's context length).
+
+    Raises:
+        TypeError: a keyword that is not a setting of this LLM (say, an API key or a timeout).
     """
 
     engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV that generates")
@@ -88,9 +123,25 @@ class RagKVLLM(CustomLLM):
     stop: list[str] = Field(default_factory=list, description="stop strings")
     chat_template: bool = Field(default=True, description="wrap completion prompts in the chat template")
     reuse_chunks: bool = Field(default=True, description="False: prefill every prompt whole (a baseline)")
+    context_window: int | None = Field(default=None, gt=0, description="None: the model's context length")
 
     def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
-        super().__init__(engine=engine if engine is not None else _bridge.default_engine(), **kwargs)
+        kwargs = _aliased(kwargs)
+        unknown = sorted(set(kwargs) - set(type(self).model_fields))
+        if unknown:
+            raise TypeError(
+                f"RagKVLLM got unsupported settings {unknown}: it runs the engine's local model; supported: "
+                f"max_tokens, max_new_tokens, temperature, top_p, top_k, seed, stop, context_window, "
+                f"chat_template, reuse_chunks, and LlamaIndex's LLM fields"
+            )
+        engine = engine if engine is not None else _bridge.default_engine()
+        window = kwargs.get("context_window")
+        if window is not None and window > engine.adapter.spec.max_context:
+            raise ValueError(
+                f"context_window={window} exceeds the model's context length {engine.adapter.spec.max_context}; "
+                "pass a smaller one or leave it unset"
+            )
+        super().__init__(engine=engine, **kwargs)
         install()
 
     @classmethod
@@ -101,7 +152,7 @@ class RagKVLLM(CustomLLM):
     def metadata(self) -> LLMMetadata:
         adapter = self.engine.adapter
         return LLMMetadata(
-            context_window=adapter.spec.max_context,
+            context_window=self.context_window or adapter.spec.max_context,
             num_output=self.max_new_tokens,
             is_chat_model=bool(getattr(adapter.tokenizer, "chat_template", None)),
             model_name=adapter.name,
@@ -109,6 +160,11 @@ class RagKVLLM(CustomLLM):
 
     # ---- prompts and generation ----------------------------------------------------------------
     def _generation(self, kwargs: dict[str, Any]) -> GenerationConfig:
+        for k in sorted(set(kwargs) - _CALL_KEYS):
+            if k not in _warned_kwargs:
+                _warned_kwargs.add(k)
+                logger.warning("RagKVLLM ignores the per-call keyword %r (not a generation setting)", k)
+        kwargs = _aliased({k: v for k, v in kwargs.items() if k in _CALL_KEYS})
         over = {k: v for k, v in kwargs.items() if k in _GEN_KEYS and v is not None}
         if "stop" in over:
             over["stop"] = tuple(over["stop"])
@@ -135,12 +191,14 @@ class RagKVLLM(CustomLLM):
         gen = self._generation(kwargs)
 
         def run() -> Iterator[tuple[str, dict[str, Any] | None]]:
+            first: float | None = None
             for delta, stats in _bridge.stream(self.engine, prompt, gen, reuse_chunks=self.reuse_chunks):
                 if stats is None:
+                    first = first or time.perf_counter()
                     yield delta, None
                 else:
                     d = stats.as_dict()
-                    record(sinks, d)
+                    record(sinks, d, first or time.perf_counter())
                     yield "", d
 
         return run()
@@ -235,13 +293,18 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
     node from any vector store is cached from its first query on), present ones are promoted to
     the fast tiers.
 
+    Building caches is the first query's extra cost (a prefill per new node): it shows a progress
+    bar, and its time goes to the response's stats as ``cache_build_ms`` / ``caches_built``.
+
     Args:
         engine: the ragkv engine the LLM uses (default: the process-wide default engine).
         warm_caches: False only registers the texts (caches are then computed when first used).
+        progress: show a progress bar while chunk caches are built.
     """
 
     engine: Any = Field(default=None, exclude=True, description="the ragkv.engine.RagKV the LLM uses")
     warm_caches: bool = Field(default=True, description="compute and store missing chunk caches now")
+    progress: bool = Field(default=True, description="progress bar while chunk caches are built")
 
     def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
         engine = engine if engine is not None else _bridge.default_engine()
@@ -256,7 +319,9 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
     ) -> list[NodeWithScore]:
         texts = _node_texts(nodes)
         if self.warm_caches:
-            _bridge.warm(self.engine, texts)
+            t0 = time.perf_counter()
+            built = _bridge.warm(self.engine, texts, progress=self.progress)
+            record_build((time.perf_counter() - t0) * 1000, built)
         else:
             _bridge.engine_state(self.engine).registry.add(texts)
         return nodes

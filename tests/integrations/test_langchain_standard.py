@@ -51,6 +51,10 @@ class TestChatRagKVUnit(_BoundEngine, ChatModelUnitTests):
     def supports_model_override(self) -> bool:
         return False  # one loaded model per engine; a different model= raises ValueError
 
+    @property
+    def has_tool_calling(self) -> bool:
+        return False  # bind_tools is overridden only to say why it is unsupported
+
 
 class TestChatRagKVIntegration(_BoundEngine, ChatModelIntegrationTests):
     pytestmark = ASYNC_SUITE
@@ -65,6 +69,10 @@ class TestChatRagKVIntegration(_BoundEngine, ChatModelIntegrationTests):
 
     @property
     def supports_model_override(self) -> bool:
+        return False
+
+    @property
+    def has_tool_calling(self) -> bool:
         return False
 
     @property

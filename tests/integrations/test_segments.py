@@ -181,3 +181,33 @@ def test_segments_always_rebuild_the_prompt_and_are_registered_forms(texts, pick
     allowed = {form for t in texts for _, form in chunk_forms(t, cfg)}
     assert all(s.text in allowed for s in segs if isinstance(s, CachedText))
     assert not isinstance(segs[-1], CachedText)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    texts=st.lists(st.lists(_words, min_size=1, max_size=12).map("".join), min_size=1, max_size=5),
+    picks=st.lists(st.tuples(st.integers(0, 4), st.lists(_words, max_size=4).map("".join)), max_size=8),
+    min_chars=st.sampled_from([3, 20]),
+)
+def test_registry_anchor_index_finds_exactly_what_a_full_scan_finds(texts, picks, min_chars):
+    prompt = "".join(texts[i % len(texts)] + filler for i, filler in picks) + "end"
+    cfg = MatchConfig(min_chars=min_chars)
+    reg = ChunkRegistry(config=cfg)
+    reg.add(texts[:2])
+    reg.add(texts[2:], pinned=True)
+    assert reg.split(prompt) == split_prompt(prompt, texts, config=cfg)
+
+
+def test_chunk_list_printed_into_the_prompt_is_found_in_its_escaped_form():
+    a, b = A + "\nIt's sunny.", B + "\n\nSecond paragraph here, long enough."
+    prompt = f"Context:\n{[a, b]}\nQuestion: why?"  # what simple_summarize builds in llama-index 0.14
+    assert cached(split_prompt(prompt, [a, b], config=CFG)) == [repr(a)[1:-1], repr(b)[1:-1]]
+
+
+def test_pinned_texts_outlive_capacity_and_unpin_all_forgets_them():
+    reg = ChunkRegistry(capacity=1, config=CFG)
+    reg.add([A, B], pinned=True)
+    reg.add([C])
+    assert cached(reg.split(f"x {A} {B} {C} y")) == [A, B, C] and len(reg) == 3
+    reg.unpin_all()
+    assert A not in reg and cached(reg.split(f"x {A} {B} {C} y")) == [C]
