@@ -8,11 +8,11 @@ span of the prompt that is exactly one of those texts, or a tolerated variant of
 
 1. the text as registered;
 2. the text stripped of surrounding whitespace (every LlamaIndex synthesizer strips chunks);
-3. one paragraph of the text, when the framework split the text apart (pieces shorter than
-   ``min_chars`` are left alone: too likely to occur by chance, too short to pay off);
-4. the text as Python prints it inside a list (``repr`` without its quotes): llama-index-core
+3. the text as Python prints it inside a list (``repr`` without its quotes): llama-index-core
    0.14's ``simple_summarize`` formats the chunk *list* into its prompt, so the prompt holds
-   ``['first chunk', 'second\\nchunk']`` with escaped newlines and quotes.
+   ``['first chunk', 'second\\nchunk']`` with escaped newlines and quotes;
+4. one paragraph of the text, when the framework split the text apart (pieces shorter than
+   ``min_chars`` are left alone: too likely to occur by chance, too short to pay off).
 
 Each form is also tried with the blank-line separator appended, because that is how ragkv lays a
 chunk out at index time (``PromptLayout.chunk_end``) and how both frameworks join documents: a
@@ -40,7 +40,7 @@ SEPARATOR = "\n\n"  # ragkv's chunk_end, LangChain's document_separator, LlamaIn
 Segment = str | CachedText
 
 # Match priority: lower claims first; within a priority, longer forms claim first.
-_EXACT, _STRIPPED, _PIECE, _LISTED = 0, 1, 2, 3
+_EXACT, _STRIPPED, _LISTED, _PIECE = 0, 1, 2, 3  # a whole text, even escaped, beats a paragraph
 _ANCHOR = 16  # characters of a form looked up in the prompt's window set before a full find()
 _ANCHOR_ABOVE = 64  # below this many forms, plain find() is cheaper than building the window set
 

@@ -102,11 +102,12 @@ def test_a_chunk_starting_the_prompt_is_cached():
     assert split_prompt(f"{A} q", [A], config=CFG) == [CachedText(A), " q"]
 
 
-def test_forms_priority_exact_then_stripped_then_pieces():
+def test_forms_priority_exact_then_stripped_then_listed_then_pieces():
     forms = chunk_forms(f" {A}{SEPARATOR}{B} ", CFG)
     assert [p for p, _ in forms] == sorted(p for p, _ in forms)
     assert forms[0] == (0, f" {A}{SEPARATOR}{B} {SEPARATOR}")
-    assert (2, A) in forms and (2, B + SEPARATOR) in forms
+    assert (2, f"{A}\\n\\n{B}") in forms
+    assert (3, A) in forms and (3, B + SEPARATOR) in forms
 
 
 def test_min_chars_must_be_positive():
