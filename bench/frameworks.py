@@ -1,0 +1,111 @@
+"""LlamaIndex response modes: first and repeated query, ragkv reuse vs the plain model, in one run.
+
+    python bench/frameworks.py [--modes compact,refine] [--max-tokens 16] [--answers]
+
+Documents are the docstrings of a few stdlib modules (heapq, bisect, functools, textwrap), split
+by LlamaIndex's SentenceSplitter and retrieved by a VectorStoreIndex (top 3, feature-hashing
+embedder so that retrieval costs nothing here). Per response mode, a fresh engine (cold chunk
+store) answers the same question twice: with ``RagKVLLM`` + ``RagKVNodePostprocessor`` (reuse)
+and with ``RagKVLLM(reuse_chunks=False)`` and no postprocessor (the plain model). TTFT is the
+user's (query start to the first token of the last LLM call, ``metadata["ragkv"]["ttft_ms"]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QUESTION = "How do I push an item onto a heap while keeping the heap invariant?"
+MODULES = ("heapq", "bisect", "functools", "textwrap")
+MODES = ("compact", "refine", "tree_summarize", "simple_summarize", "accumulate", "compact_accumulate")
+
+
+def documents() -> list[Any]:
+    import importlib
+
+    from llama_index.core import Document
+
+    docs = []
+    for name in MODULES:
+        mod = importlib.import_module(name)
+        parts = [inspect.getdoc(mod) or ""]
+        for attr in sorted(getattr(mod, "__all__", dir(mod))):
+            doc = inspect.getdoc(getattr(mod, attr, None))
+            if doc and not attr.startswith("_"):
+                parts.append(f"{name}.{attr}: {doc}")
+        docs.append(Document(text="\n\n".join(parts)[:3000], metadata={"module": name}))
+    return docs
+
+
+def run_mode(adapter: Any, docs: list[Any], mode: str, reuse: bool, max_tokens: int) -> list[dict[str, Any]]:
+    """Two identical queries on a fresh engine; each row: user TTFT, wall time, reuse counters, answer."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from ragkv.engine import EngineConfig, RagKV
+    from ragkv.integrations.llamaindex import RagKVEmbedding, RagKVLLM, RagKVNodePostprocessor
+    from ragkv.retriever.embedder import HashingEmbedder
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        RagKV(
+            EngineConfig(data_dir=Path(tmp), store=("memory://",)), adapter=adapter, embedder=HashingEmbedder(dim=256)
+        ) as rag,
+    ):
+        index = VectorStoreIndex.from_documents(
+            docs, embed_model=RagKVEmbedding(rag), transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=0)]
+        )
+        pp = [RagKVNodePostprocessor(rag, progress=False)] if reuse else []
+        llm = RagKVLLM(rag, max_tokens=max_tokens, reuse_chunks=reuse)
+        qe = index.as_query_engine(llm=llm, node_postprocessors=pp, similarity_top_k=3, response_mode=mode)
+        rows = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            response = qe.query(QUESTION)
+            s = response.metadata["ragkv"]
+            rows.append({**s, "wall_ms": (time.perf_counter() - t0) * 1000, "answer": str(response)})
+        return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--answers", action="store_true", help="print each answer")
+    args = ap.parse_args()
+    logging.getLogger("ragkv").setLevel(logging.ERROR)
+
+    import torch
+
+    from ragkv.model import load_model
+
+    adapter = load_model()
+    docs = documents()
+    run_mode(adapter, docs, "compact", False, 2)  # warm the model and the framework up
+    print(f"model {adapter.name}, {torch.get_num_threads()} torch threads, max_tokens {args.max_tokens}")
+    print(
+        "| mode | calls | prompt tok | plain 1st | plain 2nd | reuse 1st (build) | reuse 2nd "
+        "| 2nd: plain/reuse | reused tok |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for mode in args.modes.split(","):
+        plain = run_mode(adapter, docs, mode, False, args.max_tokens)
+        reuse = run_mode(adapter, docs, mode, True, args.max_tokens)
+        p1, p2, r1, r2 = plain[0], plain[1], reuse[0], reuse[1]
+        print(
+            f"| {mode} | {r2['llm_calls']} | {r2['prompt_tokens']} | {p1['ttft_ms']:.0f} | {p2['ttft_ms']:.0f} | "
+            f"{r1['ttft_ms']:.0f} ({r1['cache_build_ms']:.0f}) | {r2['ttft_ms']:.0f} | "
+            f"{p2['ttft_ms'] / max(r2['ttft_ms'], 1e-9):.2f}x | {r2['reused_tokens']} |",
+            flush=True,
+        )
+        if args.answers:
+            print(f"  plain: {p2['answer']!r}\n  reuse: {r2['answer']!r}")
+
+
+if __name__ == "__main__":
+    main()
