@@ -419,7 +419,7 @@ class RagKVRetriever(BaseRetriever):
     k: int | None = Field(default=None, ge=1)
 
     def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
-        super().__init__(engine=engine, **kwargs)
+        super().__init__(engine=engine, **kwargs)  # type: ignore[call-arg]  # a pydantic field
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None
