@@ -136,7 +136,8 @@ def stream(
     """Generate from ``prompt``, reusing the caches of the registered chunks it contains.
 
     Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``; ``stats.extra``
-    gains ``chunks_in_prompt`` (how many segments were cached chunks). ``reuse_chunks=False``
+    gains ``chunks_in_prompt`` (how many segments were cached chunks) and, when a prompt that looks
+    like retrieved context reuses no chunk, ``reuse_warning`` (the reason). ``reuse_chunks=False``
     prefills the whole prompt like the plain model (the baseline).
     """
     from ragkv.types import CachedText
