@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from ragkv.engine import EngineConfig
-from ragkv.model import load_model
-from ragkv.model import placement
+from ragkv.model import load_model, placement
 from tests.conftest import make_model
 
 
