@@ -99,12 +99,12 @@ def engine_state(engine: RagKV) -> EngineState:
 
 
 def default_engine() -> RagKV:
-    """A process-wide ``RagKV()`` with every default (default model, data dir and store), built once."""
+    """A process-wide engine with every default, then ``RAGKV_*`` variables (model dtype/device too), built once."""
     with _STATES_LOCK:
         if not _DEFAULT:
-            from ragkv.engine import RagKV
+            from ragkv.engine import EngineConfig, RagKV
 
-            _DEFAULT.append(RagKV())
+            _DEFAULT.append(RagKV(EngineConfig.from_env()))
         return _DEFAULT[0]
 
 

@@ -34,6 +34,11 @@ Fusion = Annotated[
     str | None, typer.Option("--fusion", help="Fusion method (naive, blend, query_focus, ...; see docs/concepts.md).")
 ]
 Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
+Dtype = Annotated[
+    str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16 [env RAGKV_DTYPE; auto].")
+]
+Device = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda[:N] or mps [env RAGKV_DEVICE; auto].")]
+Offline = Annotated[bool | None, typer.Option("--offline", help="Never download a hub model (like HF_HUB_OFFLINE=1).")]
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Cap on answer tokens [128].")]
 
 
@@ -47,6 +52,9 @@ def _config(
     ratio: float | None = None,
     top_k: int | None = None,
     max_new_tokens: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    offline: bool | None = None,
 ) -> Any:
     """EngineConfig from its defaults, then RAGKV_* variables, then the options the user gave."""
     from dataclasses import replace
@@ -59,6 +67,9 @@ def _config(
         store=None if store is None else tuple(u.strip() for u in store.split(",") if u.strip()),
         catalog=catalog,
         tenant=tenant,
+        dtype=dtype,
+        device=device,
+        offline=offline or None,
     )
     if fusion is not None:
         cfg = replace(cfg, fusion=replace(cfg.fusion, method=fusion))
@@ -85,13 +96,17 @@ def index(
     store: Store = None,
     catalog: CatalogUrl = None,
     tenant: Tenant = None,
+    dtype: Dtype = None,
+    device: Device = None,
+    offline: Offline = None,
 ) -> None:
     """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing).
 
     Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
     are not recorded, so running the command again retries them.
     """
-    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
+    options = {"dtype": dtype, "device": device, "offline": offline}
+    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant, **options) as engine:
         r = engine.index([str(p) for p in paths])
     typer.echo(
         f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
@@ -121,6 +136,9 @@ def ask(
     full: Annotated[bool, typer.Option("--full", help="Prefill everything instead of reusing caches.")] = False,
     max_new_tokens: MaxNewTokens = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print {answer, sources, stats} as JSON.")] = False,
+    dtype: Dtype = None,
+    device: Device = None,
+    offline: Offline = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
     cfg = _config(
@@ -133,6 +151,9 @@ def ask(
         ratio=ratio,
         top_k=top_k,
         max_new_tokens=max_new_tokens,
+        dtype=dtype,
+        device=device,
+        offline=offline,
     )
     from ragkv.engine import RagKV
 
@@ -241,11 +262,12 @@ def stats(
         st.close()
 
 
-def _load_model(model: str | None) -> Any:
+def _load_model(model: str | None, dtype: str | None = None, device: str | None = None) -> Any:
+    """The model the options name, placed as EngineConfig would place it (its defaults, RAGKV_* variables)."""
     from ragkv.model import load_model
-    from ragkv.resolver import DEFAULT_MODEL
 
-    return load_model(model or DEFAULT_MODEL)
+    cfg = _config(model=model, dtype=dtype, device=device)
+    return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
 
 
 def _load_prompts(path: Path | None) -> list[dict[str, Any]] | None:
@@ -283,12 +305,17 @@ def bench_fusion(
     limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
     methods: Annotated[str | None, typer.Option("--methods", help="method:ratio,... to run")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save a KL vs TTFT plot here.")] = None,
+    dtype: Dtype = None,
+    device: Device = None,
 ) -> None:
-    """Fidelity and TTFT of fusion methods against full prefill."""
+    """Fidelity and TTFT of fusion methods against full prefill (in the model's dtype)."""
     from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
 
     rows = run_fusion_bench(
-        _load_model(model), _load_prompts(prompts), parse_grid(methods) if methods else DEFAULT_GRID, limit=limit
+        _load_model(model, dtype, device),
+        _load_prompts(prompts),
+        parse_grid(methods) if methods else DEFAULT_GRID,
+        limit=limit,
     )
     typer.echo(format_table(rows))
     _write_rows(rows, out)

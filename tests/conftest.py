@@ -50,9 +50,10 @@ def make_model(family: str, vocab_size: int, seed: int = 0, **overrides):
     )
     if family == "mistral":
         kw["sliding_window"] = None
+    attn = overrides.pop("attn_implementation", "sdpa")  # families without sdpa (Gemma 2) pass "eager"
     kw.update(overrides)
     cfg = AutoConfig.for_model(family, **kw)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     # random init is small; scale up so attention is non-trivial and errors would show
     with torch.no_grad():

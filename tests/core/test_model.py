@@ -154,10 +154,10 @@ def test_unsupported_model_names_what_is_missing(tiny_tokenizer):
         ArchSpec.from_model(NotADecoder())
 
 
-def test_sliding_window_layers_unsupported(tiny_tokenizer):
+def test_sliding_window_layers_limit_the_context_to_the_window(tiny_tokenizer):
+    """Per-layer sliding windows are honoured by keeping prompts inside the window (tests/model)."""
     model = make_model("qwen2", len(tiny_tokenizer), use_sliding_window=True, sliding_window=16, max_window_layers=1)
-    with pytest.raises(UnsupportedModelError, match="sliding"):
-        ArchSpec.from_model(model)
+    assert ArchSpec.from_model(model).max_context == 15
 
 
 @pytest.mark.parametrize(

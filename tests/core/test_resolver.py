@@ -63,3 +63,41 @@ def test_the_default_model_is_an_alias_and_the_cache_dir_follows_the_environment
     assert resolver.DEFAULT_MODEL in resolver.ALIASES
     monkeypatch.setenv("RAGKV_MODEL_CACHE", str(tmp_path))
     assert resolver.model_cache_dir() == tmp_path
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, saved_model):
+    """A Hugging Face hub cache holding ``tiny-org/tiny-qwen`` laid out as ``hf download`` leaves it."""
+    import shutil
+
+    cache = tmp_path_factory.mktemp("hf") / "hub"
+    repo = cache / "models--tiny-org--tiny-qwen"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(saved_model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return cache
+
+
+@pytest.mark.parametrize("env", ["HF_HUB_CACHE", "HF_HOME"])
+def test_a_hub_name_loads_from_the_hub_cache_offline(monkeypatch, hub_cache, env):
+    monkeypatch.setenv(env, str(hub_cache if env == "HF_HUB_CACHE" else hub_cache.parent))
+    monkeypatch.delenv("HF_HUB_CACHE" if env == "HF_HOME" else "HF_HOME", raising=False)
+    model, tok, name = resolver.resolve("tiny-org/tiny-qwen", dtype="float32", offline=True)
+    assert name == "tiny-org/tiny-qwen" and model.config.model_type == "qwen2"
+    assert tok.chat_template  # the chat template comes with the tokenizer
+
+
+def test_hf_hub_offline_forbids_the_download_and_names_the_command(monkeypatch, hub_cache):
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolver.hub_offline()
+    with pytest.raises(ValueError, match="hf download tiny-org/absent-model") as e:
+        resolver.resolve("tiny-org/absent-model")
+    assert str(hub_cache) in str(e.value)
+
+
+def test_the_default_stays_the_offline_alias(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert not resolver.hub_offline() and resolver.hub_offline(True)
+    assert resolver.DEFAULT_MODEL == "smollm2-135m" in resolver.ALIASES

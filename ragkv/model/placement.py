@@ -1,0 +1,84 @@
+"""Where and in what precision the model runs: the ``device`` and ``dtype`` settings and their ``auto`` rules."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEVICES", "DTYPES", "cpu_has_native_bf16", "resolve_device", "resolve_dtype", "validate_placement"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")  # for messages
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX-BF16), read from /proc/cpuinfo.
+
+    Without it bf16 matmuls are emulated and slower than fp32 (docs/benchmarks.md, "dtype on CPU").
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no way to tell, stay in fp32
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``auto`` (or None): CUDA if available, then MPS, else CPU; ``cpu``, ``cuda``, ``cuda:N``, ``mps`` as given."""
+    if isinstance(device, torch.device):
+        return device
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}") from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unsupported device {device!r}; use one of {', '.join(DEVICES)}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but torch sees no CUDA device; use device='cpu' or 'auto'")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """The weights' dtype: ``auto`` is bf16 on CUDA (fp16 where bf16 is unsupported) and on CPUs with
+    native bf16, fp16 on MPS, else fp32; a name (float32, bfloat16, float16) as given; None keeps
+    whatever the checkpoint loader picks."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def validate_placement(dtype: str, device: str) -> None:
+    """Raise ValueError for a dtype or device name the settings do not know (before any model loads)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
