@@ -85,14 +85,31 @@ def index(
     store: Store = None,
     catalog: CatalogUrl = None,
     tenant: Tenant = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            flag_value="",
+            metavar="[ADDRESS]",
+            help="Prefill chunks in Ray actors (ragkv[ray]); ADDRESS of the cluster, else RAY_ADDRESS or a local Ray.",
+        ),
+    ] = None,
+    ray_actors: Annotated[
+        int | None, typer.Option("--ray-actors", min=1, help="Ray actors [one per GPU, else per CPU].")
+    ] = None,
 ) -> None:
     """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing).
 
     Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
     are not recorded, so running the command again retries them.
     """
+    run: dict[str, Any] = {}
+    if ray is not None or ray_actors is not None:
+        from ragkv.retriever.ray_index import RayConfig
+
+        run = {"executor": "ray", "ray": RayConfig(address=ray or None, actors=ray_actors)}
     with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
-        r = engine.index([str(p) for p in paths])
+        r = engine.index([str(p) for p in paths], **run)
     typer.echo(
         f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
         f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
@@ -104,6 +121,8 @@ def index(
             f"{len(r.failed_documents)} documents were not recorded. Check the store (ragkv stats) and run again.",
             err=True,
         )
+        for line in r.errors:
+            typer.echo(f"  {line}", err=True)
         raise typer.Exit(1)
 
 
