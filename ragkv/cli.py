@@ -86,16 +86,13 @@ def index(
     catalog: CatalogUrl = None,
     tenant: Tenant = None,
     ray: Annotated[
-        str | None,
-        typer.Option(
-            "--ray",
-            flag_value="",
-            metavar="[ADDRESS]",
-            help="Prefill chunks in Ray actors (ragkv[ray]); ADDRESS of the cluster, else RAY_ADDRESS or a local Ray.",
-        ),
+        bool, typer.Option("--ray", help="Prefill chunks in Ray actors (needs the ray extra and a shared store).")
+    ] = False,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="Ray cluster to use with --ray [RAY_ADDRESS, else a local Ray].")
     ] = None,
     ray_actors: Annotated[
-        int | None, typer.Option("--ray-actors", min=1, help="Ray actors [one per GPU, else per CPU].")
+        int | None, typer.Option("--ray-actors", min=1, help="Actors for --ray (default: one per GPU, else per CPU).")
     ] = None,
 ) -> None:
     """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing).
@@ -104,10 +101,10 @@ def index(
     are not recorded, so running the command again retries them.
     """
     run: dict[str, Any] = {}
-    if ray is not None or ray_actors is not None:
+    if ray or ray_address is not None or ray_actors is not None:
         from ragkv.retriever.ray_index import RayConfig
 
-        run = {"executor": "ray", "ray": RayConfig(address=ray or None, actors=ray_actors)}
+        run = {"executor": "ray", "ray": RayConfig(address=ray_address, actors=ray_actors)}
     with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
         r = engine.index([str(p) for p in paths], **run)
     typer.echo(
