@@ -183,10 +183,11 @@ class RagKV:
             raise ValueError("nothing to index: pass files, directories or Document objects")
         compute = None
         if executor == "ray":
-            from ragkv.retriever.ray_index import WorkerSpec, ray_compute
+            from ragkv.retriever.ray_index import WorkerSpec, check_store_reach, ray_compute
 
             threads = 1 if ray is None else ray.cpus_per_actor
             spec = WorkerSpec.for_retriever(self.retriever, self.config.model, self.config.store_urls(), threads)
+            check_store_reach(spec.store, nodes=1)  # before any work; the cluster's size is checked once connected
             compute = ray_compute(spec, ray)
         with self._index_lock:
             return self.retriever.index_documents(docs, progress=progress, compute=compute)
