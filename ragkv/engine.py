@@ -26,6 +26,7 @@ from ragkv.model import ModelAdapter, load_model
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
+from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
     DEFAULT_TENANT,
     CachedText,
@@ -155,7 +156,7 @@ class RagKV:
         *,
         progress: bool = True,
         executor: str = "local",
-        ray: Any = None,
+        ray: RayConfig | None = None,
     ) -> IndexReport:
         """Index files, directories or ``Document`` objects.
 
@@ -165,7 +166,7 @@ class RagKV:
             executor: ``"local"`` prefills in this process; ``"ray"`` in Ray actors that load
                 ``config.model`` once each and write to the configured store (needs ``ragkv[ray]``
                 and a store the workers share); planning and committing stay here.
-            ray: a ``ragkv.retriever.ray_index.RayConfig`` (address, actors, retries); None = defaults.
+            ray: Ray settings (address, actors, retries); None = ``RayConfig()``.
 
         Returns:
             What the run did; ``report.failed`` counts chunk caches that were not stored
