@@ -99,6 +99,15 @@ def index(
     dtype: Dtype = None,
     device: Device = None,
     offline: Offline = None,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Prefill chunks in Ray actors (needs the ray extra and a shared store).")
+    ] = False,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="Ray cluster to use with --ray [RAY_ADDRESS, else a local Ray].")
+    ] = None,
+    ray_actors: Annotated[
+        int | None, typer.Option("--ray-actors", min=1, help="Actors for --ray (default: one per GPU, else per CPU).")
+    ] = None,
 ) -> None:
     """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing).
 
@@ -106,8 +115,13 @@ def index(
     are not recorded, so running the command again retries them.
     """
     options = {"dtype": dtype, "device": device, "offline": offline}
+    run: dict[str, Any] = {}
+    if ray or ray_address is not None or ray_actors is not None:
+        from ragkv.retriever.ray_index import RayConfig
+
+        run = {"executor": "ray", "ray": RayConfig(address=ray_address, actors=ray_actors)}
     with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant, **options) as engine:
-        r = engine.index([str(p) for p in paths])
+        r = engine.index([str(p) for p in paths], **run)
     typer.echo(
         f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
         f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
@@ -119,6 +133,8 @@ def index(
             f"{len(r.failed_documents)} documents were not recorded. Check the store (ragkv stats) and run again.",
             err=True,
         )
+        for line in r.errors:
+            typer.echo(f"  {line}", err=True)
         raise typer.Exit(1)
 
 

@@ -27,6 +27,7 @@ from ragkv.model.placement import validate_placement
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
+from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
     DEFAULT_TENANT,
     CachedText,
@@ -159,13 +160,30 @@ class RagKV:
         )
 
     # ---- indexing ---------------------------------------------------------------------------
-    def index(self, paths_or_documents: Sequence[Any], *, progress: bool = True) -> IndexReport:
+    def index(
+        self,
+        paths_or_documents: Sequence[Any],
+        *,
+        progress: bool = True,
+        executor: str = "local",
+        ray: RayConfig | None = None,
+    ) -> IndexReport:
         """Index files, directories or ``Document`` objects.
 
+        Args:
+            paths_or_documents: files, directories or ``Document`` objects.
+            progress: show a progress bar over the chunks to prefill.
+            executor: ``"local"`` prefills in this process; ``"ray"`` in Ray actors that load
+                ``config.model`` once each and write to the configured store (needs ``ragkv[ray]``
+                and a store the workers share); planning and committing stay here.
+            ray: Ray settings (address, actors, retries); None = ``RayConfig()``.
+
         Returns:
-            What the run did; ``report.failed`` counts chunk caches that no storage tier accepted
+            What the run did; ``report.failed`` counts chunk caches that were not stored
             (their documents are not recorded, so the next run retries them).
         """
+        if executor not in ("local", "ray"):
+            raise ValueError(f"executor must be 'local' or 'ray', got {executor!r}")
         from ragkv.retriever.documents import Document, load_documents
 
         docs = [d for d in paths_or_documents if isinstance(d, Document)]
@@ -174,8 +192,16 @@ class RagKV:
             docs += load_documents(paths)
         if not docs:
             raise ValueError("nothing to index: pass files, directories or Document objects")
+        compute = None
+        if executor == "ray":
+            from ragkv.retriever.ray_index import WorkerSpec, check_store_reach, ray_compute
+
+            threads = 1 if ray is None else ray.cpus_per_actor
+            spec = WorkerSpec.for_retriever(self.retriever, self.config.model, self.config.store_urls(), threads)
+            check_store_reach(spec.store, nodes=1)  # before any work; the cluster's size is checked once connected
+            compute = ray_compute(spec, ray)
         with self._index_lock:
-            return self.retriever.index_documents(docs, progress=progress)
+            return self.retriever.index_documents(docs, progress=progress, compute=compute)
 
     def retrieve(self, question: str, k: int | None = None) -> list[Chunk]:
         """The top-``k`` chunks for ``question`` (default ``config.retriever.top_k``), best first."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -25,27 +25,19 @@ from ragkv import codec
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.prefetch import prefetch
 from ragkv.cache.store import TieredStore
-from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
+from ragkv.digests import Digest, fields_digest, text_digest
 from ragkv.errors import CodecError
 from ragkv.model import ModelAdapter
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
 from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
-from ragkv.types import (
-    DEFAULT_CODEC,
-    Chunk,
-    ChunkKey,
-    ChunkKV,
-    CodecSpec,
-    ModelFingerprint,
-    TokenizerFingerprint,
-    validate_tenant,
-)
+from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry
+from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IndexReport", "KVRetriever", "RetrieverConfig", "LoadedChunk"]
+__all__ = ["IndexPlan", "IndexReport", "KVRetriever", "RetrieverConfig", "LoadedChunk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +73,24 @@ class IndexReport:
     computed: int = 0  # chunk caches prefilled by this run
     reused: int = 0  # chunk caches already in the store
     bytes_stored: int = 0  # encoded bytes some tier accepted
-    failed: int = 0  # chunks whose cache no tier accepted (their documents were not committed)
+    failed: int = 0  # distinct chunks whose cache was not stored (their documents were not committed)
     failed_documents: list[str] = field(default_factory=list)  # sources not committed, to retry
     seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # "source#chunk: error" of chunks whose precompute raised
+
+
+@dataclass(slots=True)
+class IndexPlan:
+    """What an indexing run will do, decided before any prefill (see :meth:`KVRetriever.plan_index`)."""
+
+    report: IndexReport  # documents and unchanged filled in; the rest is counted as work lands
+    documents: list[tuple[Document, Digest, list[Chunk]]]  # new or changed documents, chunked, in order
+    work: list[tuple[int, ...]]  # distinct chunks (token ids) with a cache missing, in first-seen order
+    scheduled: set[tuple[int, ...]] = field(default_factory=set)  # the chunks of ``work``
+    counted: set[tuple[int, ...]] = field(default_factory=set)  # chunks already counted in the report
+
+    def __post_init__(self) -> None:
+        self.scheduled = set(self.work)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +125,15 @@ class KVRetriever:
         self.layout = adapter.layout(self.config.system)
         self.chunker = Chunker(lambda t: len(adapter.encode(t)), self.config.chunker)
         self._prefix_ids = adapter.encode(self.layout.prefix)
-        self._prefix_kv: ChunkKV | None = None
+        # prefill + encode + store: the part of indexing that runs in Ray actors too
+        self.computer = ChunkComputer(
+            adapter,
+            store,
+            self._prefix_ids,
+            self.config.stored_codecs,
+            tenant=self.tenant,
+            store_secret=store_secret,
+        )
         self._reconcile()
 
     # ---- keys and the shared prefix --------------------------------------------------------
@@ -128,28 +143,20 @@ class KVRetriever:
 
     def prefix_kv(self) -> ChunkKV:
         """The exact KV of the shared prefix (computed once per process)."""
-        if self._prefix_kv is None:
-            self._prefix_kv = self.adapter.prefill_kv(self._prefix_ids)
-        return self._prefix_kv
+        return self.computer.prefix_kv()
 
     def chunk_key(self, token_ids: Sequence[int], spec: CodecSpec) -> ChunkKey:
         """The key of the chunk ``token_ids`` encoded with ``spec``, for this model, prefix and tenant."""
-        return ChunkKey(
-            model_fingerprint=ModelFingerprint(self.adapter.fingerprint),
-            tokenizer_fingerprint=TokenizerFingerprint(self.adapter.tokenizer_fingerprint),
-            prefix_digest=tokens_digest(self._prefix_ids),
-            tokens_digest=tokens_digest(token_ids),
-            codec=spec,
-            format_version=codec.FORMAT_VERSION,
-            tenant=self.tenant,
-        )
+        return self.computer.chunk_key(token_ids, spec)
 
     def chunk_token_ids(self, text: str) -> tuple[int, ...]:
         """The tokens a chunk contributes to a prompt (its text as laid out, tokenized on its own)."""
         return tuple(self.adapter.encode(self.layout.chunk_text(text)))
 
     # ---- indexing -----------------------------------------------------------------------------
-    def index_documents(self, documents: Sequence[Document], *, progress: bool = True) -> IndexReport:
+    def index_documents(
+        self, documents: Sequence[Document], *, progress: bool = True, compute: ComputeFn | None = None
+    ) -> IndexReport:
         """Chunk, embed and precompute caches for ``documents``; documents already indexed cost little.
 
         A document is skipped as unchanged only if the catalog holds it with this content, all
@@ -159,10 +166,46 @@ class KVRetriever:
         accepted is not committed (any older version of it stays) and is reported in
         ``failed_documents``, so the next run retries it.
 
+        Args:
+            documents: what to index.
+            progress: show a progress bar over the chunks to prefill.
+            compute: runs the precompute of the planned chunks (default: in this process, in
+                order; :func:`ragkv.retriever.ray_index.ray_compute` runs it on a Ray cluster).
+                Plan and commit are the same whichever runs it.
+
         Raises:
             ValueError: a document has an empty source.
         """
         t0 = time.perf_counter()
+        plan = self.plan_index(documents)
+        bar = tqdm(
+            total=len(plan.work),
+            desc="prefilling chunks",
+            unit="chunk",
+            disable=not progress or not plan.work,
+        )
+        results: dict[tuple[int, ...], ChunkResult] = {}
+        pending = iter(plan.documents)  # committed in plan order, so catalog rows are the same for any executor
+        waiting = next(pending, None)
+        run = compute or self.computer.compute_local
+        for i, result in run(plan.work):
+            for entry in result.entries:  # caches first: a killed run leaves them reusable, never half-visible
+                self._record(entry)
+            results[plan.work[i]] = result
+            bar.update(1)
+            if not result.ok:
+                bar.set_postfix(failed=sum(not r.ok for r in results.values()))
+            waiting = self._commit_ready(plan, results, waiting, pending)
+        bar.close()
+        if self._commit_ready(plan, results, waiting, pending) is not None:
+            raise RuntimeError("the compute function returned before every planned chunk had a result")
+        if plan.documents:
+            self._reconcile()  # rows lost from the catalog by hand leave vectors no commit removed
+        plan.report.seconds = time.perf_counter() - t0
+        return plan.report
+
+    def plan_index(self, documents: Sequence[Document]) -> IndexPlan:
+        """Which documents to (re)index, their chunks, and the distinct chunks whose caches are missing."""
         report = IndexReport(documents=len(documents))
         todo: dict[str, tuple[Document, Digest]] = {}  # source -> (document, content digest)
         for doc in documents:
@@ -173,38 +216,63 @@ class KVRetriever:
             else:
                 todo[doc.source] = (doc, digest)
         chunked = [(doc, digest, self._chunk(doc, digest)) for doc, digest in todo.values()]  # cheap next to prefill
-        bar = tqdm(
-            total=sum(len(c) for _, _, c in chunked),
-            desc="indexing chunks",
-            unit="chunk",
-            disable=not progress or not todo,
-        )
-        for doc, digest, chunks in chunked:
+        seen: set[tuple[int, ...]] = set()
+        work = []
+        for _, _, chunks in chunked:
+            for chunk in chunks:
+                if chunk.token_ids not in seen:
+                    seen.add(chunk.token_ids)
+                    if self.computer.missing(chunk.token_ids):  # stored chunks are skipped before scheduling
+                        work.append(chunk.token_ids)
+        return IndexPlan(report, chunked, work)
+
+    def _commit_ready(
+        self,
+        plan: IndexPlan,
+        results: dict[tuple[int, ...], ChunkResult],
+        waiting: tuple[Document, Digest, list[Chunk]] | None,
+        pending: Iterator[tuple[Document, Digest, list[Chunk]]],
+    ) -> tuple[Document, Digest, list[Chunk]] | None:
+        """Commit (or report as failed) the documents, in plan order, whose chunks all have results.
+
+        Returns:
+            The first document still waiting for a chunk, or None when every document is done.
+        """
+        report = plan.report
+        while waiting is not None:
+            doc, digest, chunks = waiting
+            if any(c.token_ids not in results for c in chunks if c.token_ids in plan.scheduled):
+                return waiting
             failed = 0
-            for chunk in chunks:  # caches first: a killed run leaves them reusable, never half-visible
-                computed, nbytes, stored = self._ensure_stored(chunk.token_ids)
-                report.computed += computed
-                report.reused += not computed
-                report.bytes_stored += nbytes
-                failed += not stored
-                bar.update(1)
-            if failed:
-                logger.warning(
-                    "%s: no store tier accepted %d of its %d chunk caches; not indexing it (the next run retries)",
-                    doc.source,
-                    failed,
-                    len(chunks),
-                )
-                report.failed += failed
-                report.failed_documents.append(doc.source)
-                continue
-            self._commit(doc, digest, chunks)
-            report.chunks += len(chunks)
-        bar.close()
-        if todo:
-            self._reconcile()  # rows lost from the catalog by hand leave vectors no commit removed
-        report.seconds = time.perf_counter() - t0
-        return report
+            for chunk in chunks:
+                # a chunk's work counts at its first occurrence in the run; later ones reused it
+                result = results.get(chunk.token_ids, ChunkResult(computed=False))
+                first = chunk.token_ids not in plan.counted
+                plan.counted.add(chunk.token_ids)
+                report.computed += first and result.computed
+                report.reused += not (first and result.computed)
+                report.bytes_stored += result.nbytes if first else 0
+                failed += not result.ok
+                report.failed += first and not result.ok  # distinct chunks not stored
+                if first and result.error is not None:
+                    report.errors.append(f"{doc.source}#{chunk.ordinal}: {result.error}")
+            self._finish(report, doc, digest, chunks, failed)
+            waiting = next(pending, None)
+        return None
+
+    def _finish(self, report: IndexReport, doc: Document, digest: Digest, chunks: list[Chunk], failed: int) -> None:
+        """Commit a document whose chunk caches are all stored; otherwise report it for the next run."""
+        if failed:
+            logger.warning(
+                "%s: %d of its %d chunk caches were not stored; not indexing it (the next run retries)",
+                doc.source,
+                failed,
+                len(chunks),
+            )
+            report.failed_documents.append(doc.source)
+            return
+        self._commit(doc, digest, chunks)
+        report.chunks += len(chunks)
 
     def _is_indexed(self, source: str, digest: str) -> bool:
         """Whether ``source`` is indexed with content ``digest``: document, chunk rows, vectors and caches."""
@@ -273,31 +341,30 @@ class KVRetriever:
         Returns:
             (computed, bytes some tier accepted, whether every codec's cache is now stored).
         """
-        keys = [(spec, self.chunk_key(token_ids, spec)) for spec in self.config.stored_codecs]
-        missing = [(spec, k) for spec, k in keys if not self.store.contains(k.storage_key)]
-        if not missing:
-            return False, 0, True
-        kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
-        written = [self._put(kv, k) for _, k in missing]
-        return True, sum(written), all(written)
+        result = self.computer.ensure_stored(token_ids)
+        for entry in result.entries:
+            self._record(entry)
+        return result.computed, result.nbytes, result.stored
 
     def _put(self, kv: ChunkKV, key: ChunkKey) -> int:
         """Encode ``kv`` as ``key`` says, bound to its storage key (and signed, with a store secret); store it."""
-        enc = codec.encode(kv, key.codec, key=key.storage_key, secret=self.store_secret)
-        if not self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens)):
-            # no tier took it (down, full, read-only): record nothing, report 0 bytes stored
-            logger.warning("no store tier accepted the cache entry %s (%d bytes)", key.storage_key, enc.nbytes)
+        entry = self.computer.put(kv, key)
+        if entry is None:  # no tier took it: record nothing, report 0 bytes stored
             return 0
+        self._record(entry)
+        return entry.nbytes
+
+    def _record(self, entry: StoredEntry) -> None:
+        """Record a stored cache in the catalog (after its bytes are in the store)."""
         self.catalog.record_entry(
-            key.storage_key,
+            entry.storage_key,
             tenant=self.tenant,
-            tokens_digest=key.tokens_digest,
-            codec=key.codec.name,
-            level=key.codec.level,
-            nbytes=enc.nbytes,
-            num_tokens=kv.num_tokens,
+            tokens_digest=entry.tokens_digest,
+            codec=entry.codec,
+            level=entry.level,
+            nbytes=entry.nbytes,
+            num_tokens=entry.num_tokens,
         )
-        return enc.nbytes
 
     def _reconcile(self) -> None:
         """Make the FAISS index hold exactly the catalog's chunk rows (the catalog is the truth)."""
