@@ -384,15 +384,18 @@ class KVRetriever:
         session = None if plan is None else self._session([segments[i] for i in unique], plan)
         fixed = self.config.codec if plan is None or plan.config.fixed is None else plan.config.fixed
 
+        planning = session is not None and plan is not None and plan.config.fixed is None
+
         def fetch(n: int) -> tuple[ChunkKey | None, Fetched | None]:
             i = unique[n]
-            if session is not None and session.chunks[n].sizes:
-                spec = session.choose(n)
-                if spec is None:
+            spec = fixed
+            if planning and session is not None and session.chunks[n].sizes:  # chunks never stored: a miss
+                chosen = session.choose(n)
+                if chosen is None:
                     return None, None
+                spec = chosen
+            if spec != keys[i].codec:
                 keys[i] = self.chunk_key(segments[i], spec)
-            elif fixed != keys[i].codec:
-                keys[i] = self.chunk_key(segments[i], fixed)
             if session is None:  # no tier bookkeeping needed: the plain read
                 return keys[i], Fetched(self.store.get(keys[i].storage_key), None, 0.0, False)
             got = self.store.fetch(keys[i].storage_key)
