@@ -35,6 +35,10 @@ Fusion = Annotated[
 ]
 Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Cap on answer tokens [128].")]
+SloMs = Annotated[
+    float | None,
+    typer.Option("--slo-ms", help="TTFT deadline in ms: chunk caches load at cheaper levels or as text to meet it."),
+]
 
 
 def _config(
@@ -47,6 +51,7 @@ def _config(
     ratio: float | None = None,
     top_k: int | None = None,
     max_new_tokens: int | None = None,
+    slo_ms: float | None = None,
 ) -> Any:
     """EngineConfig from its defaults, then RAGKV_* variables, then the options the user gave."""
     from dataclasses import replace
@@ -68,6 +73,8 @@ def _config(
         cfg = replace(cfg, retriever=replace(cfg.retriever, top_k=top_k))
     if max_new_tokens is not None:
         cfg = replace(cfg, generation=replace(cfg.generation, max_new_tokens=max_new_tokens))
+    if slo_ms is not None:
+        cfg = replace(cfg, load=replace(cfg.load, slo_ms=slo_ms))
     return cfg
 
 
@@ -121,6 +128,7 @@ def ask(
     full: Annotated[bool, typer.Option("--full", help="Prefill everything instead of reusing caches.")] = False,
     max_new_tokens: MaxNewTokens = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print {answer, sources, stats} as JSON.")] = False,
+    slo_ms: SloMs = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
     cfg = _config(
@@ -133,6 +141,7 @@ def ask(
         ratio=ratio,
         top_k=top_k,
         max_new_tokens=max_new_tokens,
+        slo_ms=slo_ms,
     )
     from ragkv.engine import RagKV
 
@@ -342,6 +351,40 @@ def bench_store(
         typer.echo("\n" + format_assemble_table(assembled))
         rows = rows + assembled
     _write_rows(rows, out)
+
+
+@bench_app.command("stream")
+def bench_stream(
+    model: Model = None,
+    out: JsonOut = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save a TTFT vs bandwidth plot here.")] = None,
+    levels: Annotated[str, typer.Option("--levels", help="cachegen levels stored, best first.")] = "0,1,2,3",
+    chunks: Annotated[int, typer.Option("--chunks", help="Chunks in the prompt.", min=1)] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", help="Runs per (scenario, policy); the best is kept.")] = 3,
+    slo_ms: SloMs = None,
+) -> None:
+    """TTFT and KL of fixed levels, text and the load planner over a kernel-limited link to Redis.
+
+    Runs in a network namespace it creates (unshare -n, tbf on loopback; needs root).
+    """
+    from ragkv.bench import netns
+
+    if not netns.inside():
+        try:
+            code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
+        except RuntimeError as e:  # no namespace here: say why, in one line
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(code)
+    from ragkv.bench.stream import format_table, plot_rows, run_stream_bench, summary
+
+    wanted = [int(x) for x in levels.split(",") if x.strip()]
+    rows = run_stream_bench(_load_model(model), wanted, chunks=chunks, repeats=repeats, slo_ms=slo_ms)
+    typer.echo(format_table(rows))
+    typer.echo("\n" + summary(rows))
+    _write_rows(rows, out)
+    if plot:
+        plot_rows(rows, plot)
 
 
 def main() -> None:
