@@ -33,8 +33,13 @@ def namespace_problem() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} is not installed (apt-get install util-linux iproute2 redis-server)"
     probe = subprocess.run(
-        ["unshare", "-n", "sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf rate 10mbit "
-         "burst 32kbit latency 400ms"],
+        [
+            "unshare",
+            "-n",
+            "sh",
+            "-c",
+            "ip link set lo up && tc qdisc add dev lo root tbf rate 10mbit burst 32kbit latency 400ms",
+        ],
         capture_output=True,
         text=True,
     )
@@ -49,7 +54,7 @@ def reexec_inside(argv: Sequence[str], env: dict[str, str] | None = None) -> int
     if problem:
         raise RuntimeError(problem)
     child_env = {**os.environ, **(env or {}), INSIDE_ENV: "1"}
-    script = "ip link set lo mtu 1500 && ip link set lo up && exec \"$@\""
+    script = 'ip link set lo mtu 1500 && ip link set lo up && exec "$@"'
     cmd = ["unshare", "-n", "sh", "-c", script, "sh", sys.executable, *argv]
     return subprocess.run(cmd, env=child_env).returncode
 
@@ -67,8 +72,21 @@ def change_rate(mbit: float, *, add: bool = False) -> None:
     # the bucket holds at least 32 kbit and 4 ms of traffic: at 1 Gbit/s a 4 KB bucket cannot refill fast enough
     burst = max(4096, int(mbit * 1e6 / 8 * 0.004))
     subprocess.run(
-        ["tc", "qdisc", "add" if add else "change", "dev", "lo", "root", "tbf", "rate", f"{mbit}mbit",
-         "burst", str(burst), "latency", "400ms"],
+        [
+            "tc",
+            "qdisc",
+            "add" if add else "change",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            f"{mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            "400ms",
+        ],
         check=True,
         capture_output=True,
     )
@@ -77,8 +95,19 @@ def change_rate(mbit: float, *, add: bool = False) -> None:
 def start_redis(workdir: Path, port: int = 6399) -> subprocess.Popen[bytes]:
     """A redis-server on 127.0.0.1:``port`` (no persistence), ready to answer."""
     proc = subprocess.Popen(
-        ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
+        [
+            "redis-server",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

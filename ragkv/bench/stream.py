@@ -226,4 +226,3 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

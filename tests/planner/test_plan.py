@@ -91,7 +91,7 @@ def test_a_tight_deadline_moves_to_cheaper_levels_then_text():
     assert plan_load([chunk] * 2, ORDER, rates, 1.0).choices == (ORDER[0], ORDER[0])
     assert plan_load([chunk] * 2, ORDER, rates, 0.1).choices == (ORDER[3], ORDER[3])
     slow = Rates(1e5, 1000.0)  # 0.8 Mbit/s: even level 3 takes 2.5 s, text wins
-    assert plan_load([chunk] * 2, ORDER, slow, 0.1) .choices == (TEXT, TEXT)
+    assert plan_load([chunk] * 2, ORDER, slow, 0.1).choices == (TEXT, TEXT)
 
 
 def test_bad_rates_are_refused():
