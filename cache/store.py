@@ -23,6 +23,7 @@ from typing import Any
 
 from ragkv.cache._workers import DaemonPool
 from ragkv.cache.breaker import CircuitBreaker
+from ragkv.cache.fetched import Fetched
 from ragkv.cache.keys import validate_key, validate_namespace, validate_value
 from ragkv.cache.registry import open_tier
 from ragkv.cache.stats import TierStats
@@ -31,7 +32,7 @@ from ragkv.cache.throughput import RateEstimate
 from ragkv.cache.tier import Tier
 from ragkv.errors import StoreUnavailableError
 
-__all__ = ["Fetched", "TieredStore", "open_store"]
+__all__ = ["TieredStore", "open_store"]
 
 # First guesses of a tier's read throughput (bytes/s), used until it has served a read: an
 # in-process tier reads at memory speed; anything else is taken to be a 1 Gbit/s link.
@@ -54,16 +55,6 @@ class _Slot:
     breaker: CircuitBreaker
     pool: DaemonPool | None  # None: in-process tier, called inline
     read_rate: RateEstimate  # bytes/s of this tier's reads that found a value
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """What one :meth:`TieredStore.fetch` found, and how the read went."""
-
-    value: bytes | None  # the bytes, or None (not stored, or every tier holding it failed)
-    tier: str | None  # the label (as in stats()) of the tier that served it; None on a miss
-    seconds: float  # wall time of the tier call that served it (0.0 on a miss)
-    failed: bool  # some tier failed, timed out or was skipped during this read
 
 
 class TieredStore:

@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 
 from ragkv import codec
 from ragkv.cache.catalog import Catalog, DocumentRecord
+from ragkv.cache.fetched import Fetched
 from ragkv.cache.prefetch import prefetch
-from ragkv.cache.store import Fetched, TieredStore
+from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
 from ragkv.errors import CodecError
 from ragkv.model import ModelAdapter

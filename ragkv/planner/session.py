@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ragkv.cache.store import Fetched
+from ragkv.cache.fetched import Fetched
 from ragkv.cache.throughput import RateEstimate
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import TEXT, ChunkOptions, Rates, choice_name, plan_load
