@@ -32,6 +32,7 @@ wait_for() {  # wait_for SECONDS COMMAND...: retry COMMAND until it succeeds or 
 install_missing() {
   local pkgs=()
   command -v redis-server >/dev/null || pkgs+=(redis-server)
+  command -v tc >/dev/null || pkgs+=(iproute2)  # the rate-limited link of tests/planner/test_limited_link.py
   [ -x "/usr/lib/postgresql/${PG_VERSION}/bin/postgres" ] || pkgs+=("postgresql-${PG_VERSION}")
   command -v pg_ctlcluster >/dev/null || pkgs+=(postgresql-common)
   if [ "${#pkgs[@]}" -gt 0 ]; then

@@ -298,6 +298,17 @@ class Catalog:
         with self._read() as conn:
             return conn.execute(query).first() is not None
 
+    def entry_sizes(self, storage_keys: Sequence[str]) -> dict[str, int]:
+        """The recorded encoded size in bytes of each of ``storage_keys`` that is recorded."""
+        keys = sorted(set(storage_keys))
+        found: dict[str, int] = {}
+        with self._read() as conn:
+            for start in range(0, len(keys), _BATCH):
+                batch = keys[start : start + _BATCH]
+                query = select(entries.c.storage_key, entries.c.nbytes).where(entries.c.storage_key.in_(batch))
+                found.update((r.storage_key, int(r.nbytes)) for r in conn.execute(query))
+        return found
+
     def entries(self, tenant: str) -> list[EntryRecord]:
         """``tenant``'s recorded entries, by storage key."""
         validate_tenant(tenant)

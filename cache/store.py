@@ -23,14 +23,21 @@ from typing import Any
 
 from ragkv.cache._workers import DaemonPool
 from ragkv.cache.breaker import CircuitBreaker
+from ragkv.cache.fetched import Fetched
 from ragkv.cache.keys import validate_key, validate_namespace, validate_value
 from ragkv.cache.registry import open_tier
 from ragkv.cache.stats import TierStats
 from ragkv.cache.store_config import StoreConfig
+from ragkv.cache.throughput import RateEstimate
 from ragkv.cache.tier import Tier
 from ragkv.errors import StoreUnavailableError
 
 __all__ = ["TieredStore", "open_store"]
+
+# First guesses of a tier's read throughput (bytes/s), used until it has served a read: an
+# in-process tier reads at memory speed; anything else is taken to be a 1 Gbit/s link.
+_FIRST_RATE_IN_PROCESS = 2e9
+_FIRST_RATE_REMOTE = 125e6
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ class _Slot:
     tier: Tier
     breaker: CircuitBreaker
     pool: DaemonPool | None  # None: in-process tier, called inline
+    read_rate: RateEstimate  # bytes/s of this tier's reads that found a value
 
 
 class TieredStore:
@@ -73,6 +81,7 @@ class TieredStore:
                 pool=None
                 if tier.in_process or tier.timeout is None
                 else DaemonPool(self.config.workers_per_tier, f"ragkv-tier{i}"),
+                read_rate=RateEstimate(_FIRST_RATE_IN_PROCESS if tier.in_process else _FIRST_RATE_REMOTE),
             )
             for i, tier in enumerate(tiers)
         ]
@@ -103,18 +112,32 @@ class TieredStore:
 
     def get(self, key: str) -> bytes | None:
         """The value of ``key`` from the fastest tier that has it, or None. Never raises for tier faults."""
+        return self.fetch(key).value
+
+    def fetch(self, key: str) -> Fetched:
+        """Like :meth:`get`, also saying which tier served the value, how long it took and whether a
+        tier failed on the way. Each hit updates that tier's read throughput estimate."""
         validate_key(key)
         failed: set[int] = set()
+        labels = self._labels()
         for i, slot in enumerate(self._slots):
             if self._quarantined(i, key):
                 continue
+            started = time.perf_counter()
             value = self._call(i, "get", slot.tier.get, key)
             if isinstance(value, bytes):
+                seconds = time.perf_counter() - started
+                slot.read_rate.observe(len(value), seconds)
                 self._promote(i, {key: value}, failed)
-                return value
+                return Fetched(value, labels[i], seconds, bool(failed))
             if value is _FAILED:
                 failed.add(i)
-        return None
+        return Fetched(None, None, 0.0, bool(failed))
+
+    def read_rates(self) -> dict[str, float]:
+        """Each tier's running estimate of its read throughput in bytes/s, by the names stats() uses
+        (a first guess until the tier has served a read)."""
+        return {label: slot.read_rate.rate for label, slot in zip(self._labels(), self._slots, strict=True)}
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
         """The values found for ``keys`` (missing ones left out), in the order asked."""

@@ -40,6 +40,10 @@ Dtype = Annotated[
 Device = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda[:N] or mps [env RAGKV_DEVICE; auto].")]
 Offline = Annotated[bool | None, typer.Option("--offline", help="Never download a hub model (like HF_HUB_OFFLINE=1).")]
 MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Cap on answer tokens [128].")]
+SloMs = Annotated[
+    float | None,
+    typer.Option("--slo-ms", help="TTFT deadline in ms: chunk caches load at cheaper levels or as text to meet it."),
+]
 
 
 def _config(
@@ -55,6 +59,7 @@ def _config(
     dtype: str | None = None,
     device: str | None = None,
     offline: bool | None = None,
+    slo_ms: float | None = None,
 ) -> Any:
     """EngineConfig from its defaults, then RAGKV_* variables, then the options the user gave."""
     from dataclasses import replace
@@ -79,6 +84,8 @@ def _config(
         cfg = replace(cfg, retriever=replace(cfg.retriever, top_k=top_k))
     if max_new_tokens is not None:
         cfg = replace(cfg, generation=replace(cfg.generation, max_new_tokens=max_new_tokens))
+    if slo_ms is not None:
+        cfg = replace(cfg, load=replace(cfg.load, slo_ms=slo_ms))
     return cfg
 
 
@@ -155,6 +162,7 @@ def ask(
     dtype: Dtype = None,
     device: Device = None,
     offline: Offline = None,
+    slo_ms: SloMs = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
     cfg = _config(
@@ -170,6 +178,7 @@ def ask(
         dtype=dtype,
         device=device,
         offline=offline,
+        slo_ms=slo_ms,
     )
     from ragkv.engine import RagKV
 
@@ -385,6 +394,40 @@ def bench_store(
         typer.echo("\n" + format_assemble_table(assembled))
         rows = rows + assembled
     _write_rows(rows, out)
+
+
+@bench_app.command("stream")
+def bench_stream(
+    model: Model = None,
+    out: JsonOut = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save a TTFT vs bandwidth plot here.")] = None,
+    levels: Annotated[str, typer.Option("--levels", help="cachegen levels stored, best first.")] = "0,1,2,3",
+    chunks: Annotated[int, typer.Option("--chunks", help="Chunks in the prompt.", min=1)] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", help="Runs per (scenario, policy); the best is kept.")] = 3,
+    slo_ms: SloMs = None,
+) -> None:
+    """TTFT and KL of fixed levels, text and the load planner over a kernel-limited link to Redis.
+
+    Runs in a network namespace it creates (unshare -n, tbf on loopback; needs root).
+    """
+    from ragkv.bench import netns
+
+    if not netns.inside():
+        try:
+            code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
+        except RuntimeError as e:  # no namespace here: say why, in one line
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(code)
+    from ragkv.bench.stream import format_table, plot_rows, run_stream_bench, summary
+
+    wanted = [int(x) for x in levels.split(",") if x.strip()]
+    rows = run_stream_bench(_load_model(model), wanted, chunks=chunks, repeats=repeats, slo_ms=slo_ms)
+    typer.echo(format_table(rows))
+    typer.echo("\n" + summary(rows))
+    _write_rows(rows, out)
+    if plot:
+        plot_rows(rows, plot)
 
 
 def main() -> None:

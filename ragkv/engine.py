@@ -24,6 +24,8 @@ from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.placement import validate_placement
+from ragkv.planner.config import LoadConfig
+from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
@@ -71,6 +73,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (RAGKV_DTYPE); auto: see ragkv.model.placement
     device: str = "auto"  # auto | cpu | cuda[:N] | mps (RAGKV_DEVICE)
     offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
+    load: LoadConfig = field(default_factory=LoadConfig)  # TTFT deadline and load planning (ragkv.planner)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -133,6 +136,7 @@ class RagKV:
         from ragkv.retriever.kv_retriever import KVRetriever
 
         self.config = config or EngineConfig()
+        self.load_estimates = LoadEstimates(self.config.load)  # prefill and decode speeds, measured as it runs
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._prefix_lock = threading.Lock()  # the LRU of framework prompt prefixes
         self._model_lock = threading.RLock()  # one forward pass at a time (see the module docstring)
@@ -338,10 +342,12 @@ class RagKV:
             with self._model_lock:
                 if mode == "full":
                     cache = self.adapter.build_cache([])
+                    started = time.perf_counter()
                     logits = self.adapter.forward(ids, cache, 0)
+                    self.load_estimates.recompute.observe(len(ids), time.perf_counter() - started)
                     stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
                 else:
-                    cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)
+                    cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats, started=t0)
             tokens = self._serialized(decode_loop(self.adapter, cache, logits[-1], len(ids), gen))
             first = True
             for delta, tok in stream_text(self.adapter, tokens, gen.stop):
@@ -353,6 +359,9 @@ class RagKV:
                     yield delta, None
         if first:
             stats.ttft_ms = (time.perf_counter() - t0) * 1000
+        load = stats.extra.get("load")
+        if isinstance(load, dict) and load.get("deadline_ms") is not None:
+            load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
         stats.total_ms = (time.perf_counter() - t0) * 1000
         yield "", stats
 
@@ -372,34 +381,58 @@ class RagKV:
         suffix: list[int],
         fusion: FusionConfig,
         stats: GenerationStats,
+        *,
+        started: float | None = None,
     ) -> tuple[Any, torch.Tensor]:
         prefix_kv = self._prefix_kv(prefix)
         loaded: list[ChunkKV] = []
+        forced: list[bool] = []
         hit_tokens = 0
-        fetched = iter(self.retriever.load_many([seg for seg, cached in middle if cached]))
+        plan = self._load_planning(middle, suffix, fusion, started)
+        fetched = iter(self.retriever.load_many([seg for seg, cached in middle if cached], plan=plan))
         for seg, cached in middle:
             if not cached:  # plain text between chunks: computed in place by fusion
                 loaded.append(self.adapter.empty_kv(len(seg)))
+                forced.append(True)
                 continue
             got = next(fetched)
             loaded.append(got.kv)
-            if got.hit:
+            forced.append(got.recompute)
+            if got.recompute:  # planned as text (or its tier failed): fusion computes it in place
+                stats.prefilled_chunk_tokens += len(seg)
+            elif got.hit:
                 stats.cache_hits += 1
                 stats.bytes_loaded += got.nbytes
                 hit_tokens += len(seg)
             else:
                 stats.cache_misses += 1
                 stats.prefilled_chunk_tokens += len(seg)
-        inp = FusionInput(
-            prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=[not cached for _, cached in middle]
-        )
+        if plan.report is not None:
+            stats.extra["load"] = {**plan.report, "deadline_ms": self.config.load.slo_ms}
+        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
+        fuse_started = time.perf_counter()
         fused = fuse(self.adapter, inp, fusion, prefill_suffix=True)
+        computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
+        self.load_estimates.recompute.observe(computed, time.perf_counter() - fuse_started)
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
         logits = fused.suffix_logits
         if logits is None:  # empty suffix
             logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
         return fused.cache, logits
+
+    def _load_planning(
+        self, middle: list[tuple[list[int], bool]], suffix: list[int], fusion: FusionConfig, started: float | None
+    ) -> LoadPlanning:
+        """This answer's load plan inputs: the deadline, and the fusion pass's share of it."""
+        cfg = self.config.load
+        deadline = None
+        if cfg.slo_ms is not None:
+            deadline = (started if started is not None else time.perf_counter()) + cfg.slo_ms / 1000
+        cached = sum(len(seg) for seg, c in middle if c)
+        plain = sum(len(seg) for seg, c in middle if not c)
+        reserve = self.load_estimates.recompute.seconds(fusion.ratio * cached + plain + len(suffix))
+        return LoadPlanning(cfg, self.load_estimates, deadline, reserve)
 
     def _prefix_kv(self, prefix: list[int]) -> ChunkKV:
         """Exact KV of a prompt's text before its first chunk; the last few are kept (framework

@@ -23,11 +23,14 @@ from tqdm.auto import tqdm
 
 from ragkv import codec
 from ragkv.cache.catalog import Catalog, DocumentRecord
+from ragkv.cache.fetched import Fetched
 from ragkv.cache.prefetch import prefetch
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
 from ragkv.errors import CodecError
 from ragkv.model import ModelAdapter
+from ragkv.planner.plan import ChunkOptions
+from ragkv.planner.session import LoadPlanning, LoadSession
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
 from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
@@ -100,6 +103,7 @@ class LoadedChunk:
     kv: ChunkKV
     hit: bool  # True: loaded from the store; False: computed now (and stored)
     nbytes: int  # encoded bytes read (hits) or written (misses)
+    recompute: bool = False  # True: not loaded (planned as text, or its tier failed); kv is a placeholder
 
 
 class KVRetriever:
@@ -422,7 +426,9 @@ class KVRetriever:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
         return self.load_many([token_ids])[0]
 
-    def load_many(self, segments: Sequence[Sequence[int]]) -> list[LoadedChunk]:
+    def load_many(
+        self, segments: Sequence[Sequence[int]], *, plan: LoadPlanning | None = None
+    ) -> list[LoadedChunk]:
         """Several chunks' caches, in order; misses and unusable entries are computed and stored.
 
         With more than one chunk, blobs are fetched on a background thread, in order, while the
@@ -431,22 +437,97 @@ class KVRetriever:
         the store until every fetch is done; the misses are then computed and stored, and the
         hits' catalog entries touched in one write. A chunk that occurs twice is fetched once; its
         repeat counts as a hit of 0 bytes (its cache was loaded or computed for the first occurrence).
+
+        With ``plan``, each chunk's (codec, level) is chosen just before it is fetched, on the speeds
+        measured so far (see ``ragkv.planner``); a chunk planned as text, or whose tier fails
+        mid-load (and every chunk after it), comes back with ``recompute=True`` and no bytes read:
+        fusion computes it from its tokens. Without ``plan``, every chunk loads at ``config.codec``.
         """
         keys = [self.chunk_key(t, self.config.codec) for t in segments]
         first: dict[str, int] = {}  # storage key -> index of its first occurrence
-        for i, key in enumerate(keys):
-            first.setdefault(key.storage_key, i)
+        primary = [key.storage_key for key in keys]  # identifies the chunk (keys[i] may move to another level)
+        for i, storage_key in enumerate(primary):
+            first.setdefault(storage_key, i)
         unique = list(first.values())  # a chunk repeated in one prompt is fetched and decoded once
+        session = None if plan is None else self._session([segments[i] for i in unique], plan)
+        fixed = self.config.codec if plan is None or plan.config.fixed is None else plan.config.fixed
+
+        planning = session is not None and plan is not None and plan.config.fixed is None
+
+        def fetch(n: int) -> tuple[ChunkKey | None, Fetched | None]:
+            i = unique[n]
+            spec = fixed
+            if planning and session is not None and session.chunks[n].sizes:  # chunks never stored: a miss
+                chosen = session.choose(n)
+                if chosen is None:
+                    return None, None
+                spec = chosen
+            if spec != keys[i].codec:
+                keys[i] = self.chunk_key(segments[i], spec)
+            if session is None:  # no tier bookkeeping needed: the plain read
+                return keys[i], Fetched(self.store.get(keys[i].storage_key), None, 0.0, False)
+            got = self.store.fetch(keys[i].storage_key)
+            if not session.fetched(n, keys[i].codec, got):
+                return None, None
+            return keys[i], got
+
         sizes: dict[int, int | None] = {}  # bytes of each stored blob (None: not stored)
         decoded: dict[int, ChunkKV | None] = {}
-        storage_keys = [keys[i].storage_key for i in unique]
-        with contextlib.closing(prefetch(storage_keys, self.store.get)) as fetched:
-            for i, blob in zip(unique, fetched, strict=True):
+        text: set[int] = set()  # chunks fusion recomputes from their tokens
+        with contextlib.closing(prefetch(range(len(unique)), fetch)) as fetched:
+            for n, (key, got) in enumerate(fetched):
                 # the next chunks keep loading while this one decodes; its bytes are dropped after
+                i = unique[n]
+                if key is None or got is None:
+                    text.add(i)
+                    if session is not None:
+                        session.recomputed(n)
+                    continue
+                blob = got.value
                 sizes[i] = None if blob is None else len(blob)
-                decoded[i] = None if blob is None else self._decode(keys[i], len(segments[i]), blob)
+                started = time.perf_counter()
+                decoded[i] = None if blob is None else self._decode(key, len(segments[i]), blob)
+                if session is not None and blob is not None and decoded[i] is not None:
+                    session.decoded(key.codec, len(blob), time.perf_counter() - started)
+        done = self._finish_loads(segments, keys, unique, decoded, sizes, text)
+        out = []
+        for i, storage_key in enumerate(primary):
+            j = first[storage_key]
+            # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill,
+            # nothing read (or, when its first occurrence is recomputed from text, it is too)
+            out.append(done[j] if i == j else replace(done[j], hit=not done[j].recompute, nbytes=0))
+        if session is not None and plan is not None:
+            plan.report = session.report()
+        return out
+
+    def _session(self, segments: Sequence[Sequence[int]], plan: LoadPlanning) -> LoadSession:
+        """A load session over ``segments``, with each one's stored sizes from the catalog."""
+        order = self.config.stored_codecs
+        keyed = [{spec: self.chunk_key(seg, spec).storage_key for spec in order} for seg in segments]
+        known = self.catalog.entry_sizes([k for per in keyed for k in per.values()])
+        chunks = [
+            ChunkOptions(len(seg), {spec: known[k] for spec, k in per.items() if k in known})
+            for seg, per in zip(segments, keyed, strict=True)
+        ]
+        return LoadSession(
+            chunks, order, plan.estimates, self.store.read_rates, deadline=plan.deadline, reserve_s=plan.reserve_s
+        )
+
+    def _finish_loads(
+        self,
+        segments: Sequence[Sequence[int]],
+        keys: list[ChunkKey],
+        unique: list[int],
+        decoded: dict[int, ChunkKV | None],
+        sizes: dict[int, int | None],
+        text: set[int],
+    ) -> dict[int, LoadedChunk]:
+        """Hits as loaded; text chunks as placeholders; misses computed and stored; hits touched."""
         done: dict[int, LoadedChunk] = {}
         for i in unique:
+            if i in text:
+                done[i] = LoadedChunk(self.adapter.empty_kv(len(segments[i])), False, 0, recompute=True)
+                continue
             kv, size = decoded[i], sizes[i]
             if kv is not None and size is not None:
                 done[i] = LoadedChunk(kv, True, size)
@@ -458,13 +539,7 @@ class KVRetriever:
         hits = [keys[i].storage_key for i in unique if done[i].hit]
         if hits:
             self.catalog.touch_entries(hits)
-        out = []
-        for i, key in enumerate(keys):
-            j = first[key.storage_key]
-            # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill,
-            # nothing read
-            out.append(done[j] if i == j else LoadedChunk(done[j].kv, True, 0))
-        return out
+        return done
 
     def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:
         """The stored cache in ``blob``, or None (with a warning) if it is not what ``key`` asks for.

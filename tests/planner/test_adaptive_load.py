@@ -1,0 +1,108 @@
+"""Planned loads through the engine on a tiny model: text fallback, a tier failing mid-load, stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ragkv.cache.throughput import RateEstimate
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.errors import StoreUnavailableError
+from ragkv.fusion import FusionConfig
+from ragkv.generation import GenerationConfig
+from ragkv.planner.config import LoadConfig
+from ragkv.retriever.chunker import ChunkerConfig
+from ragkv.retriever.documents import Document
+from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.retriever.kv_retriever import RetrieverConfig
+from ragkv.types import Chunk, CodecSpec
+
+DOCS = [
+    Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
+    Document("mem:boats", "Boats float on water and carry people. " * 10 + "\n\nSails catch the wind. " * 9, "boats"),
+    Document("mem:clocks", "Clocks measure time with gears and springs. " * 11, "clocks"),
+]
+GEN = GenerationConfig(max_new_tokens=8)
+LEVELS = (CodecSpec("cachegen", 0), CodecSpec("cachegen", 3))
+
+
+def _engine(tmp_path: Path, adapter, **kw) -> RagKV:
+    cfg = EngineConfig(
+        data_dir=tmp_path,
+        retriever=RetrieverConfig(
+            top_k=3, chunker=ChunkerConfig(min_tokens=40, max_tokens=120), codec=LEVELS[0], index_codecs=LEVELS[1:]
+        ),
+        store=("memory://",),
+        fusion=FusionConfig(method="naive", ratio=0.0),
+        **kw,
+    )
+    return RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64))
+
+
+def _three_chunks(rag: RagKV) -> list[Chunk]:
+    rag.index(DOCS, progress=False)
+    unique = {c.text: c for c in rag.retrieve("apples boats clocks", k=8)}
+    assert len(unique) >= 3
+    return list(unique.values())[:3]
+
+
+def test_no_deadline_on_a_fast_tier_loads_the_best_level(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        chunks = _three_chunks(rag)
+        s = rag.answer("Where do apples grow?", chunks=chunks, generation=GEN).stats
+        load = s.extra["load"]
+        assert load["choices"] == ["cachegen:0"] * 3 and s.cache_hits == 3
+        assert sum(load["bytes_by_tier"].values()) == s.bytes_loaded > 0
+        assert load["bandwidth_mbit"] > 0 and load["deadline_ms"] is None and "deadline_met" not in load
+
+
+def test_chunks_planned_as_text_equal_full_prefill(tmp_path, llama_adapter):
+    """Recompute made cheap (a huge prefill speed estimate): every chunk is text, fusion computes it in
+    place, and the answer is full prefill's, with no bytes read."""
+    with _engine(tmp_path, llama_adapter, load=LoadConfig(slo_ms=60_000)) as rag:
+        chunks = _three_chunks(rag)
+        rag.load_estimates.recompute = RateEstimate(1e15)
+        reuse = rag.answer("What do sails do?", chunks=chunks, generation=GEN)
+        full = rag.answer("What do sails do?", chunks=chunks, mode="full", generation=GEN)
+        load = reuse.stats.extra["load"]
+        assert load["choices"] == ["text"] * 3 and reuse.stats.bytes_loaded == 0 and load["deadline_met"] is True
+        assert reuse.stats.prefilled_chunk_tokens == sum(len(c.token_ids) for c in chunks)
+        assert reuse.text == full.text and reuse.stats.generated_tokens == full.stats.generated_tokens
+
+
+def test_a_tier_failing_mid_load_moves_the_rest_to_text(tmp_path, llama_adapter, monkeypatch):
+    with _engine(tmp_path, llama_adapter) as rag:
+        chunks = _three_chunks(rag)
+        tier = rag.store.tiers[0]
+        get = tier._get
+        calls: list[str] = []
+
+        def fails_after_one(key: str) -> bytes | None:  # a fault injected at the tier boundary
+            calls.append(key)
+            if len(calls) > 1:
+                raise StoreUnavailableError("connection reset")
+            return get(key)
+
+        monkeypatch.setattr(tier, "_get", fails_after_one)
+        res = rag.answer("How do clocks work?", chunks=chunks, generation=GEN)
+        load = res.stats.extra["load"]
+        assert load["choices"] == ["cachegen:0", "text", "text"] and load["tier_failed"] is True
+        assert len(calls) == 2  # after the failure nothing waits on the tier again
+        assert res.stats.generated_tokens > 0 and res.stats.cache_hits == 1
+
+
+def test_a_fixed_level_loads_that_level_without_planning(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter, load=LoadConfig(fixed=LEVELS[1])) as rag:
+        chunks = _three_chunks(rag)
+        s = rag.answer("Where do apples grow?", chunks=chunks, generation=GEN).stats
+        assert s.cache_hits == 3 and s.extra["load"]["choices"] == ["cachegen:3"] * 3
+
+
+@pytest.mark.parametrize(
+    ("kw", "err"),
+    [({"slo_ms": 0}, ValueError), ({"slo_ms": True}, ValueError), ({"fixed": "cachegen:0"}, TypeError)],
+)
+def test_bad_load_settings_are_refused(kw, err):
+    with pytest.raises(err):
+        LoadConfig(**kw)

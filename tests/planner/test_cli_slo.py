@@ -1,0 +1,16 @@
+"""``--slo-ms``: not given leaves the default (no deadline); given, it sets EngineConfig.load.slo_ms."""
+
+from __future__ import annotations
+
+from ragkv import cli
+from tests.core.test_cli import one_line_error, run
+
+
+def test_slo_ms_overrides_only_when_given():
+    assert cli._config().load.slo_ms is None
+    assert cli._config(slo_ms=250.0).load.slo_ms == 250.0
+
+
+def test_a_non_positive_deadline_is_refused(monkeypatch, capsys, tmp_path):
+    code, _, err = run(monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path), "--slo-ms", "0")
+    assert "slo_ms" in one_line_error(code, err)

@@ -1,0 +1,99 @@
+"""The load planner as a pure function: properties over random chunks, sizes, rates and budgets."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ragkv.planner.plan import TEXT, ChunkOptions, Rates, plan_load
+from ragkv.types import CodecSpec
+
+ORDER = [CodecSpec("cachegen", level) for level in range(4)]  # best quality first
+
+
+@st.composite
+def chunk_options(draw: st.DrawFn) -> ChunkOptions:
+    tokens = draw(st.integers(1, 2000))
+    stored = draw(st.lists(st.sampled_from(ORDER), unique=True, max_size=len(ORDER)))
+    # a cheaper level is never bigger than a better one of the same chunk
+    sizes = sorted((draw(st.integers(1_000, 20_000_000)) for _ in stored), reverse=True)
+    ordered = sorted(stored, key=ORDER.index)
+    return ChunkOptions(tokens, dict(zip(ordered, sizes, strict=True)))
+
+
+rates_st = st.builds(
+    Rates,
+    transfer_bps=st.floats(1e3, 1e10),
+    recompute_tps=st.floats(10, 1e6),
+    decode_bps=st.fixed_dictionaries({}, optional={"cachegen": st.floats(1e5, 1e10)}),
+)
+budgets = st.none() | st.floats(0, 100)
+
+
+def _rank(choice: CodecSpec | None) -> int:
+    return len(ORDER) if choice is TEXT else ORDER.index(choice)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_options(), max_size=6), rates_st, budgets)
+def test_never_picks_a_level_not_stored(chunks, rates, budget):
+    plan = plan_load(chunks, ORDER, rates, budget)
+    assert len(plan.choices) == len(chunks)
+    for chunk, choice in zip(chunks, plan.choices, strict=True):
+        assert choice is TEXT or choice in chunk.sizes
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, budgets)
+def test_picks_text_when_every_level_is_slower_than_recompute(chunks, rates, budget):
+    plan = plan_load(chunks, ORDER, rates, budget)
+    for chunk, choice in zip(chunks, plan.choices, strict=True):
+        text = rates.text_seconds(chunk.tokens)
+        if all(rates.load_seconds(spec, n) > text for spec, n in chunk.sizes.items()):
+            assert choice is TEXT
+        if choice is not TEXT:  # a level is only ever picked when it beats recomputing
+            assert rates.load_seconds(choice, chunk.sizes[choice]) <= text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, budgets, st.floats(1.0, 1000.0))
+def test_more_bandwidth_never_lowers_quality(chunks, rates, budget, factor):
+    slow = plan_load(chunks, ORDER, rates, budget)
+    fast_rates = Rates(rates.transfer_bps * factor, rates.recompute_tps, rates.decode_bps)
+    fast = plan_load(chunks, ORDER, fast_rates, budget)
+    for a, b in zip(slow.choices, fast.choices, strict=True):
+        assert _rank(b) <= _rank(a)
+    assert fast.fits or not slow.fits
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, st.floats(0, 100))
+def test_a_plan_that_fits_is_the_best_quality_cap_that_fits(chunks, rates, budget):
+    plan = plan_load(chunks, ORDER, rates, budget)
+    free = plan_load(chunks, ORDER, rates, None)  # no deadline: the best that beats recomputing
+    if free.seconds <= budget:
+        assert plan.choices == free.choices
+    assert plan.fits == (plan.seconds <= budget)
+    if not plan.fits:  # nothing fits: the cheapest plan, which is no slower than all-text
+        assert plan.seconds <= sum(rates.text_seconds(c.tokens) for c in chunks) + 1e-9
+
+
+def test_no_deadline_on_a_fast_link_loads_the_best_level():
+    chunk = ChunkOptions(400, {ORDER[0]: 2_000_000, ORDER[2]: 600_000})
+    plan = plan_load([chunk, chunk], ORDER, Rates(1.25e9, 1000.0))
+    assert plan.choices == (ORDER[0], ORDER[0]) and plan.fits
+
+
+def test_a_tight_deadline_moves_to_cheaper_levels_then_text():
+    chunk = ChunkOptions(400, {ORDER[0]: 2_000_000, ORDER[3]: 250_000})
+    rates = Rates(12.5e6, 1000.0)  # 100 Mbit/s: level 0 0.16 s, level 3 0.02 s, text 0.4 s
+    assert plan_load([chunk] * 2, ORDER, rates, 1.0).choices == (ORDER[0], ORDER[0])
+    assert plan_load([chunk] * 2, ORDER, rates, 0.1).choices == (ORDER[3], ORDER[3])
+    slow = Rates(1e5, 1000.0)  # 0.8 Mbit/s: even level 3 takes 2.5 s, text wins
+    assert plan_load([chunk] * 2, ORDER, slow, 0.1).choices == (TEXT, TEXT)
+
+
+def test_bad_rates_are_refused():
+    with pytest.raises(ValueError, match="recompute_tps"):
+        plan_load([ChunkOptions(1)], ORDER, Rates(1.0, 0.0))
