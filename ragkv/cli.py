@@ -241,6 +241,84 @@ def stats(
         st.close()
 
 
+@app.command()
+def remove(
+    source: Annotated[str, typer.Argument(help="The document's source (a path as indexed, or its name).")],
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+) -> None:
+    """Remove a document: its catalog rows, FAISS entries and the cache entries no other document uses."""
+    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
+        r = engine.remove(source)
+    typer.echo(f"removed {r.source}: {r.chunks} chunks, {r.cache_entries} cache entries")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option("--host", help="Interface to bind [127.0.0.1: loopback].")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port [8000].")] = None,
+    api_keys: Annotated[
+        Path | None, typer.Option("--api-keys", help="File of 'KEY TENANT' lines; every request then needs a key.")
+    ] = None,
+    max_batch: Annotated[int | None, typer.Option("--max-batch", help="Requests decoded together [8].")] = None,
+    max_queue: Annotated[int | None, typer.Option("--max-queue", help="Requests held before 429 [32].")] = None,
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    fusion: Fusion = None,
+    ratio: Ratio = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve [4].")] = None,
+    max_new_tokens: MaxNewTokens = None,
+) -> None:
+    """Serve the engine over an OpenAI-compatible HTTP API (see docs/serving.md)."""
+    try:
+        import uvicorn
+
+        from ragkv.server.app import create_app
+        from ragkv.server.settings import ServerSettings, load_api_keys
+    except ImportError as e:
+        raise ImportError(f"ragkv serve needs the serve extra: pip install 'ragkv[serve]' ({e})") from e
+    given = {"host": host, "port": port, "max_batch": max_batch, "max_queue": max_queue}
+    settings = ServerSettings(
+        **{k: v for k, v in given.items() if v is not None},
+        api_keys=load_api_keys(api_keys) if api_keys else {},
+    )
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        typer.echo(
+            f"warning: listening on {settings.host} without --api-keys: anyone who can reach it can use it", err=True
+        )
+    cfg = _config(
+        data_dir=data_dir,
+        model=model,
+        store=store,
+        catalog=catalog,
+        tenant=tenant,
+        fusion=fusion,
+        ratio=ratio,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+    )
+    from dataclasses import replace
+
+    from ragkv.engine import RagKV
+
+    engine = RagKV(cfg)
+    settings = replace(settings, model_name=Path(engine.adapter.name).name or "ragkv")
+    typer.echo(f"ragkv serve: {engine.adapter.name} on http://{settings.host}:{settings.port}", err=True)
+    uvicorn.run(
+        create_app(engine, settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(settings.drain_s) + 5,
+    )
+
+
 def _load_model(model: str | None) -> Any:
     from ragkv.model import load_model
     from ragkv.resolver import DEFAULT_MODEL
