@@ -101,6 +101,6 @@ def keyed_server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
     data = tmp_path_factory.mktemp("serve-keyed")
     keys = data / "keys.txt"
     keys.write_text("".join(f"{k} {t}\n" for k, t in KEYS.items()))
-    served = start_server(tiny_model_dir, data / "d", "--api-keys", str(keys))
+    served = start_server(tiny_model_dir, data / "d", "--api-keys", str(keys), "--max-batch", "1", "--max-queue", "1")
     yield served
     stop_server(served)
