@@ -34,6 +34,9 @@ install_missing() {
   command -v redis-server >/dev/null || pkgs+=(redis-server)
   [ -x "/usr/lib/postgresql/${PG_VERSION}/bin/postgres" ] || pkgs+=("postgresql-${PG_VERSION}")
   command -v pg_ctlcluster >/dev/null || pkgs+=(postgresql-common)
+  # the web page test of ragkv serve (tests/server/test_web_page.py) drives a real headless chromium
+  command -v chromium >/dev/null || pkgs+=(chromium)
+  command -v chromedriver >/dev/null || pkgs+=(chromium-driver)
   if [ "${#pkgs[@]}" -gt 0 ]; then
     log "installing ${pkgs[*]}"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq

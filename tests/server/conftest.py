@@ -83,7 +83,7 @@ def stop_server(served: Served) -> None:
         served.process.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
     """A server without API keys (the default tenant), with two documents indexed."""
     served = start_server(tiny_model_dir, tmp_path_factory.mktemp("serve-data"), "--max-queue", "16")
@@ -95,7 +95,7 @@ def server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
     stop_server(served)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def keyed_server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
     """A server with an API keys file mapping two keys to tenants alpha and beta."""
     data = tmp_path_factory.mktemp("serve-keyed")
