@@ -283,10 +283,11 @@ def serve(
         from ragkv.server.settings import ServerSettings, load_api_keys
     except ImportError as e:
         raise ImportError(f"ragkv serve needs the serve extra: pip install 'ragkv[serve]' ({e})") from e
-    given = {"host": host, "port": port, "max_batch": max_batch, "max_queue": max_queue}
+    from dataclasses import replace
+
+    given: dict[str, Any] = {"host": host, "port": port, "max_batch": max_batch, "max_queue": max_queue}
     settings = ServerSettings(
-        **{k: v for k, v in given.items() if v is not None},
-        api_keys=load_api_keys(api_keys) if api_keys else {},
+        api_keys=load_api_keys(api_keys) if api_keys else {}, **{k: v for k, v in given.items() if v is not None}
     )
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
         typer.echo(
@@ -303,8 +304,6 @@ def serve(
         top_k=top_k,
         max_new_tokens=max_new_tokens,
     )
-    from dataclasses import replace
-
     from ragkv.engine import RagKV
 
     engine = RagKV(cfg)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Callable
 
 from ragkv.types import GenerationStats
 
@@ -61,70 +60,37 @@ class Metrics:
         """The exposition text; ``queue`` is (waiting, decoding), ``tiers`` name -> (hits, misses, errors)."""
         out: list[str] = []
 
-        def metric(name: str, kind: str, help_: str, body: Callable[[], list[str]]) -> None:
-            out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *body()])
+        def metric(name: str, kind: str, help_: str, samples: list[str]) -> None:
+            out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
 
         with self._lock:
-            metric(
-                "ragkv_requests_total",
-                "counter",
-                "HTTP requests by endpoint and status.",
-                lambda: [
-                    f'ragkv_requests_total{{endpoint="{e}",status="{s}"}} {n}'
-                    for (e, s), n in sorted(self.requests.items())
-                ],
-            )
-            metric(
-                "ragkv_generations_total",
-                "counter",
-                "Finished generations by finish reason.",
-                lambda: [f'ragkv_generations_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())],
-            )
-            metric(
-                "ragkv_ttft_seconds", "histogram", "Time to first token.", lambda: self.ttft.lines("ragkv_ttft_seconds")
-            )
-            metric(
-                "ragkv_latency_seconds",
-                "histogram",
-                "Request in to last token out.",
-                lambda: self.latency.lines("ragkv_latency_seconds"),
-            )
-            metric(
-                "ragkv_tokens_total",
-                "counter",
-                "Prompt and answer tokens by kind.",
-                lambda: [f'ragkv_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()],
-            )
+            requests = [
+                f'ragkv_requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                for (e, s), n in sorted(self.requests.items())
+            ]
+            metric("ragkv_requests_total", "counter", "HTTP requests by endpoint and status.", requests)
+            finished = [f'ragkv_generations_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+            metric("ragkv_generations_total", "counter", "Finished generations by finish reason.", finished)
+            metric("ragkv_ttft_seconds", "histogram", "Time to first token.", self.ttft.lines("ragkv_ttft_seconds"))
+            latency = self.latency.lines("ragkv_latency_seconds")
+            metric("ragkv_latency_seconds", "histogram", "Request in to last token out.", latency)
+            tokens = [f'ragkv_tokens_total{{kind="{k}"}} {n}' for k, n in self.tokens.items()]
+            metric("ragkv_tokens_total", "counter", "Prompt and answer tokens by kind.", tokens)
             chunk = self.tokens["reused"] + self.tokens["recomputed"] + self.tokens["prefilled_chunk"]
             ratio = self.tokens["reused"] / chunk if chunk else 0.0
-            metric(
-                "ragkv_reused_token_ratio",
-                "gauge",
-                "Reused share of chunk tokens so far.",
-                lambda: [f"ragkv_reused_token_ratio {ratio:.6f}"],
-            )
         metric(
-            "ragkv_queue_depth",
+            "ragkv_reused_token_ratio",
             "gauge",
-            "Requests waiting and decoding.",
-            lambda: [
-                f'ragkv_queue_depth{{state="waiting"}} {queue[0]}',
-                f'ragkv_queue_depth{{state="decoding"}} {queue[1]}',
-            ],
+            "Reused share of chunk tokens so far.",
+            [f"ragkv_reused_token_ratio {ratio:.6f}"],
         )
-        metric(
-            "ragkv_decode_steps_total",
-            "counter",
-            "Batched decode steps.",
-            lambda: [f"ragkv_decode_steps_total {steps}"],
-        )
-        for what, i in (("hits", 0), ("misses", 1), ("errors", 2)):
-            metric(
-                f"ragkv_tier_{what}_total",
-                "counter",
-                f"Storage tier {what} (this process).",
-                lambda i=i, w=what: [
-                    f'ragkv_tier_{w}_total{{tier="{name}"}} {v[i]}' for name, v in sorted(tiers.items())
-                ],
-            )
+        depth = [
+            f'ragkv_queue_depth{{state="waiting"}} {queue[0]}',
+            f'ragkv_queue_depth{{state="decoding"}} {queue[1]}',
+        ]
+        metric("ragkv_queue_depth", "gauge", "Requests waiting and decoding.", depth)
+        metric("ragkv_decode_steps_total", "counter", "Batched decode steps.", [f"ragkv_decode_steps_total {steps}"])
+        for i, what in enumerate(("hits", "misses", "errors")):
+            samples = [f'ragkv_tier_{what}_total{{tier="{name}"}} {v[i]}' for name, v in sorted(tiers.items())]
+            metric(f"ragkv_tier_{what}_total", "counter", f"Storage tier {what} (this process).", samples)
         return "\n".join(out) + "\n"
