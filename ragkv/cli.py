@@ -421,6 +421,36 @@ def bench_store(
     _write_rows(rows, out)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    url: Annotated[str, typer.Option("--url", help="A running ragkv serve.")] = "http://127.0.0.1:8000",
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Levels, comma-separated.")] = "1,2,4,8",
+    requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode.", min=1)] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer tokens per request.", min=1)] = 32,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Bearer key (servers with --api-keys).")] = None,
+    out: JsonOut = None,
+) -> None:
+    """Requests/s, tokens/s, TTFT and latency of a live server, with chunk cache reuse and with --full.
+
+    Indexes the stdlib demo documents through POST /v1/documents first when the server has none.
+    """
+    import httpx
+
+    from ragkv.bench.serve import format_serve_table, run_serve_bench
+    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
+
+    levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
+        if not client.get("/v1/documents").raise_for_status().json()["data"]:
+            typer.echo("indexing the stdlib demo documents on the server ...", err=True)
+            docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
+            client.post("/v1/documents", json=docs).raise_for_status()
+    rows = run_serve_bench(url, levels, requests, questions=DEMO_QUESTIONS, api_key=api_key, max_tokens=max_tokens)
+    typer.echo(format_serve_table(rows))
+    _write_rows(rows, out)
+
+
 def main() -> None:
     """Entry point: friendly one-line errors for ragkv's own errors and bad arguments."""
     logging.basicConfig(
