@@ -189,3 +189,18 @@ def test_the_web_page_is_served(server):
     with server.client() as c:
         r = c.get("/")
     assert r.status_code == 200 and "<script>" in r.text and "/v1/chat/completions" in r.text
+
+
+def test_the_openai_client_example_runs_against_the_server(server):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, str(root / "examples" / "openai_client.py"), "--url", server.url, "--max-tokens", "6"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "indexed example:honeybees" in out.stdout and "sources: example:honeybees#" in out.stdout
+    assert out.stdout.count("cached_tokens") == 2
