@@ -204,3 +204,15 @@ def test_the_openai_client_example_runs_against_the_server(server):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "indexed example:honeybees" in out.stdout and "sources: example:honeybees#" in out.stdout
     assert out.stdout.count("cached_tokens") == 2
+
+
+def test_langchain_chat_openai_pointed_at_the_server(server, engine):
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is in the serve extra")
+    llm = langchain_openai.ChatOpenAI(
+        base_url=server.url + "/v1", api_key="unused", model="ragkv", temperature=0, max_tokens=8, max_retries=0
+    )
+    question = "Name a colour."
+    msg = llm.invoke(question)
+    assert msg.content == _reference(engine, [_chat_prompt(engine, question)], 8)
+    assert msg.usage_metadata["output_tokens"] <= 8
+    assert "".join(c.content for c in llm.stream(question)) == msg.content
