@@ -35,6 +35,9 @@ install_missing() {
   command -v tc >/dev/null || pkgs+=(iproute2)  # the rate-limited link of tests/planner/test_limited_link.py
   [ -x "/usr/lib/postgresql/${PG_VERSION}/bin/postgres" ] || pkgs+=("postgresql-${PG_VERSION}")
   command -v pg_ctlcluster >/dev/null || pkgs+=(postgresql-common)
+  # the web page test of ragkv serve (tests/server/test_web_page.py) drives a real headless chromium
+  command -v chromium >/dev/null || pkgs+=(chromium)
+  command -v chromedriver >/dev/null || pkgs+=(chromium-driver)
   if [ "${#pkgs[@]}" -gt 0 ]; then
     log "installing ${pkgs[*]}"
     as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq

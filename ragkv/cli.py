@@ -287,6 +287,83 @@ def stats(
         st.close()
 
 
+@app.command()
+def remove(
+    source: Annotated[str, typer.Argument(help="The document's source (a path as indexed, or its name).")],
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+) -> None:
+    """Remove a document: its catalog rows, FAISS entries and the cache entries no other document uses."""
+    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
+        r = engine.remove(source)
+    typer.echo(f"removed {r.source}: {r.chunks} chunks, {r.cache_entries} cache entries")
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option("--host", help="Interface to bind [127.0.0.1: loopback].")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port [8000].")] = None,
+    api_keys: Annotated[
+        Path | None, typer.Option("--api-keys", help="File of 'KEY TENANT' lines; every request then needs a key.")
+    ] = None,
+    max_batch: Annotated[int | None, typer.Option("--max-batch", help="Requests decoded together [8].")] = None,
+    max_queue: Annotated[int | None, typer.Option("--max-queue", help="Requests held before 429 [32].")] = None,
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    fusion: Fusion = None,
+    ratio: Ratio = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve [4].")] = None,
+    max_new_tokens: MaxNewTokens = None,
+) -> None:
+    """Serve the engine over an OpenAI-compatible HTTP API (see docs/serving.md)."""
+    try:
+        import uvicorn
+
+        from ragkv.server.app import create_app
+        from ragkv.server.settings import ServerSettings, load_api_keys
+    except ImportError as e:
+        raise ImportError(f"ragkv serve needs the serve extra: pip install 'ragkv[serve]' ({e})") from e
+    from dataclasses import replace
+
+    given: dict[str, Any] = {"host": host, "port": port, "max_batch": max_batch, "max_queue": max_queue}
+    settings = ServerSettings(
+        api_keys=load_api_keys(api_keys) if api_keys else {}, **{k: v for k, v in given.items() if v is not None}
+    )
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        typer.echo(
+            f"warning: listening on {settings.host} without --api-keys: anyone who can reach it can use it", err=True
+        )
+    cfg = _config(
+        data_dir=data_dir,
+        model=model,
+        store=store,
+        catalog=catalog,
+        tenant=tenant,
+        fusion=fusion,
+        ratio=ratio,
+        top_k=top_k,
+        max_new_tokens=max_new_tokens,
+    )
+    from ragkv.engine import RagKV
+
+    engine = RagKV(cfg)
+    settings = replace(settings, model_name=Path(engine.adapter.name).name or "ragkv")
+    typer.echo(f"ragkv serve: {engine.adapter.name} on http://{settings.host}:{settings.port}", err=True)
+    uvicorn.run(
+        create_app(engine, settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(settings.drain_s) + 5,
+    )
+
+
 def _load_model(model: str | None, dtype: str | None = None, device: str | None = None) -> Any:
     """The model the options name, placed as EngineConfig would place it (its defaults, RAGKV_* variables)."""
     from ragkv.model import load_model
@@ -428,6 +505,34 @@ def bench_stream(
     _write_rows(rows, out)
     if plot:
         plot_rows(rows, plot)
+@bench_app.command("serve")
+def bench_serve(
+    url: Annotated[str, typer.Option("--url", help="A running ragkv serve.")] = "http://127.0.0.1:8000",
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Levels, comma-separated.")] = "1,2,4,8",
+    requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode.", min=1)] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer tokens per request.", min=1)] = 32,
+    api_key: Annotated[str | None, typer.Option("--api-key", help="Bearer key (servers with --api-keys).")] = None,
+    out: JsonOut = None,
+) -> None:
+    """Requests/s, tokens/s, TTFT and latency of a live server, with chunk cache reuse and with --full.
+
+    Indexes the stdlib demo documents through POST /v1/documents first when the server has none.
+    """
+    import httpx
+
+    from ragkv.bench.serve import format_serve_table, run_serve_bench
+    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
+
+    levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
+        if not client.get("/v1/documents").raise_for_status().json()["data"]:
+            typer.echo("indexing the stdlib demo documents on the server ...", err=True)
+            docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
+            client.post("/v1/documents", json=docs).raise_for_status()
+    rows = run_serve_bench(url, levels, requests, questions=DEMO_QUESTIONS, api_key=api_key, max_tokens=max_tokens)
+    typer.echo(format_serve_table(rows))
+    _write_rows(rows, out)
 
 
 def main() -> None:

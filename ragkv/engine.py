@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ragkv.errors import DocumentNotFoundError
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
@@ -43,7 +44,7 @@ from ragkv.types import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AnswerStream", "CachedText", "EngineConfig", "RagKV", "default_data_dir"]
+__all__ = ["AnswerStream", "CachedText", "EngineConfig", "Prefilled", "RagKV", "RemoveReport", "default_data_dir"]
 
 
 def default_data_dir() -> Path:
@@ -454,6 +455,139 @@ class RagKV:
                 self._prefixes.popitem(last=False)
         return kv
 
+    # ---- serving: shared model, prefill without decoding, removal ---------------------------
+    def for_tenant(self, tenant: str) -> RagKV:
+        """An engine for ``tenant`` sharing this one's model, embedder, store, catalog and model lock.
+
+        Its documents, chunks, FAISS file and cache entries are ``tenant``'s own; closing it closes
+        nothing shared (close this engine for that).
+        """
+        from dataclasses import replace
+
+        from ragkv.retriever.index import FaissIndex
+        from ragkv.retriever.kv_retriever import KVRetriever
+
+        other = RagKV.__new__(RagKV)
+        other.config = replace(self.config, tenant=validate_tenant(tenant))
+        other._prefixes, other._prefix_lock = OrderedDict(), threading.Lock()
+        other._model_lock, other._index_lock = self._model_lock, threading.RLock()
+        other.adapter, other.embedder = self.adapter, self.embedder
+        other.store, other.catalog = self.store, self.catalog
+        path = self.config.data_dir / f"chunks-{tenant_namespace(tenant)}.faiss"
+        index = FaissIndex.open(path, self.embedder.dim, fingerprint=self.embedder.fingerprint)
+        other.retriever = KVRetriever(
+            self.adapter,
+            self.store,
+            self.catalog,
+            index,
+            self.embedder,
+            self.config.retriever,
+            tenant=tenant,
+            store_secret=self.config.store_secret,
+        )
+        other.close = lambda: None  # type: ignore[method-assign]  # the shared parts belong to self
+        return other
+
+    def prefill(
+        self,
+        segments: Sequence[str | CachedText] | None = None,
+        *,
+        rag: tuple[Sequence[str], str] | None = None,
+        mode: str = "reuse",
+        max_new_tokens: int = 0,
+        fusion: FusionConfig | None = None,
+    ) -> Prefilled:
+        """The prompt's cache and last logits, ready for decoding (what a batching scheduler calls).
+
+        The prompt is either ``segments`` (as :meth:`generate_segments`) or ``rag=(chunk_texts,
+        question)`` (ragkv's own layout, as :meth:`generate_stream`). ``mode="full"`` prefills it
+        from scratch. Raises ``ContextTooLongError`` when prompt plus ``max_new_tokens`` do not fit.
+        """
+        if mode not in ("reuse", "full"):
+            raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
+        if (segments is None) == (rag is None):
+            raise ValueError("pass either segments or rag=(chunk_texts, question)")
+        if rag is not None:
+            texts, question = rag
+            prefix = self.retriever.prefix_ids
+            middle = [(list(self.retriever.chunk_token_ids(t)), True) for t in texts]
+            suffix = self.adapter.encode(self.retriever.layout.suffix_text(question))
+        else:
+            prefix, middle, suffix = self._segment_ids(segments or [])
+            if not middle:
+                mode = "full"
+        fusion = fusion or self.config.fusion
+        t0 = time.perf_counter()
+        ids = prefix + [t for seg, _ in middle for t in seg] + suffix
+        self.adapter.check_context(len(ids) + max_new_tokens)
+        stats = GenerationStats(prompt_tokens=len(ids), fusion="full" if mode == "full" else fusion.method)
+        with torch.inference_mode(), self._model_lock:
+            if mode == "full":
+                cache = self.adapter.build_cache([])
+                logits = self.adapter.forward(ids, cache, 0)
+                stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
+            else:
+                cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)
+        stats.extra["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        return Prefilled(cache, logits[-1], len(ids), stats)
+
+    def _segment_ids(
+        self, segments: Sequence[str | CachedText]
+    ) -> tuple[list[int], list[tuple[list[int], bool]], list[int]]:
+        """(prefix ids, middle segments with whether each is cached, suffix ids), as generate_segments cuts them."""
+        segs = [s for s in segments if (s.text if isinstance(s, CachedText) else s)]
+        cached_at = [i for i, s in enumerate(segs) if isinstance(s, CachedText)]
+
+        def plain(parts: Sequence[str | CachedText]) -> list[int]:
+            return self.adapter.encode("".join(p for p in parts if isinstance(p, str)))
+
+        if not cached_at:
+            return [], [], plain(segs)
+        first, last = cached_at[0], cached_at[-1]
+        middle = [
+            (self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
+            for s in segs[first : last + 1]
+        ]
+        suffix = plain(segs[last + 1 :])
+        if not suffix:
+            raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
+        return plain(segs[:first]) if first else [], middle, suffix
+
+    def remove(self, source: str) -> RemoveReport:
+        """Forget document ``source`` of this tenant: catalog rows, FAISS entries and its stored caches.
+
+        A cache entry goes only when no other document of the tenant still has a chunk with the same
+        tokens (entries are keyed by content, so two documents may share one).
+        """
+        tenant = self.config.tenant
+        # a file is indexed under its resolved path: accept the path as typed too
+        names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
+        found = [n for n in names if n and self.catalog.get_document(n, tenant) is not None]
+        if not found:
+            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv stats)")
+        source = found[0]
+        with self._index_lock:
+            chunks = self.catalog.document_chunks(source, tenant)
+            rows = self.catalog.remove_document(source, self.config.tenant)
+            if rows:
+                self.retriever.index.remove(rows)
+                self.retriever.index.save()
+            kept = {
+                c.token_ids
+                for c in self.catalog.chunks_by_rows(
+                    self.catalog.all_chunk_rows(self.config.tenant), self.config.tenant
+                )
+            }
+        deleted = 0
+        for chunk in chunks.values():
+            if chunk.token_ids in kept:
+                continue
+            for spec in self.retriever.config.stored_codecs:
+                key = self.retriever.chunk_key(chunk.token_ids, spec).storage_key
+                deleted += self.store.delete(key)
+                self.catalog.remove_entry(key)
+        return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
+
     def close(self) -> None:
         self.store.close()
         self.catalog.close()
@@ -496,3 +630,22 @@ class AnswerStream:
         if self._result is None:
             raise RuntimeError("iterate the stream to the end before reading .result")
         return self._result
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prompt prefilled and ready to decode (see :meth:`RagKV.prefill`)."""
+
+    cache: Any  # the prompt's transformers Cache, its first ``num_tokens`` slots filled
+    logits: torch.Tensor  # [vocab] fp32 logits of the prompt's last position
+    num_tokens: int  # prompt length (the first answer token goes at this position)
+    stats: GenerationStats  # what the prefill reused, recomputed and loaded
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveReport:
+    """What :meth:`RagKV.remove` deleted."""
+
+    source: str  # the document's source, as the catalog holds it
+    chunks: int  # chunk rows (and FAISS vectors) removed
+    cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)

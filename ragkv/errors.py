@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "DocumentNotFoundError",
     "RagkvError",
     "CodecError",
     "StoreUnavailableError",
@@ -43,3 +44,7 @@ class UnsupportedModelError(RagkvError):
 
 class ContextTooLongError(RagkvError, ValueError):
     """A prompt does not fit in the model's context window."""
+
+
+class DocumentNotFoundError(RagkvError, LookupError):
+    """No document with that source in the tenant's catalog."""

@@ -136,3 +136,16 @@ def test_offline_hub_name_not_cached_names_the_download(monkeypatch, capsys, tmp
         monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path / "d"), "--model", "org/absent", "--offline"
     )
     assert "hf download org/absent" in one_line_error(code, err)
+def test_remove_forgets_a_document_by_the_path_it_was_indexed_from(
+    monkeypatch, capsys, tmp_path, corpus, tiny_model_dir
+):
+    data, kv = tmp_path / "d", str(tmp_path / "d" / "kv")
+    base = ["--data-dir", str(data), "--model", str(tiny_model_dir), "--store", kv]
+    assert run(monkeypatch, capsys, "index", str(corpus), *base)[0] == 0
+    monkeypatch.chdir(corpus)
+    code, out, _ = run(monkeypatch, capsys, "remove", "apples.txt", *base)
+    assert code == 0 and "removed" in out and "apples.txt" in out
+    code, out, _ = run(monkeypatch, capsys, "stats", "--data-dir", str(data), "--store", kv)
+    assert code == 0 and "0 documents" in out and "0 cache entries" in out
+    code, _, err = run(monkeypatch, capsys, "remove", "apples.txt", *base)
+    assert code == 2 and "error: no document" in err

@@ -1,0 +1,258 @@
+"""The scheduler thread: it owns generation, admitting requests between batched decode steps.
+
+Each loop turn: drop rows whose clients left, prefill at most one waiting request (its fused
+prefill, which with reuse is short: the recomputed tokens plus the question), then advance every
+active request by one token in one batched forward pass (:class:`ragkv.model.batch.DecodeBatch`).
+Results go back to each request's asyncio queue on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ragkv.generation import GenerationConfig, _pick, stream_text
+from ragkv.model.batch import DecodeBatch
+from ragkv.types import CachedText, GenerationStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Event", "Job", "QueueFullError", "Scheduler"]
+
+_IDS = itertools.count()
+
+
+class QueueFullError(Exception):
+    """The scheduler holds ``max_queue`` requests already (the server answers 429)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What a request's queue receives: ``started`` (prefilled), ``delta`` (text), ``done`` or ``error``."""
+
+    kind: str
+    text: str = ""
+    stats: GenerationStats | None = None
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class Job:
+    """One request: its prompt, its engine (tenant) and where its events go."""
+
+    engine: Any  # the tenant's RagKV
+    segments: Sequence[str | CachedText] | None  # the whole prompt as segments, or None with ``rag``
+    rag: tuple[Sequence[str], str] | None  # (chunk texts, question): ragkv's own prompt layout
+    mode: str  # "reuse" or "full"
+    generation: GenerationConfig
+    post: Callable[[Event], None]  # hands an event to the request's consumer (thread-safe)
+    id: str = field(default_factory=lambda: f"job-{next(_IDS)}")
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Stop generating for this request (its client left); the scheduler frees the slot next turn."""
+        self.cancelled.set()
+
+
+class _Feed:
+    """The token iterator a request's ``stream_text`` pulls from: the scheduler sets one token per pull."""
+
+    def __init__(self) -> None:
+        self.token = -1
+        self.done = False
+
+    def __iter__(self) -> Iterator[int]:
+        while not self.done:
+            yield self.token
+
+
+@dataclass(slots=True)
+class _Row:
+    job: Job
+    stats: GenerationStats
+    feed: _Feed
+    text: Iterator[tuple[str, int]]  # stream_text over ``feed``
+    rng: torch.Generator | None
+    last: int = -1
+    count: int = 0  # tokens generated
+
+
+def queued_post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    """A ``post`` that puts events on ``queue`` from any thread (dropped once the loop is closed)."""
+
+    def post(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    return post
+
+
+class Scheduler:
+    """Runs every request's generation on one thread with batched decode.
+
+    Args:
+        adapter: the shared model.
+        max_batch: requests decoded together at most.
+        max_queue: requests held at most (waiting + decoding); more are refused.
+    """
+
+    def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 32) -> None:
+        if max_batch < 1 or max_queue < max_batch:
+            raise ValueError("need max_batch >= 1 and max_queue >= max_batch")
+        self.adapter, self.max_batch, self.max_queue = adapter, max_batch, max_queue
+        self._waiting: deque[Job] = deque()
+        self._rows: dict[str, _Row] = {}
+        self._batch = DecodeBatch(adapter)
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0  # batched decode steps taken
+        self.on_finish: Callable[[Job, GenerationStats | None, str], None] = lambda job, stats, how: None
+
+    # ---- client side ------------------------------------------------------------------------
+    @property
+    def depth(self) -> tuple[int, int]:
+        """(waiting, decoding) requests."""
+        with self._cond:
+            return len(self._waiting), len(self._rows)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; raises :class:`QueueFullError` past ``max_queue`` and RuntimeError once stopping."""
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            if len(self._waiting) + len(self._rows) >= self.max_queue:
+                raise QueueFullError(f"{self.max_queue} requests are queued already")
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ragkv-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, drain_s: float = 10.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``drain_s``, cancel the rest."""
+        with self._cond:
+            self._stopping = True
+            for job in self._waiting:
+                job.post(Event("error", error=RuntimeError("the server is shutting down")))
+            self._waiting.clear()
+            self._cond.notify()
+        if self._thread is None:
+            return
+        self._thread.join(drain_s)
+        if self._thread.is_alive():
+            for row in list(self._rows.values()):
+                row.job.cancel()
+            self._thread.join(5.0)
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._waiting and not self._rows and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not self._rows:
+                        return
+                    job = self._waiting.popleft() if self._waiting and len(self._rows) < self.max_batch else None
+                self._drop_cancelled()
+                if job is not None:
+                    self._admit(job)
+                if self._rows:
+                    self._step()
+
+    def _drop_cancelled(self) -> None:
+        for key, row in list(self._rows.items()):
+            if row.job.cancelled.is_set():
+                self._finish(key, "cancelled")
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        gen = job.generation
+        try:
+            pre = job.engine.prefill(job.segments, rag=job.rag, mode=job.mode, max_new_tokens=gen.max_new_tokens)
+        except Exception as e:  # handed to the request (a 400 for bad input); the server keeps going
+            logger.info("prefill of %s failed: %s", job.id, e)
+            job.post(Event("error", error=e))
+            self.on_finish(job, None, "error")
+            return
+        rng = None
+        if gen.temperature > 0:
+            rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else torch.Generator()
+            if gen.seed is None:
+                rng.seed()
+        feed = _Feed()
+        row = _Row(job, pre.stats, feed, stream_text(self.adapter, iter(feed), gen.stop), rng)
+        with self._cond:
+            self._rows[job.id] = row
+        job.post(Event("started", stats=pre.stats))
+        if self._take(job.id, _pick(pre.logits, gen, rng)):
+            with self._model_lock(job):
+                self._batch.add(job.id, pre.cache, pre.num_tokens)
+
+    def _step(self) -> None:
+        keys = list(self._batch.keys)
+        with self._model_lock(self._rows[keys[0]].job):
+            logits = self._batch.step([self._rows[k].last for k in keys])  # [B, vocab]
+        self.steps += 1
+        for i, key in enumerate(keys):
+            row = self._rows[key]
+            self._take(key, _pick(logits[i], row.job.generation, row.rng))  # a finished row leaves the batch
+
+    @staticmethod
+    def _model_lock(job: Job) -> Any:
+        return job.engine._model_lock
+
+    def _take(self, key: str, token: int) -> bool:
+        """Hand ``token`` to its request; False when the request is finished (and gone from the rows)."""
+        row = self._rows[key]
+        if token in self.adapter.eos_token_ids:
+            self._finish(key, "stop")
+            return False
+        if row.count == 0:
+            row.stats.ttft_ms = (time.perf_counter() - row.job.t0) * 1000
+        row.count += 1
+        row.last = token
+        row.feed.token = token
+        delta = next(row.text, None)
+        if delta is None:  # a stop string ended the text
+            self._finish(key, "stop")
+            return False
+        if delta[0]:
+            row.job.post(Event("delta", text=delta[0]))
+        if row.count >= row.job.generation.max_new_tokens:
+            self._finish(key, "length")
+            return False
+        return True
+
+    def _finish(self, key: str, how: str) -> None:
+        """End a request: flush its held-back text, post ``done``, drop its row (and batch row)."""
+        with self._cond:
+            row = self._rows.pop(key)
+        if key in self._batch.keys:
+            self._batch.remove(key)
+        if how != "cancelled":
+            row.feed.done = True
+            for delta, _ in row.text:
+                if delta:
+                    row.job.post(Event("delta", text=delta))
+        row.stats.generated_tokens = row.count
+        row.stats.total_ms = (time.perf_counter() - row.job.t0) * 1000
+        if row.count == 0:
+            row.stats.ttft_ms = row.stats.total_ms
+        row.stats.extra["finish_reason"] = how
+        row.job.post(Event("done", stats=row.stats))
+        self.on_finish(row.job, row.stats, how)

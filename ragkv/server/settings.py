@@ -1,0 +1,62 @@
+"""Server settings and the API keys file (bearer key -> tenant)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ragkv.types import validate_tenant
+
+__all__ = ["ServerSettings", "load_api_keys"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How ``ragkv serve`` listens and what it accepts."""
+
+    host: str = "127.0.0.1"  # loopback by default: expose it on purpose (with --api-keys)
+    port: int = 8000
+    api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # bearer key -> tenant; {} = no auth
+    max_batch: int = 8  # requests decoded together in one forward pass
+    max_queue: int = 32  # requests held (waiting + decoding); past it, 429 with Retry-After
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
+    drain_s: float = 10.0  # at shutdown, how long running requests may take to finish
+    model_name: str = "ragkv"  # the model id /v1/models lists (requests may name any model)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_batch < 1 or self.max_queue < self.max_batch:
+            raise ValueError("need max_batch >= 1 and max_queue >= max_batch (requests held, decoding included)")
+        for tenant in self.api_keys.values():
+            validate_tenant(tenant)
+
+
+def load_api_keys(path: Path) -> dict[str, str]:
+    """Read an API keys file: one ``KEY TENANT`` pair per line; blank lines and ``#`` comments skipped.
+
+    >>> import tempfile, os
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
+    ...     _ = f.write("# team keys\\nsk-alpha alpha\\nsk-beta beta\\n")
+    >>> load_api_keys(Path(f.name))
+    {'sk-alpha': 'alpha', 'sk-beta': 'beta'}
+    >>> os.unlink(f.name)
+    """
+    keys: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{n}: expected 'KEY TENANT' (two words), got {len(parts)} words")
+        key, tenant = parts
+        if len(key) < 8:
+            raise ValueError(f"{path}:{n}: API keys must be at least 8 characters (e.g. openssl rand -hex 16)")
+        if key in keys:
+            raise ValueError(f"{path}:{n}: key listed twice")
+        keys[key] = validate_tenant(tenant)
+    if not keys:
+        raise ValueError(f"{path} lists no keys; write one 'KEY TENANT' pair per line")
+    return keys

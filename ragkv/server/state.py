@@ -1,0 +1,130 @@
+"""What one server process holds: the tenants' engines (one shared model), the scheduler, metrics, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import HTTPException, Request
+
+from ragkv.integrations._bridge import engine_state
+from ragkv.server.metrics import Metrics
+from ragkv.server.scheduler import Event, Job, QueueFullError, Scheduler, queued_post
+from ragkv.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ApiError", "ServerState"]
+
+
+class ApiError(HTTPException):
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", **headers: str) -> None:
+        super().__init__(status_code=status, detail=message, headers=headers or None)
+        self.kind = kind
+
+
+class ServerState:
+    """The base engine (its tenant is the server's default), one engine per tenant sharing its model."""
+
+    def __init__(self, engine: Any, settings: ServerSettings) -> None:
+        self.base, self.settings = engine, settings
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine.adapter, max_batch=settings.max_batch, max_queue=settings.max_queue)
+        self.scheduler.on_finish = self._finished
+        self._engines: dict[str, Any] = {engine.config.tenant: engine}
+        self._lock = threading.Lock()
+        self._register(engine)
+
+    # ---- tenants ------------------------------------------------------------------------------
+    def tenant_of(self, request: Request) -> str:
+        """The tenant a request acts for: its bearer key's (with --api-keys), else the server's own."""
+        keys = self.settings.api_keys
+        if not keys:
+            return str(self.base.config.tenant)
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        tenant = keys.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            what = "no API key given" if not auth else "unknown API key"
+            raise ApiError(
+                401,
+                f"{what}: send 'Authorization: Bearer KEY' with a key from the server's --api-keys file",
+                "authentication_error",
+            )
+        return tenant
+
+    def engine(self, request: Request) -> Any:
+        """The engine of the request's tenant (made on first use, sharing the loaded model)."""
+        tenant = self.tenant_of(request)
+        with self._lock:
+            engine = self._engines.get(tenant)
+            if engine is None:
+                engine = self._engines[tenant] = self.base.for_tenant(tenant)
+                self._register(engine)
+        return engine
+
+    def _register(self, engine: Any) -> None:
+        """Make every indexed chunk text of the engine's tenant findable in client-sent prompts."""
+        cat, tenant = engine.catalog, engine.config.tenant
+        texts = [c.text for c in cat.chunks_by_rows(cat.all_chunk_rows(tenant), tenant)]
+        registry = engine_state(engine).registry
+        registry.clear()
+        if texts:
+            registry.add(texts[-registry.capacity :])
+
+    def refresh(self, engine: Any) -> None:
+        """Re-read the tenant's chunk texts after documents were added or removed."""
+        self._register(engine)
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def run(self, job_args: dict[str, Any]) -> tuple[Job, AsyncIterator[Event], Event]:
+        """Queue a generation; wait until it is prefilled. Returns (job, its remaining events, ``started``).
+
+        Raises ApiError: 429 when the queue is full, 400 for a prompt the model cannot take.
+        """
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        job = Job(post=queued_post(asyncio.get_running_loop(), queue), **job_args)
+        try:
+            self.scheduler.submit(job)
+        except QueueFullError as e:
+            raise ApiError(429, f"{e}; retry shortly", "rate_limit_error", **{"Retry-After": "1"}) from e
+        except RuntimeError as e:
+            raise ApiError(503, str(e), "server_error") from e
+        try:
+            first = await queue.get()
+        except BaseException:
+            job.cancel()
+            raise
+        if first.kind == "error":
+            err = first.error
+            status = 400 if isinstance(err, ValueError | TypeError) else 500
+            message = str(err) if status == 400 else "generation failed; see the server log"
+            raise ApiError(status, message, "invalid_request_error" if status == 400 else "server_error")
+
+        async def rest() -> AsyncIterator[Event]:
+            try:
+                while True:
+                    event = await queue.get()
+                    yield event
+                    if event.kind in ("done", "error"):
+                        return
+            finally:
+                job.cancel()  # a client that left frees its slot at the next step (no-op when done)
+
+        return job, rest(), first
+
+    def _finished(self, job: Job, stats: Any, how: str) -> None:
+        if stats is not None:
+            self.metrics.observe_generation(stats, how)
+
+    def tier_counts(self) -> dict[str, tuple[int, int, int]]:
+        return {name: (s.hits, s.misses, s.errors) for name, s in self.base.store.stats().items()}
+
+    def close(self) -> None:
+        self.scheduler.stop(self.settings.drain_s)
+        self.base.close()
