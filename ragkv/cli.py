@@ -505,6 +505,8 @@ def bench_stream(
     _write_rows(rows, out)
     if plot:
         plot_rows(rows, plot)
+
+
 @bench_app.command("serve")
 def bench_serve(
     url: Annotated[str, typer.Option("--url", help="A running ragkv serve.")] = "http://127.0.0.1:8000",

@@ -426,9 +426,7 @@ class KVRetriever:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
         return self.load_many([token_ids])[0]
 
-    def load_many(
-        self, segments: Sequence[Sequence[int]], *, plan: LoadPlanning | None = None
-    ) -> list[LoadedChunk]:
+    def load_many(self, segments: Sequence[Sequence[int]], *, plan: LoadPlanning | None = None) -> list[LoadedChunk]:
         """Several chunks' caches, in order; misses and unusable entries are computed and stored.
 
         With more than one chunk, blobs are fetched on a background thread, in order, while the

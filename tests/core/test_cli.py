@@ -136,6 +136,8 @@ def test_offline_hub_name_not_cached_names_the_download(monkeypatch, capsys, tmp
         monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path / "d"), "--model", "org/absent", "--offline"
     )
     assert "hf download org/absent" in one_line_error(code, err)
+
+
 def test_remove_forgets_a_document_by_the_path_it_was_indexed_from(
     monkeypatch, capsys, tmp_path, corpus, tiny_model_dir
 ):
