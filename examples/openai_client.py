@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import httpx
 from openai import OpenAI
@@ -35,7 +36,7 @@ def main() -> None:
     question = "How do honeybees tell each other where flowers are?"
 
     # 2. server-side retrieval: the server retrieves, reuses the chunk caches, returns the sources
-    answer = client.chat.completions.create(
+    answer: Any = client.chat.completions.create(  # Any: the ragkv fields are extras to the openai types
         model="ragkv", messages=[{"role": "user", "content": question}], max_tokens=args.max_tokens,
         extra_body={"ragkv": {"retrieve": True, "top_k": 2}},
     )  # fmt: skip
@@ -48,9 +49,9 @@ def main() -> None:
     # 3. streaming, with your own retrieved text in the prompt (what LangChain / LlamaIndex apps send):
     #    text the server has indexed is found verbatim and its cache reused
     context = "\n\n".join(s["text"] for s in stats["sources"])
-    messages = [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
+    messages: Any = [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
     print("\nstreamed: ", end="", flush=True)
-    usage = None
+    usage: Any = None
     for chunk in client.chat.completions.create(
         model="ragkv", messages=messages, max_tokens=args.max_tokens, stream=True,
         stream_options={"include_usage": True},
