@@ -471,6 +471,7 @@ class RagKV:
         other.config = replace(self.config, tenant=validate_tenant(tenant))
         other._prefixes, other._prefix_lock = OrderedDict(), threading.Lock()
         other._model_lock, other._index_lock = self._model_lock, threading.RLock()
+        other.load_estimates = self.load_estimates  # the same model on the same device: the same speeds
         other.adapter, other.embedder = self.adapter, self.embedder
         other.store, other.catalog = self.store, self.catalog
         path = self.config.data_dir / f"chunks-{tenant_namespace(tenant)}.faiss"
