@@ -29,7 +29,7 @@ from ragkv.planner.config import LoadConfig
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
-from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
+from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, RetrieverConfig
 from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
     DEFAULT_TENANT,
@@ -133,8 +133,6 @@ class RagKV:
         from ragkv.cache.catalog import Catalog
         from ragkv.cache.store import open_store
         from ragkv.retriever.embedder import SentenceTransformerEmbedder
-        from ragkv.retriever.index import FaissIndex
-        from ragkv.retriever.kv_retriever import KVRetriever
 
         self.config = config or EngineConfig()
         self.load_estimates = LoadEstimates(self.config.load)  # prefill and decode speeds, measured as it runs
@@ -150,17 +148,23 @@ class RagKV:
         self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
         self.store = open_store(self.config.store_urls())
         self.catalog = Catalog(self.config.catalog_url())
+        self.retriever = self._retriever(self.config.tenant)
+
+    def _retriever(self, tenant: str) -> KVRetriever:
+        """``tenant``'s retriever over this engine's model, embedder, store and catalog."""
+        from ragkv.retriever.index import FaissIndex
+
         # one FAISS file per tenant: a tenant's search never sees another's chunks
-        index_path = data_dir / f"chunks-{tenant_namespace(self.config.tenant)}.faiss"
-        index = FaissIndex.open(index_path, self.embedder.dim, fingerprint=self.embedder.fingerprint)
-        self.retriever = KVRetriever(
+        path = self.config.data_dir / f"chunks-{tenant_namespace(tenant)}.faiss"
+        index = FaissIndex.open(path, self.embedder.dim, fingerprint=self.embedder.fingerprint)
+        return KVRetriever(
             self.adapter,
             self.store,
             self.catalog,
             index,
             self.embedder,
             self.config.retriever,
-            tenant=self.config.tenant,
+            tenant=tenant,
             store_secret=self.config.store_secret,
         )
 
@@ -464,9 +468,6 @@ class RagKV:
         """
         from dataclasses import replace
 
-        from ragkv.retriever.index import FaissIndex
-        from ragkv.retriever.kv_retriever import KVRetriever
-
         other = RagKV.__new__(RagKV)
         other.config = replace(self.config, tenant=validate_tenant(tenant))
         other._prefixes, other._prefix_lock = OrderedDict(), threading.Lock()
@@ -474,18 +475,7 @@ class RagKV:
         other.load_estimates = self.load_estimates  # the same model on the same device: the same speeds
         other.adapter, other.embedder = self.adapter, self.embedder
         other.store, other.catalog = self.store, self.catalog
-        path = self.config.data_dir / f"chunks-{tenant_namespace(tenant)}.faiss"
-        index = FaissIndex.open(path, self.embedder.dim, fingerprint=self.embedder.fingerprint)
-        other.retriever = KVRetriever(
-            self.adapter,
-            self.store,
-            self.catalog,
-            index,
-            self.embedder,
-            self.config.retriever,
-            tenant=tenant,
-            store_secret=self.config.store_secret,
-        )
+        other.retriever = self._retriever(other.config.tenant)
         other.close = lambda: None  # type: ignore[method-assign]  # the shared parts belong to self
         return other
 
