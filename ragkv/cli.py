@@ -320,6 +320,10 @@ def serve(
     ratio: Ratio = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve [4].")] = None,
     max_new_tokens: MaxNewTokens = None,
+    dtype: Dtype = None,
+    device: Device = None,
+    offline: Offline = None,
+    slo_ms: SloMs = None,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API (see docs/serving.md)."""
     try:
@@ -349,6 +353,10 @@ def serve(
         ratio=ratio,
         top_k=top_k,
         max_new_tokens=max_new_tokens,
+        dtype=dtype,
+        device=device,
+        offline=offline,
+        slo_ms=slo_ms,
     )
     from ragkv.engine import RagKV
 
