@@ -48,6 +48,14 @@ class RateEstimate:
         """How long ``amount`` takes at the current estimate."""
         return amount * self._inverse
 
+    def seed(self, rate: float) -> None:
+        """Start from an earlier measurement (another process's, read back from disk); counts as one."""
+        if not 0 < rate < float("inf"):
+            raise ValueError(f"a seed needs a finite rate > 0; got {rate!r}")
+        with self._lock:
+            self._inverse = 1.0 / float(rate)
+            self.samples = max(self.samples, 1)
+
 
 class LinkEstimate:
     """A running estimate of a link's read cost, ``seconds = latency + bytes / rate``. Thread-safe.
