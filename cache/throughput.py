@@ -67,7 +67,7 @@ class LinkEstimate:
     value (``first_latency`` at first) and the rate takes the rest, which, averaged over seconds
     per byte as in :class:`RateEstimate`, shows a drop at once. ``measured`` says whether anything
     was measured (or seeded from an earlier process, see :meth:`seed`; or the first guess is
-    ``trusted``, a tier inside this machine).
+    ``trusted``, a tier inside this machine). The first read replaces the first guess outright.
 
     >>> link = LinkEstimate(first=125e6, first_latency=0.001, weight=0.5)
     >>> link.observe(1_000_000, 0.011); link.observe(4_000_000, 0.041)
@@ -138,4 +138,5 @@ class LinkEstimate:
                     return
             # one size (or a line that makes no sense): keep the latency, move seconds per byte
             per_byte = max(seconds - self._latency, 0.5 * seconds) / nbytes
-            self._inverse += self.weight * (per_byte - self._inverse)
+            first = self.samples == 1  # the first read replaces the first guess outright
+            self._inverse += (1.0 if first else self.weight) * (per_byte - self._inverse)
