@@ -82,12 +82,18 @@ class LinkEstimate:
             raise ValueError(f"first_latency must be >= 0 seconds, got {first_latency!r}")
         if not 0 < weight <= 1:
             raise ValueError(f"weight must be in (0, 1], got {weight!r}")
-        self.weight = weight
-        self._latency, self._inverse = float(first_latency), 1.0 / float(first)  # seconds, seconds per byte
-        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums of the points
-        self.samples = 0
+        self.weight, self._first = weight, (float(first), float(first_latency))
         self.trusted = trusted  # the first guess is good enough to plan on (a tier in this machine)
         self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every measurement: back to the first guess (a cold start)."""
+        with self._lock:
+            rate, latency = self._first
+            self._latency, self._inverse = latency, 1.0 / rate  # seconds, seconds per byte
+            self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums of the points
+            self.samples = 0
 
     @property
     def measured(self) -> bool:
