@@ -86,11 +86,12 @@ class LoadEstimates:
 
     def observe_prefill(self, computed: int, total: int, seconds: float) -> None:
         """Record a prefill or fusion pass: ``computed`` of its ``total`` tokens went through every layer
-        in ``seconds``. The marginal speed is taken from passes that compute most of the prompt; the
-        fixed cost is what the rest of each pass took beyond its tokens at that speed."""
+        in ``seconds``. The marginal speed is taken from passes that compute most of the prompt (and,
+        until one is seen, from the first pass of any kind: a low bound, which errs towards loading
+        rather than recomputing); the fixed cost is what each pass took beyond its tokens at that speed."""
         if computed <= 0 or seconds <= 0:
             return
-        if 2 * computed >= total:
+        if 2 * computed >= total or self.recompute.samples == 0:
             self.recompute.observe(computed, seconds)
         self.fusion_fixed.observe(max(0.0, seconds - self.recompute.seconds(computed)))
 
