@@ -115,13 +115,18 @@ class RateBook:
         with self._lock:
             self._saved_at = time.monotonic()
             data = self._current()
+            tmp: str | None = None
             try:
                 fd, tmp = tempfile.mkstemp(prefix=".load_rates-", suffix=".json", dir=self.path.parent)
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
                     json.dump(data, f, indent=1, sort_keys=True)
                 os.replace(tmp, self.path)
+                tmp = None
             except OSError as exc:  # a read-only or full data dir: the speeds are only lost, not wrong
                 logger.warning("could not save load speeds to %s: %s", self.path, exc)
+            finally:
+                if tmp is not None:
+                    Path(tmp).unlink(missing_ok=True)
 
     def _current(self) -> dict[str, Any]:
         old: dict[str, Any] = {}

@@ -150,3 +150,12 @@ def test_speeds_from_another_model_are_not_taken(tmp_path):
         RateBook(tmp_path / "load_rates.json", store, estimates, model="big@cuda").save()
         other = LoadEstimates()
         assert _book(tmp_path, store, other).load() == 0 and other.recompute.samples == 0
+
+
+def test_an_unwritable_data_dir_only_loses_the_speeds(tmp_path, caplog):
+    with open_store("memory://") as store:
+        store.read_estimates()["memory://"].observe(1000, 0.001)
+        book = RateBook(tmp_path / "missing-dir" / "load_rates.json", store, LoadEstimates(), model="tiny@cpu")
+        book.save()  # the folder does not exist: logged, nothing raised
+        assert book.load() == 0
+    assert "could not save load speeds" in caplog.text
