@@ -515,6 +515,7 @@ class KVRetriever:
             deadline=plan.deadline,
             reserve_s=plan.reserve_s,
             fusion_ratio=plan.fusion_ratio,
+            slack=plan.config.ttft_slack,
         )
 
     def _finish_loads(

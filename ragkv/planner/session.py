@@ -120,6 +120,7 @@ class LoadSession:
         deadline: ``time.perf_counter()`` value by which loading must be done; None: no deadline.
         reserve_s: estimated seconds the fusion pass needs after loading (subtracted from the budget).
         fusion_ratio: share of a loaded chunk's tokens the fusion pass recomputes anyway.
+        slack: without a deadline, the TTFT share traded for quality (``LoadConfig.ttft_slack``).
     """
 
     def __init__(
@@ -132,10 +133,11 @@ class LoadSession:
         deadline: float | None = None,
         reserve_s: float = 0.0,
         fusion_ratio: float = 0.0,
+        slack: float | None = None,
     ) -> None:
         self.chunks, self.order, self.estimates = list(chunks), list(order), estimates
         self._links, self.deadline, self.reserve_s = links, deadline, reserve_s
-        self.fusion_ratio = fusion_ratio
+        self.fusion_ratio, self.slack = fusion_ratio, slack
         self.probed: int | None = None  # the chunk loaded at its smallest level to measure an unmeasured link
         self.choices: list[str] = ["" for _ in self.chunks]  # what each chunk was loaded as
         self.bytes_by_tier: dict[str, int] = {}
@@ -155,8 +157,7 @@ class LoadSession:
             self.probed = n
             return min(self.chunks[n].sizes, key=lambda spec: self.chunks[n].sizes[spec])
         budget = None if self.deadline is None else self.deadline - time.perf_counter() - self.reserve_s
-        slack = self.estimates.config.ttft_slack
-        plan = plan_load(self.chunks[n:], self.order, rates, budget, slack=slack, base_s=self.reserve_s)
+        plan = plan_load(self.chunks[n:], self.order, rates, budget, slack=self.slack, base_s=self.reserve_s)
         return plan.choices[0]
 
     def link(self) -> LinkEstimate:
