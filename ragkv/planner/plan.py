@@ -9,7 +9,8 @@ The plan lowers one quality cap ``r`` for all remaining chunks: at cap ``r`` eac
 first stored level at rank >= ``r`` that costs no more than recomputing it, else text. A level's
 cost is the read's latency, then fetch and decode overlapped, plus the share of its tokens the
 fusion pass recomputes anyway; text costs its tokens at the prefill speed. With a budget, the
-smallest cap whose estimated time fits it wins (quality first); when none fits, the fastest plan.
+smallest cap whose estimated time fits it wins (quality first); when none fits, the fastest plan
+(the cheapest cap within 5% of it).
 Without one, ``slack=None`` takes ``r = 0`` (the best that still beats recomputing), and a
 ``slack`` takes the smallest cap whose estimate is within ``(1 + slack)`` of the fastest plan's
 (see docs/benchmarks.md, "Stream", for why the engine's default weighs TTFT). With a budget or
@@ -43,6 +44,7 @@ from ragkv.types import CodecSpec
 __all__ = ["TEXT", "ChunkOptions", "LoadPlan", "Rates", "choice_name", "plan_load"]
 
 TEXT = None  # the choice "recompute this chunk from its tokens"
+_NOISE = 0.05  # plans whose estimates differ by less than this share are taken as equally fast
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,8 @@ def plan_load(
         base_s: seconds the answer costs whatever the plan (the fusion pass's fixed share).
 
     Returns:
-        The plan; when no plan fits the budget, the fastest plan with ``fits=False``.
+        The plan; when no plan fits the budget, the fastest plan (or the cheapest within 5% of it:
+        estimates are not that exact) with ``fits=False``.
     """
     if not rates.recompute_tps > 0:
         raise ValueError(f"recompute_tps must be > 0 (prefill tokens/s); got {rates.recompute_tps!r}")
@@ -127,7 +130,11 @@ def plan_load(
         limit = (1 + slack) * (base_s + fastest.seconds) - base_s
         return next(p for p in plans if p.seconds <= limit + 1e-12)
     fitting = next((p for p in plans if p.seconds <= budget_s), None)
-    return fitting if fitting is not None else LoadPlan(fastest.choices, fastest.seconds, False)
+    if fitting is not None:
+        return fitting
+    # nothing fits: the fastest plan, or a cheaper one within estimate noise of it (bytes are the surer bet)
+    close = [p for p in plans if p.seconds <= (1 + _NOISE) * fastest.seconds]
+    return LoadPlan(close[-1].choices, close[-1].seconds, False)
 
 
 def _at_cap(chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: Rates, cap: int) -> LoadPlan:
