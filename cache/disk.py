@@ -144,6 +144,7 @@ class DiskTier(Tier):
         {"writable", "timeout", "max_bytes", "tenant_max_bytes", "policy", "ttl"}
     )
     default_timeout: ClassVar[float | None] = 10.0
+    local: ClassVar[bool] = True
     default_max_bytes: ClassVar[int] = 16 << 30
 
     def __init__(self, config: TierConfig) -> None:

@@ -37,6 +37,7 @@ class MemoryTier(Tier):
 
     accepts: ClassVar[frozenset[str]] = frozenset({"writable", "timeout", "max_bytes", "tenant_max_bytes", "policy"})
     in_process: ClassVar[bool] = True
+    local: ClassVar[bool] = True
     default_timeout: ClassVar[float | None] = None
     default_max_bytes: ClassVar[int] = 1 << 30
 

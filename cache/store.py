@@ -28,7 +28,7 @@ from ragkv.cache.keys import validate_key, validate_namespace, validate_value
 from ragkv.cache.registry import open_tier
 from ragkv.cache.stats import TierStats
 from ragkv.cache.store_config import StoreConfig
-from ragkv.cache.throughput import RateEstimate
+from ragkv.cache.throughput import LinkEstimate
 from ragkv.cache.tier import Tier
 from ragkv.errors import StoreUnavailableError
 
@@ -38,6 +38,7 @@ __all__ = ["TieredStore", "open_store"]
 # in-process tier reads at memory speed; anything else is taken to be a 1 Gbit/s link.
 _FIRST_RATE_IN_PROCESS = 2e9
 _FIRST_RATE_REMOTE = 125e6
+_FIRST_LATENCY_REMOTE = 1e-3  # seconds per request before its first byte (a datacenter round trip)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class _Slot:
     tier: Tier
     breaker: CircuitBreaker
     pool: DaemonPool | None  # None: in-process tier, called inline
-    read_rate: RateEstimate  # bytes/s of this tier's reads that found a value
+    read_rate: LinkEstimate  # latency + bytes/s of this tier's reads that found a value
 
 
 class TieredStore:
@@ -81,7 +82,9 @@ class TieredStore:
                 pool=None
                 if tier.in_process or tier.timeout is None
                 else DaemonPool(self.config.workers_per_tier, f"ragkv-tier{i}"),
-                read_rate=RateEstimate(_FIRST_RATE_IN_PROCESS if tier.in_process else _FIRST_RATE_REMOTE),
+                read_rate=LinkEstimate(_FIRST_RATE_IN_PROCESS, trusted=True)
+                if tier.in_process
+                else LinkEstimate(_FIRST_RATE_REMOTE, 0.0 if tier.local else _FIRST_LATENCY_REMOTE, trusted=tier.local),
             )
             for i, tier in enumerate(tiers)
         ]
@@ -138,6 +141,11 @@ class TieredStore:
         """Each tier's running estimate of its read throughput in bytes/s, by the names stats() uses
         (a first guess until the tier has served a read)."""
         return {label: slot.read_rate.rate for label, slot in zip(self._labels(), self._slots, strict=True)}
+
+    def read_estimates(self) -> dict[str, LinkEstimate]:
+        """Each tier's read cost estimate (latency and bytes/s; ``samples`` 0: still the first guess), by
+        the names stats() uses. The objects are live: :meth:`LinkEstimate.seed` seeds a tier."""
+        return {label: slot.read_rate for label, slot in zip(self._labels(), self._slots, strict=True)}
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
         """The values found for ``keys`` (missing ones left out), in the order asked."""

@@ -38,6 +38,8 @@ class Tier(ABC):
     takes_backend_options: ClassVar[bool] = False
     # True: calls run in-process and cannot hang, so TieredStore need not bound them.
     in_process: ClassVar[bool] = False
+    # on this machine (memory, local disk): its first read-speed guess is planned on without a probe
+    local: ClassVar[bool] = False
     # Seconds one call may take when the URL sets no timeout; None: unbounded.
     default_timeout: ClassVar[float | None] = 10.0
 

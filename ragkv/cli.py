@@ -490,6 +490,13 @@ def bench_stream(
     chunks: Annotated[int, typer.Option("--chunks", help="Chunks in the prompt.", min=1)] = 4,
     repeats: Annotated[int, typer.Option("--repeats", help="Runs per (scenario, policy); the best is kept.")] = 3,
     slo_ms: SloMs = None,
+    scenarios: Annotated[
+        str | None,
+        typer.Option(
+            "--scenarios",
+            help="Comma-separated subset of 10mbit,100mbit,1gbit,unlimited,drop-1gbit-20mbit (default: all).",
+        ),
+    ] = None,
 ) -> None:
     """TTFT and KL of fixed levels, text and the load planner over a kernel-limited link to Redis.
 
@@ -504,10 +511,15 @@ def bench_stream(
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
         raise typer.Exit(code)
-    from ragkv.bench.stream import format_table, plot_rows, run_stream_bench, summary
+    from ragkv.bench.stream import SCENARIOS, format_table, plot_rows, run_stream_bench, summary
 
     wanted = [int(x) for x in levels.split(",") if x.strip()]
-    rows = run_stream_bench(_load_model(model), wanted, chunks=chunks, repeats=repeats, slo_ms=slo_ms)
+    names = None if scenarios is None else [x.strip() for x in scenarios.split(",") if x.strip()]
+    known = [name for name, *_ in SCENARIOS]
+    if names is not None and (unknown := sorted(set(names) - set(known))):
+        typer.echo(f"error: unknown scenario(s) {unknown}; choose from {','.join(known)}", err=True)
+        raise typer.Exit(2)
+    rows = run_stream_bench(_load_model(model), wanted, chunks=chunks, repeats=repeats, slo_ms=slo_ms, scenarios=names)
     typer.echo(format_table(rows))
     typer.echo("\n" + summary(rows))
     _write_rows(rows, out)

@@ -26,6 +26,7 @@ from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.placement import validate_placement
 from ragkv.planner.config import LoadConfig
+from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
@@ -147,6 +148,13 @@ class RagKV:
         )
         self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
         self.store = open_store(self.config.store_urls())
+        self._rate_book = RateBook(
+            data_dir / "load_rates.json" if self.config.load.persist else None,
+            self.store,
+            self.load_estimates,
+            model=f"{self.adapter.name}@{self.adapter.device}",
+        )
+        self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
         self.catalog = Catalog(self.config.catalog_url())
         self.retriever = self._retriever(self.config.tenant)
 
@@ -350,6 +358,7 @@ class RagKV:
                     started = time.perf_counter()
                     logits = self.adapter.forward(ids, cache, 0)
                     self.load_estimates.recompute.observe(len(ids), time.perf_counter() - started)
+                    self._rate_book.save_soon()
                     stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
                 else:
                     cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats, started=t0)
@@ -418,7 +427,9 @@ class RagKV:
         fuse_started = time.perf_counter()
         fused = fuse(self.adapter, inp, fusion, prefill_suffix=True)
         computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
-        self.load_estimates.recompute.observe(computed, time.perf_counter() - fuse_started)
+        total = sum(len(seg) for seg, _ in middle) + len(suffix)
+        self.load_estimates.observe_prefill(computed, total, time.perf_counter() - fuse_started)
+        self._rate_book.save_soon()
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
         logits = fused.suffix_logits
@@ -436,8 +447,9 @@ class RagKV:
             deadline = (started if started is not None else time.perf_counter()) + cfg.slo_ms / 1000
         cached = sum(len(seg) for seg, c in middle if c)
         plain = sum(len(seg) for seg, c in middle if not c)
-        reserve = self.load_estimates.recompute.seconds(fusion.ratio * cached + plain + len(suffix))
-        return LoadPlanning(cfg, self.load_estimates, deadline, reserve)
+        est = self.load_estimates
+        reserve = est.fusion_fixed.value + est.recompute.seconds(fusion.ratio * cached + plain + len(suffix))
+        return LoadPlanning(cfg, est, deadline, reserve, fusion_ratio=fusion.ratio)
 
     def _prefix_kv(self, prefix: list[int]) -> ChunkKV:
         """Exact KV of a prompt's text before its first chunk; the last few are kept (framework
@@ -473,6 +485,7 @@ class RagKV:
         other._prefixes, other._prefix_lock = OrderedDict(), threading.Lock()
         other._model_lock, other._index_lock = self._model_lock, threading.RLock()
         other.load_estimates = self.load_estimates  # the same model on the same device: the same speeds
+        other._rate_book = self._rate_book
         other.adapter, other.embedder = self.adapter, self.embedder
         other.store, other.catalog = self.store, self.catalog
         other.retriever = self._retriever(other.config.tenant)
@@ -580,6 +593,7 @@ class RagKV:
         return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
 
     def close(self) -> None:
+        self._rate_book.save()
         self.store.close()
         self.catalog.close()
 

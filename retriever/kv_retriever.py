@@ -508,7 +508,14 @@ class KVRetriever:
             for seg, per in zip(segments, keyed, strict=True)
         ]
         return LoadSession(
-            chunks, order, plan.estimates, self.store.read_rates, deadline=plan.deadline, reserve_s=plan.reserve_s
+            chunks,
+            order,
+            plan.estimates,
+            self.store.read_estimates,
+            deadline=plan.deadline,
+            reserve_s=plan.reserve_s,
+            fusion_ratio=plan.fusion_ratio,
+            slack=plan.config.ttft_slack,
         )
 
     def _finish_loads(

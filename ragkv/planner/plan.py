@@ -6,11 +6,19 @@ fusion pass (``TEXT``). Levels are ranked by quality, best first (``RetrieverCon
 CacheGen: it costs compute, not bytes, and is picked when no level loads faster than it computes.
 
 The plan lowers one quality cap ``r`` for all remaining chunks: at cap ``r`` each chunk takes the
-first stored level at rank >= ``r`` that loads no slower than its text recomputes, else text. The
-smallest cap whose estimated time fits the budget wins (with no budget: ``r = 0``). Because more
-bandwidth only makes levels faster, it never raises the cap nor turns a level into text: more
-bandwidth never lowers quality. Re-planning before each chunk (on the bandwidth measured so far)
-mixes levels across the prompt.
+first stored level at rank >= ``r`` that costs no more than recomputing it, else text. A level's
+cost is the read's latency, then fetch and decode overlapped, plus the share of its tokens the
+fusion pass recomputes anyway; text costs its tokens at the prefill speed. With a budget, the
+smallest cap whose estimated time fits it wins (quality first); when none fits, the fastest plan
+(the cheapest cap within 5% of it).
+Without one, ``slack=None`` takes ``r = 0`` (the best that still beats recomputing), and a
+``slack`` takes the smallest cap whose estimate is within ``(1 + slack)`` of the fastest plan's
+(see docs/benchmarks.md, "Stream", for why the engine's default weighs TTFT). With a budget or
+quality first, more bandwidth only makes levels faster, so it never raises the cap nor turns a
+level into text: more bandwidth never lowers quality (with ``slack`` that holds for the plan's
+time, not per chunk: a faster link can make one more chunk worth loading and tip the plan to a
+cheaper cap). Re-planning before each chunk (on the bandwidth
+measured so far) mixes levels across the prompt.
 
 >>> from ragkv.types import CodecSpec
 >>> best, cheap = CodecSpec("cachegen", 0), CodecSpec("cachegen", 3)
@@ -36,6 +44,7 @@ from ragkv.types import CodecSpec
 __all__ = ["TEXT", "ChunkOptions", "LoadPlan", "Rates", "choice_name", "plan_load"]
 
 TEXT = None  # the choice "recompute this chunk from its tokens"
+_NOISE = 0.05  # plans whose estimates differ by less than this share are taken as equally fast
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,18 +60,27 @@ class Rates:
     """The speeds a plan is made with (running estimates from real reads, decodes and prefills)."""
 
     transfer_bps: float  # bytes/s the chunk bytes arrive at
-    recompute_tps: float  # prefill tokens/s of this model on this device
-    decode_bps: Mapping[str, float] = field(default_factory=dict)  # codec name -> encoded bytes decoded per s
+    recompute_tps: float  # prefill tokens/s of this model on this device (the fusion pass's marginal speed)
+    # encoded bytes decoded per s, by "codec:level" (measured) or codec name (a first guess)
+    decode_bps: Mapping[str, float] = field(default_factory=dict)
+    latency_s: float = 0.0  # seconds per read before its first byte
+    fusion_ratio: float = 0.0  # share of a loaded chunk's tokens the fusion pass still recomputes
 
     def load_seconds(self, spec: CodecSpec, nbytes: int) -> float:
-        """Time to have one chunk's cache: fetching and decoding overlap (the pipelined loader)."""
+        """Time to have one chunk's cache: a read's latency, then fetching and decoding overlap (the
+        pipelined loader)."""
         transfer = nbytes / self.transfer_bps if self.transfer_bps > 0 else float("inf")
-        decode = self.decode_bps.get(spec.name)
-        return max(transfer, nbytes / decode if decode else 0.0)
+        decode = self.decode_bps.get(str(spec)) or self.decode_bps.get(spec.name)
+        return self.latency_s + max(transfer, nbytes / decode if decode else 0.0)
 
     def text_seconds(self, tokens: int) -> float:
-        """Time to recompute one chunk from its tokens."""
+        """Time to recompute one chunk from its tokens (in the fusion pass)."""
         return tokens / self.recompute_tps
+
+    def chunk_seconds(self, spec: CodecSpec, chunk: ChunkOptions) -> float:
+        """What loading ``chunk`` at ``spec`` adds to the answer: its load, and the share of its tokens
+        the fusion pass recomputes anyway."""
+        return self.load_seconds(spec, chunk.sizes[spec]) + self.text_seconds(chunk.tokens) * self.fusion_ratio
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +93,13 @@ class LoadPlan:
 
 
 def plan_load(
-    chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: Rates, budget_s: float | None = None
+    chunks: Sequence[ChunkOptions],
+    order: Sequence[CodecSpec],
+    rates: Rates,
+    budget_s: float | None = None,
+    *,
+    slack: float | None = None,
+    base_s: float = 0.0,
 ) -> LoadPlan:
     """The highest-quality choice per chunk whose estimated total time fits ``budget_s``.
 
@@ -83,23 +107,39 @@ def plan_load(
         chunks: the chunks still to load, in prompt order.
         order: every stored (codec, level), best quality first.
         rates: transfer, decode and recompute speeds.
-        budget_s: seconds left for loading (None: no deadline, only "faster than recomputing").
+        budget_s: seconds left for loading (None: no deadline, see ``slack``).
+        slack: without a deadline, how much slower than the fastest plan (a share of the answer's
+            estimated time, ``base_s`` included) a better-quality plan may be and still be taken;
+            None: quality first, the best that still loads faster than recomputing.
+        base_s: seconds the answer costs whatever the plan (the fusion pass's fixed share).
 
     Returns:
-        The plan; when even the cheapest plan misses the budget, that plan with ``fits=False``.
+        The plan; when no plan fits the budget, the fastest plan (or the cheapest within 5% of it:
+        estimates are not that exact) with ``fits=False``.
     """
     if not rates.recompute_tps > 0:
         raise ValueError(f"recompute_tps must be > 0 (prefill tokens/s); got {rates.recompute_tps!r}")
-    last = max(len(order) - 1, 0)
-    for cap in range(last + 1 if budget_s is not None else 1):
-        plan = _at_cap(chunks, order, rates, cap)
-        if budget_s is None or plan.seconds <= budget_s:
-            return plan
-    cheapest = _at_cap(chunks, order, rates, last)
-    return LoadPlan(cheapest.choices, cheapest.seconds, False)
+    if slack is not None and not slack >= 0:
+        raise ValueError(f"slack must be >= 0 (a share of the answer's time) or None; got {slack!r}")
+    if budget_s is None and slack is None:
+        return _at_cap(chunks, order, rates, 0)
+    plans = [_at_cap(chunks, order, rates, cap) for cap in range(max(len(order), 1))]
+    fastest = min(plans, key=lambda p: p.seconds)
+    if budget_s is None:
+        assert slack is not None
+        limit = (1 + slack) * (base_s + fastest.seconds) - base_s
+        return next(p for p in plans if p.seconds <= limit + 1e-12)
+    fitting = next((p for p in plans if p.seconds <= budget_s), None)
+    if fitting is not None:
+        return fitting
+    # nothing fits: the fastest plan, or a cheaper one within estimate noise of it (bytes are the surer bet)
+    close = [p for p in plans if p.seconds <= (1 + _NOISE) * fastest.seconds]
+    return LoadPlan(close[-1].choices, close[-1].seconds, False)
 
 
 def _at_cap(chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: Rates, cap: int) -> LoadPlan:
+    """At quality cap ``cap``: per chunk, the first stored level at rank >= cap that costs no more than
+    recomputing the chunk, else text."""
     choices: list[CodecSpec | None] = []
     total = 0.0
     for chunk in chunks:
@@ -107,7 +147,7 @@ def _at_cap(chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: R
         best: tuple[CodecSpec | None, float] = (TEXT, text)
         for spec in order[cap:]:
             if spec in chunk.sizes:
-                seconds = rates.load_seconds(spec, chunk.sizes[spec])
+                seconds = rates.chunk_seconds(spec, chunk)
                 if seconds <= text:
                     best = (spec, seconds)
                     break

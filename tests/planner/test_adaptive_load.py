@@ -106,3 +106,19 @@ def test_a_fixed_level_loads_that_level_without_planning(tmp_path, llama_adapter
 def test_bad_load_settings_are_refused(kw, err):
     with pytest.raises(err):
         LoadConfig(**kw)
+
+
+def test_the_next_engine_on_a_data_dir_starts_from_the_measured_speeds(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        chunks = _three_chunks(rag)
+        rag.answer("Where do apples grow?", chunks=chunks, generation=GEN)
+        rag.answer("Where do apples grow?", chunks=chunks, mode="full", generation=GEN)  # measures prefill
+        measured = rag.load_estimates.recompute.rate
+        decode = rag.load_estimates.decode_rates()
+    assert (tmp_path / "load_rates.json").exists() and "cachegen:0" in decode
+    with _engine(tmp_path, llama_adapter) as again:
+        assert again.load_estimates.recompute.samples == 1 and again.load_estimates.recompute.rate == measured
+        assert again.load_estimates.decode("cachegen:0").rate == decode["cachegen:0"]
+    with _engine(tmp_path / "off", llama_adapter, load=LoadConfig(persist=False)) as rag:
+        rag.answer("Where do apples grow?", chunks=_three_chunks(rag), generation=GEN)
+    assert not (tmp_path / "off" / "load_rates.json").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,7 +29,10 @@ rates_st = st.builds(
     transfer_bps=st.floats(1e3, 1e10),
     recompute_tps=st.floats(10, 1e6),
     decode_bps=st.fixed_dictionaries({}, optional={"cachegen": st.floats(1e5, 1e10)}),
+    latency_s=st.floats(0, 0.1),
+    fusion_ratio=st.floats(0, 0.5),
 )
+slacks = st.none() | st.floats(0, 1)
 budgets = st.none() | st.floats(0, 100)
 
 
@@ -36,31 +41,33 @@ def _rank(choice: CodecSpec | None) -> int:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(chunk_options(), max_size=6), rates_st, budgets)
-def test_never_picks_a_level_not_stored(chunks, rates, budget):
-    plan = plan_load(chunks, ORDER, rates, budget)
+@given(st.lists(chunk_options(), max_size=6), rates_st, budgets, slacks)
+def test_never_picks_a_level_not_stored(chunks, rates, budget, slack):
+    plan = plan_load(chunks, ORDER, rates, budget, slack=slack)
     assert len(plan.choices) == len(chunks)
     for chunk, choice in zip(chunks, plan.choices, strict=True):
         assert choice is TEXT or choice in chunk.sizes
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, budgets)
-def test_picks_text_when_every_level_is_slower_than_recompute(chunks, rates, budget):
-    plan = plan_load(chunks, ORDER, rates, budget)
+@given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, budgets, slacks)
+def test_picks_text_when_every_level_is_slower_than_recompute(chunks, rates, budget, slack):
+    plan = plan_load(chunks, ORDER, rates, budget, slack=slack)
     for chunk, choice in zip(chunks, plan.choices, strict=True):
         text = rates.text_seconds(chunk.tokens)
-        if all(rates.load_seconds(spec, n) > text for spec, n in chunk.sizes.items()):
+        if all(rates.chunk_seconds(spec, chunk) > text for spec in chunk.sizes):
             assert choice is TEXT
         if choice is not TEXT:  # a level is only ever picked when it beats recomputing
-            assert rates.load_seconds(choice, chunk.sizes[choice]) <= text
+            assert rates.chunk_seconds(choice, chunk) <= text
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, budgets, st.floats(1.0, 1000.0))
 def test_more_bandwidth_never_lowers_quality(chunks, rates, budget, factor):
+    """With a deadline or none (quality first). With ``slack`` it can fail per chunk (a faster link that
+    makes one more chunk worth loading can tip the whole plan to a cheaper cap), so it is not claimed."""
     slow = plan_load(chunks, ORDER, rates, budget)
-    fast_rates = Rates(rates.transfer_bps * factor, rates.recompute_tps, rates.decode_bps)
+    fast_rates = replace(rates, transfer_bps=rates.transfer_bps * factor)
     fast = plan_load(chunks, ORDER, fast_rates, budget)
     for a, b in zip(slow.choices, fast.choices, strict=True):
         assert _rank(b) <= _rank(a)
@@ -75,8 +82,38 @@ def test_a_plan_that_fits_is_the_best_quality_cap_that_fits(chunks, rates, budge
     if free.seconds <= budget:
         assert plan.choices == free.choices
     assert plan.fits == (plan.seconds <= budget)
-    if not plan.fits:  # nothing fits: the cheapest plan, which is no slower than all-text
+    if not plan.fits:  # nothing fits: the fastest plan, which is no slower than all-text
         assert plan.seconds <= sum(rates.text_seconds(c.tokens) for c in chunks) + 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(chunk_options(), min_size=1, max_size=6), rates_st, st.floats(0, 1), st.floats(0, 10))
+def test_with_slack_the_best_quality_within_it_of_the_fastest(chunks, rates, slack, base):
+    plan = plan_load(chunks, ORDER, rates, slack=slack, base_s=base)
+    quality = plan_load(chunks, ORDER, rates)  # quality first: the best that beats recomputing
+    fastest = plan_load(chunks, ORDER, rates, 0.0)  # no budget met: the fastest plan
+    assert base + plan.seconds <= (1 + slack) * (base + fastest.seconds) + 1e-9
+    assert plan.fits and plan.seconds >= fastest.seconds - 1e-9
+    if base + quality.seconds <= (1 + slack) * (base + fastest.seconds):
+        assert plan.choices == quality.choices  # quality first when it costs little
+
+
+def test_slack_trades_a_little_quality_for_a_lot_of_time():
+    """At 100 Mbit/s, level 0 is 4x the bytes of level 3: without slack level 0 (it beats recomputing),
+    with 5% slack level 3 (level 0 makes the answer 50% slower); on a fast link level 0 either way."""
+    chunk = ChunkOptions(400, {ORDER[0]: 2_000_000, ORDER[3]: 500_000})
+    slow = Rates(12.5e6, 400.0, fusion_ratio=0.15)  # 100 Mbit/s: 0.16 s vs 0.04 s; text 1 s
+    assert plan_load([chunk] * 4, ORDER, slow).choices == (ORDER[0],) * 4
+    assert plan_load([chunk] * 4, ORDER, slow, slack=0.05, base_s=1.0).choices == (ORDER[3],) * 4
+    fast = Rates(1.25e9, 400.0, fusion_ratio=0.15)  # 10 Gbit/s: 1.6 ms vs 0.4 ms
+    assert plan_load([chunk] * 4, ORDER, fast, slack=0.05, base_s=1.0).choices == (ORDER[0],) * 4
+
+
+def test_latency_counts_per_read():
+    """Many small reads over a slow round trip: text wins though the bytes alone would be quick."""
+    chunk = ChunkOptions(50, {ORDER[0]: 10_000})
+    assert plan_load([chunk], ORDER, Rates(125e6, 1000.0)).choices == (ORDER[0],)
+    assert plan_load([chunk], ORDER, Rates(125e6, 1000.0, latency_s=0.2)).choices == (TEXT,)
 
 
 def test_no_deadline_on_a_fast_link_loads_the_best_level():
