@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.generation import GenerationConfig
-from ragkv.integrations._bridge import engine_state, render_chat
+from ragkv.prompt import render_chat
 from ragkv.server.state import ApiError, ServerState
 from ragkv.types import Chunk, GenerationStats
 
@@ -138,7 +138,7 @@ async def _prepare(
         prompt = render_chat(engine.adapter.tokenizer, [{"role": m.role, "content": m.text()} for m in chat])
     if not prompt:
         raise ApiError(400, "the prompt is empty; send some text")
-    segments = engine_state(engine).registry.split(prompt) if mode == "reuse" else [prompt]
+    segments = state.registry(engine).split(prompt) if mode == "reuse" else [prompt]
     found = sum(not isinstance(s, str) for s in segments)
     return {"engine": engine, "mode": mode, "generation": gen, "segments": segments, "rag": None}, [], found
 
