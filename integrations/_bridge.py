@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ragkv.integrations._segments import ChunkRegistry
+from ragkv.matching import ChunkRegistry
+from ragkv.prompt import render_chat, render_completion
 
 if TYPE_CHECKING:
     from ragkv.engine import RagKV
@@ -106,28 +107,6 @@ def default_engine() -> RagKV:
 
             _DEFAULT.append(RagKV(EngineConfig.from_env()))
         return _DEFAULT[0]
-
-
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
-    """The prompt string of ``messages`` (``{"role", "content"}`` dicts), ready for the assistant's turn.
-
-    Uses the tokenizer's chat template; without one, a plain ``role: content`` transcript.
-    """
-    if not messages:
-        raise ValueError("no messages to answer; pass at least one user message")
-    if getattr(tokenizer, "chat_template", None):
-        return str(
-            tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
-        )
-    lines = [f"{m['role']}: {m['content']}" for m in messages]
-    return "\n".join([*lines, "assistant:"])
-
-
-def render_completion(tokenizer: Any, prompt: str, *, chat_template: bool) -> str:
-    """``prompt`` as one user turn of the chat template, or as is (raw completion)."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        return render_chat(tokenizer, [{"role": "user", "content": prompt}])
-    return prompt
 
 
 def stream(
@@ -221,7 +200,7 @@ def warm(engine: RagKV, texts: Sequence[str], *, progress: bool = False) -> int:
     """
     from tqdm.auto import tqdm
 
-    from ragkv.integrations._segments import SEPARATOR
+    from ragkv.matching import SEPARATOR
 
     state = engine_state(engine)
     state.registry.add(texts)

@@ -551,10 +551,32 @@ def bench_serve(
         if not client.get("/v1/documents").raise_for_status().json()["data"]:
             typer.echo("indexing the stdlib demo documents on the server ...", err=True)
             docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
-            client.post("/v1/documents", json=docs).raise_for_status()
+            _index_on_server(client, docs)
     rows = run_serve_bench(url, levels, requests, questions=DEMO_QUESTIONS, api_key=api_key, max_tokens=max_tokens)
     typer.echo(format_serve_table(rows))
     _write_rows(rows, out)
+
+
+def _index_on_server(client: Any, docs: list[dict[str, str]]) -> None:
+    """POST ``docs`` to a server's /v1/documents, showing its streamed progress on stderr."""
+    report: dict[str, Any] = {}
+    with client.stream("POST", "/v1/documents?stream=true", json=docs) as r:
+        if r.status_code != 200:
+            r.read()
+            typer.echo(f"error: the server refused the documents: HTTP {r.status_code}: {r.text[:300]}", err=True)
+            raise typer.Exit(2)
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("object") == "document.progress":
+                typer.echo(f"\r  {event['phase']} {event['done']}/{event['total']}    ", err=True, nl=False)
+            else:
+                report = event
+    typer.echo("", err=True)
+    if "error" in report or report.get("status") != 201:
+        typer.echo(f"error: indexing the demo documents on the server failed: {report}", err=True)
+        raise typer.Exit(2)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
-from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, RetrieverConfig
+from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn, RetrieverConfig
 from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
     DEFAULT_TENANT,
@@ -184,6 +184,7 @@ class RagKV:
         progress: bool = True,
         executor: str = "local",
         ray: RayConfig | None = None,
+        on_progress: ProgressFn | None = None,
     ) -> IndexReport:
         """Index files, directories or ``Document`` objects.
 
@@ -194,6 +195,8 @@ class RagKV:
                 ``config.model`` once each and write to the configured store (needs ``ragkv[ray]``
                 and a store the workers share); planning and committing stay here.
             ray: Ray settings (address, actors, retries); None = ``RayConfig()``.
+            on_progress: hears each step of chunking, precompute and embedding
+                (``ragkv.retriever.kv_retriever.IndexProgress``), on the calling thread.
 
         Returns:
             What the run did; ``report.failed`` counts chunk caches that were not stored
@@ -218,7 +221,7 @@ class RagKV:
             check_store_reach(spec.store, nodes=1)  # before any work; the cluster's size is checked once connected
             compute = ray_compute(spec, ray)
         with self._index_lock:
-            return self.retriever.index_documents(docs, progress=progress, compute=compute)
+            return self.retriever.index_documents(docs, progress=progress, compute=compute, on_progress=on_progress)
 
     def retrieve(self, question: str, k: int | None = None) -> list[Chunk]:
         """The top-``k`` chunks for ``question`` (default ``config.retriever.top_k``), best first."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import cast
 
@@ -40,7 +40,7 @@ from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, vali
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IndexPlan", "IndexReport", "KVRetriever", "RetrieverConfig", "LoadedChunk"]
+__all__ = ["IndexPlan", "IndexProgress", "IndexReport", "KVRetriever", "RetrieverConfig", "LoadedChunk", "ProgressFn"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,20 @@ class IndexReport:
     errors: list[str] = field(default_factory=list)  # "source#chunk: error" of chunks whose precompute raised
 
 
+@dataclass(frozen=True, slots=True)
+class IndexProgress:
+    """One step of an indexing run, for a progress display (``ragkv serve`` streams them)."""
+
+    # "chunking": new or changed documents cut into chunks; "precompute": distinct chunk caches
+    # prefilled (the long part); "embedding": documents embedded and committed to catalog and index
+    phase: str
+    done: int
+    total: int
+
+
+ProgressFn = Callable[[IndexProgress], None]
+
+
 @dataclass(slots=True)
 class IndexPlan:
     """What an indexing run will do, decided before any prefill (see :meth:`KVRetriever.plan_index`)."""
@@ -91,6 +105,7 @@ class IndexPlan:
     work: list[tuple[int, ...]]  # distinct chunks (token ids) with a cache missing, in first-seen order
     scheduled: set[tuple[int, ...]] = field(default_factory=set)  # the chunks of ``work``
     counted: set[tuple[int, ...]] = field(default_factory=set)  # chunks already counted in the report
+    finished: int = 0  # documents committed or reported failed so far
 
     def __post_init__(self) -> None:
         self.scheduled = set(self.work)
@@ -159,7 +174,12 @@ class KVRetriever:
 
     # ---- indexing -----------------------------------------------------------------------------
     def index_documents(
-        self, documents: Sequence[Document], *, progress: bool = True, compute: ComputeFn | None = None
+        self,
+        documents: Sequence[Document],
+        *,
+        progress: bool = True,
+        compute: ComputeFn | None = None,
+        on_progress: ProgressFn | None = None,
     ) -> IndexReport:
         """Chunk, embed and precompute caches for ``documents``; documents already indexed cost little.
 
@@ -176,12 +196,14 @@ class KVRetriever:
             compute: runs the precompute of the planned chunks (default: in this process, in
                 order; :func:`ragkv.retriever.ray_index.ray_compute` runs it on a Ray cluster).
                 Plan and commit are the same whichever runs it.
+            on_progress: called on this thread after each step of each phase (see
+                :class:`IndexProgress`); what it raises aborts the run like any error.
 
         Raises:
             ValueError: a document has an empty source.
         """
         t0 = time.perf_counter()
-        plan = self.plan_index(documents)
+        plan = self.plan_index(documents, on_progress=on_progress)
         bar = tqdm(
             total=len(plan.work),
             desc="prefilling chunks",
@@ -192,6 +214,9 @@ class KVRetriever:
         pending = iter(plan.documents)  # committed in plan order, so catalog rows are the same for any executor
         waiting = next(pending, None)
         run = compute or self.computer.compute_local
+        emit = on_progress or (lambda _: None)
+        if plan.work:
+            emit(IndexProgress("precompute", 0, len(plan.work)))
         for i, result in run(plan.work):
             for entry in result.entries:  # caches first: a killed run leaves them reusable, never half-visible
                 self._record(entry)
@@ -199,17 +224,21 @@ class KVRetriever:
             bar.update(1)
             if not result.ok:
                 bar.set_postfix(failed=sum(not r.ok for r in results.values()))
-            waiting = self._commit_ready(plan, results, waiting, pending)
+            emit(IndexProgress("precompute", len(results), len(plan.work)))
+            waiting = self._commit_ready(plan, results, waiting, pending, emit)
         bar.close()
-        if self._commit_ready(plan, results, waiting, pending) is not None:
+        if self._commit_ready(plan, results, waiting, pending, emit) is not None:
             raise RuntimeError("the compute function returned before every planned chunk had a result")
         if plan.documents:
             self._reconcile()  # rows lost from the catalog by hand leave vectors no commit removed
         plan.report.seconds = time.perf_counter() - t0
         return plan.report
 
-    def plan_index(self, documents: Sequence[Document]) -> IndexPlan:
-        """Which documents to (re)index, their chunks, and the distinct chunks whose caches are missing."""
+    def plan_index(self, documents: Sequence[Document], *, on_progress: ProgressFn | None = None) -> IndexPlan:
+        """Which documents to (re)index, their chunks, and the distinct chunks whose caches are missing.
+
+        ``on_progress`` hears a ``chunking`` step per new or changed document.
+        """
         report = IndexReport(documents=len(documents))
         todo: dict[str, tuple[Document, Digest]] = {}  # source -> (document, content digest)
         for doc in documents:
@@ -219,7 +248,11 @@ class KVRetriever:
                 report.unchanged += 1
             else:
                 todo[doc.source] = (doc, digest)
-        chunked = [(doc, digest, self._chunk(doc, digest)) for doc, digest in todo.values()]  # cheap next to prefill
+        chunked: list[tuple[Document, Digest, list[Chunk]]] = []  # chunking is cheap next to prefill
+        for doc, digest in todo.values():
+            chunked.append((doc, digest, self._chunk(doc, digest)))
+            if on_progress is not None:
+                on_progress(IndexProgress("chunking", len(chunked), len(todo)))
         seen: set[tuple[int, ...]] = set()
         work = []
         for _, _, chunks in chunked:
@@ -236,6 +269,7 @@ class KVRetriever:
         results: dict[tuple[int, ...], ChunkResult],
         waiting: tuple[Document, Digest, list[Chunk]] | None,
         pending: Iterator[tuple[Document, Digest, list[Chunk]]],
+        emit: ProgressFn,
     ) -> tuple[Document, Digest, list[Chunk]] | None:
         """Commit (or report as failed) the documents, in plan order, whose chunks all have results.
 
@@ -261,6 +295,8 @@ class KVRetriever:
                 if first and result.error is not None:
                     report.errors.append(f"{doc.source}#{chunk.ordinal}: {result.error}")
             self._finish(report, doc, digest, chunks, failed)
+            plan.finished += 1
+            emit(IndexProgress("embedding", plan.finished, len(plan.documents)))
             waiting = next(pending, None)
         return None
 

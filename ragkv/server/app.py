@@ -6,7 +6,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ragkv.errors import DocumentNotFoundError, RagkvError
-from ragkv.server import openai_api
+from ragkv.server import documents, openai_api
 from ragkv.server.settings import ServerSettings
 from ragkv.server.state import ApiError, ServerState
 
@@ -52,7 +50,7 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
     app.state.ragkv = state
     _errors(app)
     app.include_router(openai_api.router(state))
-    _documents(app, state)
+    app.include_router(documents.router(state))
     _service(app, state)
     app.add_middleware(_Limits, state=state)  # type: ignore[arg-type]
     return app
@@ -126,83 +124,6 @@ def _errors(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(_error_body("internal error; see the server log", "server_error"), status_code=500)
-
-
-def _documents(app: FastAPI, state: ServerState) -> None:
-    """POST/GET/DELETE /v1/documents, scoped to the caller's tenant."""
-
-    @app.post("/v1/documents")
-    async def add_document(request: Request) -> Any:
-        engine = state.engine(request)
-        docs = await _read_documents(request)
-        try:
-            report = await asyncio.to_thread(engine.index, docs, progress=False)
-        except (ValueError, RagkvError) as e:
-            raise ApiError(400, str(e)) from e
-        await asyncio.to_thread(state.refresh, engine)
-        body = asdict(report)
-        body["sources"] = [d.source for d in docs]
-        return JSONResponse(body, status_code=201 if not report.failed else 502)
-
-    @app.get("/v1/documents")
-    async def list_documents(request: Request) -> Any:
-        engine = state.engine(request)
-        docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
-        data = [{"id": d.doc_id, "source": d.source, "title": d.title, "chunks": d.num_chunks} for d in docs]
-        return {"object": "list", "data": data}
-
-    @app.delete("/v1/documents/{doc_id}")
-    async def delete_document(doc_id: str, request: Request) -> Any:
-        engine = state.engine(request)
-        docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
-        match = [d for d in docs if doc_id in (d.doc_id, d.source)]
-        if not match:
-            raise ApiError(404, f"no document {doc_id!r} here; GET /v1/documents lists the ids")
-        try:
-            report = await asyncio.to_thread(engine.remove, match[0].source)
-        except DocumentNotFoundError as e:
-            raise ApiError(404, str(e)) from e
-        await asyncio.to_thread(state.refresh, engine)
-        return {"id": match[0].doc_id, "deleted": True, **asdict(report)}
-
-
-async def _read_documents(request: Request) -> list[Any]:
-    """Documents from a JSON body ``{"source", "text", "title"?}`` (or a list of them) or a multipart upload."""
-    from ragkv.retriever.documents import Document
-
-    ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data"):
-        form = await request.form()
-        docs = []
-        for value in form.getlist("file"):
-            if isinstance(value, str):
-                continue
-            raw = await value.read()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ApiError(400, f"{value.filename}: not UTF-8 text; upload plain text or Markdown") from e
-            name = value.filename or "upload.txt"
-            docs.append(Document(source=f"upload:{name}", text=text.replace("\r\n", "\n"), title=name))
-        if not docs:
-            raise ApiError(400, "no file in the upload; send multipart field 'file'")
-        return docs
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ApiError(400, 'send JSON {"source": ..., "text": ...} or a multipart \'file\' upload') from e
-    items = body if isinstance(body, list) else [body]
-    docs = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
-            raise ApiError(400, "each document needs a non-empty 'text' (and a 'source' naming it)")
-        source = str(item.get("source") or "").strip()
-        if not source:
-            raise ApiError(
-                400, "each document needs a 'source' (a name such as 'wiki:Paris'); re-posting it replaces it"
-            )
-        docs.append(Document(source=source, text=item["text"], title=str(item.get("title") or source)))
-    return docs
 
 
 def _service(app: FastAPI, state: ServerState) -> None:

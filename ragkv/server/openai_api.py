@@ -18,11 +18,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.generation import GenerationConfig
-from ragkv.integrations._bridge import engine_state, render_chat
+from ragkv.prompt import render_chat
 from ragkv.server.state import ApiError, ServerState
 from ragkv.types import Chunk, GenerationStats
 
-__all__ = ["router"]
+__all__ = ["FOLLOW_UP_WORDS", "QUERY_MAX_CHARS", "retrieval_query", "router"]
+
+FOLLOW_UP_WORDS = 8  # a user turn shorter than this leans on the one before ("and what does it return?")
+FOLLOW_UP_TURNS = 2  # earlier user turns a short question may pull in
+QUERY_MAX_CHARS = 2000  # the retrieval query keeps its last this many characters
 
 
 class RagkvOptions(BaseModel):
@@ -125,7 +129,7 @@ async def _prepare(
     gen = _generation(state, engine, req, max_tokens)
     mode = "full" if req.ragkv.full else "reuse"
     if req.ragkv.retrieve:
-        question = next((m.text() for m in reversed(chat or []) if m.role == "user"), prompt or "")
+        question = retrieval_query([m.text() for m in chat or [] if m.role == "user"] or [prompt or ""])
         if not question.strip():
             raise ApiError(400, "retrieve needs a question: send a user message (or a prompt) with text")
         try:
@@ -138,9 +142,35 @@ async def _prepare(
         prompt = render_chat(engine.adapter.tokenizer, [{"role": m.role, "content": m.text()} for m in chat])
     if not prompt:
         raise ApiError(400, "the prompt is empty; send some text")
-    segments = engine_state(engine).registry.split(prompt) if mode == "reuse" else [prompt]
+    segments = state.registry(engine).split(prompt) if mode == "reuse" else [prompt]
     found = sum(not isinstance(s, str) for s in segments)
     return {"engine": engine, "mode": mode, "generation": gen, "segments": segments, "rag": None}, [], found
+
+
+def retrieval_query(user_turns: list[str]) -> str:
+    """What server-side retrieval searches with: the last user turn, with context when it is a short follow-up.
+
+    While the query has fewer than ``FOLLOW_UP_WORDS`` words, the user turn before it is put in
+    front (at most ``FOLLOW_UP_TURNS`` of them), one per line, so "and what does it return?"
+    searches together with the question it follows. A self-contained question stands alone, so a
+    change of topic does not drag the old one in. Assistant turns are never used (they may be
+    wrong, and they repeat the retrieved text). The query is capped at its last
+    ``QUERY_MAX_CHARS`` characters.
+
+    >>> retrieval_query(["What does heappush do?", "And what does it return?"])
+    'What does heappush do?\\nAnd what does it return?'
+    >>> retrieval_query(["What does heappush do?", "How do lighthouses guide ships along rocky coasts at night?"])
+    'How do lighthouses guide ships along rocky coasts at night?'
+    """
+    turns = [t.strip() for t in user_turns if t.strip()]
+    if not turns:
+        return ""
+    kept = [turns[-1]]
+    for earlier in reversed(turns[-1 - FOLLOW_UP_TURNS : -1]):
+        if sum(len(t.split()) for t in kept) >= FOLLOW_UP_WORDS:
+            break
+        kept.insert(0, earlier)
+    return "\n".join(kept)[-QUERY_MAX_CHARS:]
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

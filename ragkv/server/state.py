@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from ragkv.integrations._bridge import engine_state
+from ragkv.matching import ChunkRegistry
 from ragkv.server.metrics import Metrics
 from ragkv.server.scheduler import Event, Job, QueueFullError, Scheduler, queued_post
 from ragkv.server.settings import ServerSettings
@@ -37,7 +37,8 @@ class ServerState:
         self.scheduler = Scheduler(engine.adapter, max_batch=settings.max_batch, max_queue=settings.max_queue)
         self.scheduler.on_finish = self._finished
         self._engines: dict[str, Any] = {engine.config.tenant: engine}
-        self._lock = threading.Lock()
+        self._registries: dict[str, ChunkRegistry] = {}  # per tenant: its indexed chunk texts, to find in prompts
+        self._lock = threading.RLock()  # engine() registers a new tenant while holding it
         self._register(engine)
 
     # ---- tenants ------------------------------------------------------------------------------
@@ -72,10 +73,16 @@ class ServerState:
         """Make every indexed chunk text of the engine's tenant findable in client-sent prompts."""
         cat, tenant = engine.catalog, engine.config.tenant
         texts = [c.text for c in cat.chunks_by_rows(cat.all_chunk_rows(tenant), tenant)]
-        registry = engine_state(engine).registry
-        registry.clear()
+        registry = ChunkRegistry()
         if texts:
             registry.add(texts[-registry.capacity :])
+        with self._lock:
+            self._registries[tenant] = registry  # swapped whole: a request never sees a half-filled one
+
+    def registry(self, engine: Any) -> ChunkRegistry:
+        """The chunk texts of ``engine``'s tenant, for finding them in client-sent prompts."""
+        with self._lock:
+            return self._registries[engine.config.tenant]
 
     def refresh(self, engine: Any) -> None:
         """Re-read the tenant's chunk texts after documents were added or removed."""

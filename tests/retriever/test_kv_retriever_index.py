@@ -20,7 +20,7 @@ from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document, load_documents
 from ragkv.retriever.embedder import HashingEmbedder
 from ragkv.retriever.index import FaissIndex
-from ragkv.retriever.kv_retriever import KVRetriever, RetrieverConfig
+from ragkv.retriever.kv_retriever import IndexProgress, KVRetriever, RetrieverConfig
 from ragkv.types import CodecSpec
 from tests.cache.cache_testing import CLOSED_PORT_REDIS, BrokenTier
 
@@ -184,3 +184,19 @@ def test_a_user_given_source_is_stripped_and_must_not_be_empty(make: Make) -> No
     assert [d.source for d in retriever.catalog.documents(TENANT)] == ["wiki:Apples"]
     with pytest.raises(ValueError, match="empty source"):
         retriever.index_documents([Document(" ", "text", "untitled")], progress=False)
+
+
+def test_progress_counts_every_phase_to_its_total(make: Make):
+    retriever = make()
+    events: list[IndexProgress] = []
+    report = retriever.index_documents(DOCS, progress=False, on_progress=events.append)
+    phases = {p: [(e.done, e.total) for e in events if e.phase == p] for p in ("chunking", "precompute", "embedding")}
+    assert phases["chunking"] == [(i, len(DOCS)) for i in range(1, len(DOCS) + 1)]
+    assert phases["precompute"] == [(i, report.computed) for i in range(report.computed + 1)]
+    assert phases["embedding"] == [(i, len(DOCS)) for i in range(1, len(DOCS) + 1)]
+    kinds = [e.phase for e in events]
+    assert kinds.index("embedding") > kinds.index("precompute") + 1  # a document commits after its chunks' caches
+
+    events.clear()
+    again = retriever.index_documents(DOCS, progress=False, on_progress=events.append)
+    assert again.unchanged == len(DOCS) and events == []  # nothing to do, nothing to report

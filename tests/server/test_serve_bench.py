@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 from ragkv.bench.serve import format_serve_table, run_serve_bench
+from ragkv.retriever.corpus import stdlib_corpus
+from tests.server.conftest import start_server, stop_server
 
 
 def test_serve_bench_rows_for_reuse_and_full(server):
@@ -14,3 +20,20 @@ def test_serve_bench_rows_for_reuse_and_full(server):
     assert all(r["cached"] == 0 for r in rows if r["mode"] == "full")
     table = format_serve_table(rows)
     assert "TTFT p95 reuse/full" in table and "| reuse" in table
+
+
+def test_the_cli_indexes_the_demo_documents_on_a_fresh_server(tiny_model_dir, tmp_path):
+    """``ragkv bench serve`` against an empty server: it indexes the demo corpus (showing progress), then runs."""
+    served = start_server(tiny_model_dir, tmp_path / "fresh")
+    try:
+        cmd = [sys.executable, "-m", "ragkv.cli", "bench", "serve", "--url", served.url, "--concurrency", "1",
+               "--requests", "1", "--max-tokens", "2", "--json", str(tmp_path / "rows.json")]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "indexing the stdlib demo documents" in out.stderr and "embedding 10/10" in out.stderr
+        rows = json.loads((tmp_path / "rows.json").read_text())
+        assert [(r["mode"], r["errors"]) for r in rows] == [("reuse", 0), ("full", 0)]
+        with served.client() as c:
+            assert len(c.get("/v1/documents").json()["data"]) == len(stdlib_corpus())
+    finally:
+        stop_server(served)

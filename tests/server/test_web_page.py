@@ -37,9 +37,17 @@ def test_upload_ask_and_see_streamed_text_with_stats(server, browser, tmp_path):
     note.write_text("Lighthouses guide ships along rocky coasts with bright rotating lamps. " * 8)
     browser.get(server.url + "/")
     wait = WebDriverWait(browser, 120)
+    # every text the upload box shows, kept as it changes: the progress lines come and go
+    browser.execute_script(
+        "window.seen = []; const box = document.getElementById('upload-status');"
+        "new MutationObserver(() => window.seen.push(box.textContent)).observe(box, {childList: true});"
+    )
     browser.find_element(By.ID, "file").send_keys(str(note))
     browser.find_element(By.ID, "upload").click()
     wait.until(lambda d: "indexed lighthouses.txt" in d.find_element(By.ID, "upload-status").text)
+    seen = browser.execute_script("return window.seen")
+    assert any(t.startswith("indexing lighthouses.txt: prefilling chunk caches 1/") for t in seen), seen
+    assert "indexing lighthouses.txt: embedding and saving 1/1" in seen
     wait.until(lambda d: "lighthouses.txt" in d.find_element(By.ID, "docs").text)
     browser.find_element(By.ID, "question").send_keys("What guides ships along rocky coasts?")
     browser.find_element(By.ID, "ask").click()

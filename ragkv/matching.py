@@ -1,5 +1,8 @@
 """Finding registered chunk texts in a prompt, and cutting the prompt into segments around them.
 
+Shared by the framework integrations and ``ragkv serve`` (prompts that clients send), so it lives
+below both.
+
 Frameworks build prompts by string formatting: retrieved texts are stripped, joined with blank
 lines and pasted into a template. The engine takes the finished prompt as segments, plain text
 to prefill and ``CachedText`` to load from the chunk store. This module is the step between:

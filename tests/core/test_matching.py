@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragkv.engine import CachedText
-from ragkv.integrations._segments import SEPARATOR, ChunkRegistry, MatchConfig, chunk_forms, split_prompt
+from ragkv.matching import SEPARATOR, ChunkRegistry, MatchConfig, chunk_forms, split_prompt
 
 A = "Apples grow on trees in orchards across the valley."
 B = "Boats float on water and carry people over the lake."

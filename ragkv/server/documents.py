@@ -1,0 +1,156 @@
+"""POST/GET/DELETE /v1/documents, scoped to the caller's tenant; indexing can stream its progress.
+
+Indexing a large upload takes minutes (every chunk's cache is prefilled), so ``POST`` with
+``?stream=true`` (or ``Accept: text/event-stream``) answers at once with server-sent events, as
+chat completions stream: ``{"object": "document.progress", "phase", "done", "total"}`` per step,
+then ``{"object": "document.index", "status", ...report}`` and ``data: [DONE]``. Without it the
+call blocks and answers the report, as before. Indexing runs to the end even when the client
+leaves: what it stored is committed, and posting the same documents again costs little.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ragkv.errors import DocumentNotFoundError, RagkvError
+from ragkv.retriever.kv_retriever import IndexProgress, ProgressFn
+from ragkv.server.state import ApiError, ServerState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["router"]
+
+_END = object()
+
+
+def router(state: ServerState) -> APIRouter:
+    """The /v1/documents routes bound to ``state``."""
+    api = APIRouter(prefix="/v1/documents")
+
+    @api.post("")
+    async def add_document(request: Request) -> Any:
+        engine = state.engine(request)
+        docs = await _read_documents(request)  # bad input is a 4xx before any stream starts
+        if _wants_stream(request):
+            events = _index_events(state, engine, docs)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            body, status = await asyncio.to_thread(_index, state, engine, docs, None)
+        except (ValueError, RagkvError) as e:
+            raise ApiError(400, str(e)) from e
+        return JSONResponse(body, status_code=status)
+
+    @api.get("")
+    async def list_documents(request: Request) -> Any:
+        engine = state.engine(request)
+        docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
+        data = [{"id": d.doc_id, "source": d.source, "title": d.title, "chunks": d.num_chunks} for d in docs]
+        return {"object": "list", "data": data}
+
+    @api.delete("/{doc_id}")
+    async def delete_document(doc_id: str, request: Request) -> Any:
+        engine = state.engine(request)
+        docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
+        match = [d for d in docs if doc_id in (d.doc_id, d.source)]
+        if not match:
+            raise ApiError(404, f"no document {doc_id!r} here; GET /v1/documents lists the ids")
+        try:
+            report = await asyncio.to_thread(engine.remove, match[0].source)
+        except DocumentNotFoundError as e:
+            raise ApiError(404, str(e)) from e
+        await asyncio.to_thread(state.refresh, engine)
+        return {"id": match[0].doc_id, "deleted": True, **asdict(report)}
+
+    return api
+
+
+def _wants_stream(request: Request) -> bool:
+    flag = request.query_params.get("stream", "").lower()
+    return flag in ("1", "true", "yes") or "text/event-stream" in request.headers.get("accept", "")
+
+
+def _index(
+    state: ServerState, engine: Any, docs: list[Any], on_progress: ProgressFn | None
+) -> tuple[dict[str, Any], int]:
+    """Index ``docs`` and make their chunks findable in prompts; the report body and its HTTP status."""
+    report = engine.index(docs, progress=False, on_progress=on_progress)
+    state.refresh(engine)
+    body = asdict(report)
+    body["sources"] = [d.source for d in docs]
+    return body, 201 if not report.failed else 502
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def _index_events(state: ServerState, engine: Any, docs: list[Any]) -> AsyncIterator[bytes]:
+    """Progress events while ``docs`` are indexed on a worker thread, then the report (or the error)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def heard(step: IndexProgress) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, step)
+
+    # a task of its own: a client that leaves stops this stream, never the indexing (nor the refresh)
+    work = asyncio.ensure_future(asyncio.to_thread(_index, state, engine, docs, heard))
+    work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _END))
+    while (item := await queue.get()) is not _END:
+        yield _sse({"object": "document.progress", "phase": item.phase, "done": item.done, "total": item.total})
+    try:
+        body, status = work.result()
+    except (ValueError, RagkvError) as e:
+        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "status": 400}})
+    except Exception:
+        logger.exception("indexing failed")
+        yield _sse({"error": {"message": "indexing failed; see the server log", "type": "server_error", "status": 500}})
+    else:
+        yield _sse({"object": "document.index", "status": status, **body})
+    yield b"data: [DONE]\n\n"
+
+
+async def _read_documents(request: Request) -> list[Any]:
+    """Documents from a JSON body ``{"source", "text", "title"?}`` (or a list of them) or a multipart upload."""
+    from ragkv.retriever.documents import Document
+
+    ctype = request.headers.get("content-type", "")
+    if ctype.startswith("multipart/form-data"):
+        form = await request.form()
+        docs = []
+        for value in form.getlist("file"):
+            if isinstance(value, str):
+                continue
+            raw = await value.read()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ApiError(400, f"{value.filename}: not UTF-8 text; upload plain text or Markdown") from e
+            name = value.filename or "upload.txt"
+            docs.append(Document(source=f"upload:{name}", text=text.replace("\r\n", "\n"), title=name))
+        if not docs:
+            raise ApiError(400, "no file in the upload; send multipart field 'file'")
+        return docs
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ApiError(400, 'send JSON {"source": ..., "text": ...} or a multipart \'file\' upload') from e
+    items = body if isinstance(body, list) else [body]
+    docs = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
+            raise ApiError(400, "each document needs a non-empty 'text' (and a 'source' naming it)")
+        source = str(item.get("source") or "").strip()
+        if not source:
+            raise ApiError(
+                400, "each document needs a 'source' (a name such as 'wiki:Paris'); re-posting it replaces it"
+            )
+        docs.append(Document(source=source, text=item["text"], title=str(item.get("title") or source)))
+    return docs
