@@ -256,16 +256,17 @@ class ModelAdapter:
     def causal_mask(self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
         """Exact causal mask for queries at ``query_pos`` over ``num_keys`` slots: the query at p sees slots <= p.
 
-        ``query_pos``: ``[q]`` int64, on the host (so the checks below cost no device sync). Built once
-        per set of queries and shared by every layer. Under SDPA, queries that are the last ``q``
-        slots get torch's lower-right causal bias: no ``[q, keys]`` tensor at all, the flash and
-        memory-efficient kernels apply it. Otherwise an additive mask ``[1, 1, q, num_keys]`` in
-        ``dtype``, rows padded to 16 elements: SDPA's memory-efficient CUDA kernel takes a mask
-        whose strides are multiples of 16 as it is, and pads a copy on every call (every layer)
-        otherwise. Not a bool mask: SDPA turns a bool mask into a float one on every call.
+        ``query_pos``: ``[q]`` int64, on the host (so the checks below cost no device sync). Built
+        once per set of queries and shared by every layer. Under SDPA on CUDA, queries that are the
+        last ``q`` slots get torch's lower-right causal bias: no ``[q, keys]`` tensor at all, the
+        flash and memory-efficient kernels apply it (on the CPU torch would build one per call).
+        Otherwise an additive mask ``[1, 1, q, num_keys]`` in ``dtype``, rows padded to 16 elements:
+        SDPA's memory-efficient CUDA kernel takes a mask whose strides are multiples of 16 as it is,
+        and pads a copy on every call (every layer) otherwise. Not a bool mask: SDPA turns a bool
+        mask into a float one on every call.
         """
         q = int(query_pos.numel())
-        if self._runs_sdpa() and _is_tail(query_pos, num_keys):
+        if self._lower_right_bias_is_free() and _is_tail(query_pos, num_keys):
             return causal_lower_right(q, num_keys)
         keys = torch.arange(num_keys, device=self.device)
         blocked = keys.unsqueeze(0) > query_pos.to(self.device, non_blocking=True).unsqueeze(1)  # [q, keys]
@@ -273,9 +274,13 @@ class ModelAdapter:
         mask = torch.zeros((1, 1, q, width), dtype=dtype, device=self.device)[..., :num_keys]
         return mask.masked_fill_(blocked, torch.finfo(dtype).min)
 
-    def _runs_sdpa(self) -> bool:
-        """Whether the model's attention delegates to SDPA (read per call: the config may be switched)."""
-        return str(self.model.config._attn_implementation or "").removeprefix("ragkv_") == "sdpa"
+    def _lower_right_bias_is_free(self) -> bool:
+        """Whether SDPA applies a lower-right causal bias without building a mask: SDPA on CUDA.
+
+        The attention implementation is read per call (the config may be switched after loading).
+        """
+        sdpa = str(self.model.config._attn_implementation or "").removeprefix("ragkv_") == "sdpa"
+        return sdpa and self.device.type == "cuda"
 
     @torch.no_grad()
     def run_layer(
