@@ -109,7 +109,8 @@ def decode(
     header's section sizes, the header against ``expect`` (key, model, codec, level, every shape
     field), the authentication tag (when ``expect.secret`` is set), the codec's own section-size
     check; only then the payload checksum and the decode. Entropy decoding runs on the CPU;
-    dequantization runs on ``device``.
+    dequantization runs on ``device`` (to CUDA the integers cross from pinned memory,
+    asynchronously: no host fp32 round trip, no stream sync per chunk).
 
     A bitstream with a tag decodes without a secret too (the tag is then unchecked extra bytes):
     a reader without the secret trusts its store anyway.
@@ -122,7 +123,8 @@ def decode(
         dtype: floating dtype of the returned keys and values.
 
     Returns:
-        The chunk's KV: keys/values ``[layers, kv_heads, tokens, head_dim]``, positions on ``device``.
+        The chunk's KV: keys/values ``[layers, kv_heads, tokens, head_dim]`` on ``device``; positions
+        on the host (metadata: re-rotation compares them without a device sync).
 
     Raises:
         IncompatibleCacheError: it was written for another key, model, codec, level or shape, or
@@ -158,12 +160,10 @@ def decode(
         raise CodecError(f"{header.codec} payload does not decode: {e}") from e
     if tuple(keys.shape) != header.shape or tuple(values.shape) != header.shape:
         raise CodecError(f"{header.codec} payload decoded to the wrong shape")
-    return ChunkKV(
-        keys=keys, values=values, positions=_positions(header, target), model_fingerprint=header.model_fingerprint
-    )
+    return ChunkKV(keys=keys, values=values, positions=_positions(header), model_fingerprint=header.model_fingerprint)
 
 
-def _positions(header: BitstreamHeader, device: torch.device) -> torch.Tensor:
+def _positions(header: BitstreamHeader) -> torch.Tensor:
     runs = [torch.arange(start, start + length, dtype=torch.int64) for start, length in header.position_runs]
     out = torch.cat(runs) if runs else torch.zeros(0, dtype=torch.int64)
-    return out.to(device)
+    return out

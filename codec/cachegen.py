@@ -12,8 +12,9 @@ docs/benchmarks.md):
   third with its own multiplier.
 - Step sizes are stored as 1/8-octave codes (one byte per channel), means as int16 step counts.
 - Symbols of each (K/V, layer) form one stream, token-major ``[heads, tokens, head_dim]``, coded
-  as one zstd frame (see ``_entropy``). Streams decode in parallel threads; dequantization is
-  two torch passes on the target device.
+  as one zstd frame (see ``_entropy``). Streams decode in parallel threads on the host;
+  dequantization is one multiply, on the target device (off the CPU the int16 symbols are
+  copied there from pinned memory, asynchronously).
 - Token-delta coding was measured and left out (see ``_code_streams``).
 """
 
@@ -28,7 +29,7 @@ import zstandard
 
 from ragkv.codec._entropy import compress_streams, decompress_streams, zstd_compress, zstd_decompress
 from ragkv.codec._quant import pack_nibbles, unpack_nibbles
-from ragkv.codec._tensors import from_section, to_bytes
+from ragkv.codec._tensors import from_section, staging, to_bytes, to_device, upload
 from ragkv.codec.base import Codec
 from ragkv.codec.header import BitstreamHeader
 from ragkv.codec.payload import CodecPayload
@@ -132,11 +133,15 @@ class CacheGenCodec(Codec):
         if num_tokens > 1:
             shape = (2, num_layers, heads, num_tokens - 1, head_dim)
             step, mean = _tables(sections[1], shape)
-            symbols = _symbols(sections[2:], bits, shape, mean)  # symbols: q + mean, int16
             if on_cpu:
-                np.multiply(symbols, step, out=out.numpy()[:, :, :, 1:])
+                np.multiply(_symbols(sections[2:], bits, shape, mean), step, out=out.numpy()[:, :, :, 1:])
             else:
-                torch.mul(torch.from_numpy(symbols).to(device), torch.from_numpy(step).to(device), out=out[:, :, :, 1:])
+                # the entropy stage writes the int16 symbols straight into pinned memory; they cross
+                # as int16 (half of fp32's bytes) without a stream sync, and the multiply runs on
+                # the device in fp32, as numpy's does, cast to ``dtype`` on write
+                host = staging(shape, torch.int16, device)
+                _symbols(sections[2:], bits, shape, mean, out=host.numpy())
+                torch.mul(upload(host, device), to_device(step, device), out=out[:, :, :, 1:])
         if out.dtype != dtype:
             out = out.to(dtype)
         return out[0], out[1]
@@ -244,8 +249,14 @@ def _tables(section: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np
     return step, mean
 
 
-def _symbols(frames: Sequence[memoryview], bits: Sequence[int], shape: tuple[int, ...], mean: np.ndarray) -> np.ndarray:
-    """All streams' symbols plus their channel means: int16 ``[2, L, H, T-1, D]``.
+def _symbols(
+    frames: Sequence[memoryview],
+    bits: Sequence[int],
+    shape: tuple[int, ...],
+    mean: np.ndarray,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """All streams' symbols plus their channel means: int16 ``[2, L, H, T-1, D]`` (into ``out`` if given).
 
     Adding the means in int16 while the streams are copied out of zstd is free; it leaves one
     float pass for dequantization. (Overflow only wraps: a crafted stream decodes to garbage,
@@ -253,7 +264,9 @@ def _symbols(frames: Sequence[memoryview], bits: Sequence[int], shape: tuple[int
     """
     two, num_layers, heads, tokens, head_dim = shape
     count = heads * tokens * head_dim
-    out = np.empty((two * num_layers, heads, tokens, head_dim), dtype=np.int16)
+    if out is None:
+        out = np.empty(shape, dtype=np.int16)
+    out = out.reshape(two * num_layers, heads, tokens, head_dim)  # a view: ``out`` is written in place
     means = mean.reshape(two * num_layers, heads, 1, head_dim)
 
     def sink(i: int, data: bytes) -> None:

@@ -107,7 +107,7 @@ def fuse(
     placed = _place(adapter, inp, suffix.numel() if (probe or prefill_suffix) else 0)
     state = SelectionState.start([len(ids) for ids in inp.chunk_ids])
     if probe and placed.slots.numel() > 0:
-        slots = placed.slots.to(adapter.device)
+        slots = placed.slots.to(adapter.device, non_blocking=True)
         state.query_attention = _question_attention(adapter, placed.keys, placed.values, suffix, placed.n_ctx, slots)
     forced = _forced_tokens(inp)
     active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
@@ -172,15 +172,17 @@ def _recompute(
     """
     cache = adapter.scatter_cache(placed.keys, placed.values)
     checks = set(strategy.check_layers(state, adapter.spec.num_layers))
-    slots = placed.slots.to(adapter.device)
-    tail_pos = torch.arange(placed.n_ctx, placed.n_ctx + tail.numel(), device=adapter.device)  # [S]
+    # Positions are assembled on the host (the mask is chosen from them without a device sync) and
+    # move to the device once per active set. Between check layers the loop runs layer after layer
+    # with nothing read back: no host sync (tests/core/test_host_syncs.py counts them).
+    tail_pos = torch.arange(placed.n_ctx, placed.n_ctx + tail.numel())  # [S]
     hidden = adapter.embed(placed.ids[active])  # [1, active, hidden]
     if tail.numel():
         hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
     step: _Step | None = None
     for layer in range(adapter.spec.num_layers):
         if step is None:  # the active set changed: new positions, mask and rotary tables
-            step = _Step.at(adapter, torch.cat([slots[active], tail_pos]), placed.keys.shape[2], hidden)
+            step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
         if layer not in checks:
             hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask)
             continue
@@ -195,13 +197,15 @@ def _recompute(
 class _Step:
     """What a layer needs for the tokens running it; rebuilt only when the active set changes."""
 
-    pos: torch.Tensor  # [q] positions (= cache slots) of the active tokens, then the tail
-    mask: torch.Tensor  # [1, 1, q, slots] exact causal mask
+    pos: torch.Tensor  # [q] positions (= cache slots) of the active tokens, then the tail; on the device
+    mask: torch.Tensor  # exact causal mask over the slots, shared by every layer (see ModelAdapter.causal_mask)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos/sin [1, q, rot_dim]
 
     @classmethod
     def at(cls, adapter: ModelAdapter, pos: torch.Tensor, num_slots: int, hidden: torch.Tensor) -> _Step:
+        """The step for the tokens at host positions ``pos`` ``[q]``."""
         mask = adapter.causal_mask(pos, num_slots, hidden.dtype)
+        pos = pos.to(adapter.device, non_blocking=True)
         return cls(pos, mask, adapter.position_embeddings(pos, hidden))
 
 
@@ -232,7 +236,7 @@ def _checked_layer(
     state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
     keep = _union(strategy.select(state, layer), torch.nonzero(is_forced).flatten())  # positions within `active`
     rows = torch.cat([keep, torch.arange(n_active, hidden.shape[1])])  # kept tokens, then the tail
-    return active[keep], hidden[:, rows.to(hidden.device)]
+    return active[keep], hidden[:, rows.to(hidden.device, non_blocking=True)]
 
 
 def _finish(
@@ -289,9 +293,10 @@ def _question_attention(
     fusion overwrites or drops; the context slots are not touched.
     """
     probe_cache = adapter.scatter_cache(keys, values)
-    pos = torch.arange(n_ctx, n_ctx + len(suffix), device=adapter.device)  # [S]
+    host_pos = torch.arange(n_ctx, n_ctx + len(suffix))  # [S]: the last S slots, so a causal bias, no mask tensor
     hidden = adapter.embed(suffix)  # [1, S, hidden]
-    mask = adapter.causal_mask(pos, keys.shape[2], hidden.dtype)
+    mask = adapter.causal_mask(host_pos, keys.shape[2], hidden.dtype)
+    pos = host_pos.to(adapter.device, non_blocking=True)
     pe = adapter.position_embeddings(pos, hidden)
     with adapter.attention_probe() as probe:
         for layer in range(adapter.spec.num_layers):

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, DynamicCache
 
 from ragkv.digests import sha256_hex
@@ -26,6 +27,16 @@ from ragkv.types import ChunkKV
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelAdapter", "load_model"]
+
+_MASK_ALIGN = 16  # elements per mask row, rounded up to this: see ModelAdapter.causal_mask
+
+
+def _is_tail(query_pos: torch.Tensor, num_keys: int) -> bool:
+    """Whether host positions ``query_pos`` are exactly the last ``len(query_pos)`` of ``num_keys`` slots."""
+    q = int(query_pos.numel())
+    if query_pos.device.type != "cpu" or not 0 < q <= num_keys:
+        return False  # a device tensor would cost a sync to read: take the general mask
+    return bool(torch.equal(query_pos.to(torch.long), torch.arange(num_keys - q, num_keys)))
 
 
 class ModelAdapter:
@@ -137,7 +148,7 @@ class ModelAdapter:
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own cos/sin at ``positions`` ([T] int64), in fp32: ``[1, T, rot_dim]`` each."""
         dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
-        pos = positions.to(self.device).reshape(1, -1)
+        pos = positions.to(self.device, non_blocking=True).reshape(1, -1)
         with torch.no_grad():
             cos, sin = self._inner.rotary_emb(dummy, pos)
         return cos.float(), sin.float()
@@ -235,20 +246,41 @@ class ModelAdapter:
     # ---- layer primitives for fusion ------------------------------------------------------
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``[1, T, hidden]`` of ``token_ids`` ([T])."""
-        return self._inner.embed_tokens(token_ids.to(self.device).reshape(1, -1))
+        return self._inner.embed_tokens(token_ids.to(self.device, non_blocking=True).reshape(1, -1))
 
     def position_embeddings(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for the model's layers at ``positions``, in the dtype of ``like``."""
-        pos = positions.to(self.device).reshape(1, -1)
+        pos = positions.to(self.device, non_blocking=True).reshape(1, -1)
         return self._inner.rotary_emb(like, pos)
 
     def causal_mask(self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-        """Exact causal mask ``[1, 1, q, num_keys]``: query at p sees keys at slots <= p (slot == position)."""
+        """Exact causal mask for queries at ``query_pos`` over ``num_keys`` slots: the query at p sees slots <= p.
+
+        ``query_pos``: ``[q]`` int64, on the host (so the checks below cost no device sync). Built
+        once per set of queries and shared by every layer. Under SDPA on CUDA, queries that are the
+        last ``q`` slots get torch's lower-right causal bias: no ``[q, keys]`` tensor at all, the
+        flash and memory-efficient kernels apply it (on the CPU torch would build one per call).
+        Otherwise an additive mask ``[1, 1, q, num_keys]`` in ``dtype``, rows padded to 16 elements:
+        SDPA's memory-efficient CUDA kernel takes a mask whose strides are multiples of 16 as it is,
+        and pads a copy on every call (every layer) otherwise. Not a bool mask: SDPA turns a bool
+        mask into a float one on every call.
+        """
+        q = int(query_pos.numel())
+        if self._lower_right_bias_is_free() and _is_tail(query_pos, num_keys):
+            return causal_lower_right(q, num_keys)
         keys = torch.arange(num_keys, device=self.device)
-        allowed = keys.unsqueeze(0) <= query_pos.to(self.device).unsqueeze(1)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[None, None]
+        blocked = keys.unsqueeze(0) > query_pos.to(self.device, non_blocking=True).unsqueeze(1)  # [q, keys]
+        width = -(-num_keys // _MASK_ALIGN) * _MASK_ALIGN
+        mask = torch.zeros((1, 1, q, width), dtype=dtype, device=self.device)[..., :num_keys]
+        return mask.masked_fill_(blocked, torch.finfo(dtype).min)
+
+    def _lower_right_bias_is_free(self) -> bool:
+        """Whether SDPA applies a lower-right causal bias without building a mask: SDPA on CUDA.
+
+        The attention implementation is read per call (the config may be switched after loading).
+        """
+        sdpa = str(self.model.config._attn_implementation or "").removeprefix("ragkv_") == "sdpa"
+        return sdpa and self.device.type == "cuda"
 
     @torch.no_grad()
     def run_layer(

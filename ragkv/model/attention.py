@@ -19,6 +19,7 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -54,11 +55,16 @@ def _probe_attention(
     v = value.repeat_interleave(groups, dim=1).float()
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = query.float() @ k.transpose(-1, -2) * scale  # [1, Hq, q, kv]
-    if attention_mask is not None:
+    if isinstance(attention_mask, CausalBias):
+        attention_mask = None  # the lower-right causal bias: handled as a missing mask, below
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))  # True = may attend (sdpa's convention)
+    elif attention_mask is not None:
         scores = scores + attention_mask.float()
     elif query.shape[2] > 1:
-        # sdpa's mask builder returns None where it would use is_causal: the queries are the last
-        # q of the kv slots, each sees the slots up to its own
+        # no mask: sdpa's mask builder returns None where it would use is_causal, and fusion passes
+        # a lower-right causal bias; either way the queries are the last q of the kv slots, each
+        # sees the slots up to its own
         q_len, kv_len = query.shape[2], key.shape[2]
         rows = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
         scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows, float("-inf"))

@@ -72,7 +72,7 @@ def move_keys(
     k = keys.float()
     if rotated is not None and not bool(rotated.all()):
         out = k.clone()
-        idx = rotated.nonzero().squeeze(1).to(k.device)
+        idx = rotated.nonzero().squeeze(1).to(k.device, non_blocking=True)  # rotated: a host tensor
         out[idx] = move_keys(k[idx], cos_p, sin_p, cos_q, sin_q, apply)
         return out
     if rot == k.shape[-1]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from ragkv.codec import available_codecs, decode, encode
+from ragkv.codec._tensors import dequantize, dequantize_on
 from ragkv.codec.cachegen import LEVELS
 from ragkv.types import CodecSpec
 from tests.codec.conftest import KEY, KVFactory, encoded, expected, roundtrip
@@ -139,16 +141,36 @@ def test_device_path_runs_off_cpu(make_kv: KVFactory, name: str) -> None:
     assert out.values.dtype == torch.float16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [False, True], ids=["int8-like", "int4-like"])
+def test_the_device_dequantization_equals_the_host_one_bit_for_bit(dtype: torch.dtype, offset: bool) -> None:
+    """The torch half that runs on a GPU computes in fp32 like numpy, so a device decode is the host decode moved."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-127, 128, size=(3, 2, 40, 16)).astype(np.int8)
+    scale = rng.lognormal(-4, 2, size=(3, 2, 40, 1)).astype(np.float16).astype(np.float32)
+    low = rng.normal(0, 3, size=(3, 2, 40, 1)).astype(np.float32) if offset else None
+    host = dequantize(q, scale, low, torch.device("cpu"), dtype)
+    on_device = dequantize_on(
+        torch.from_numpy(q), torch.from_numpy(scale), None if low is None else torch.from_numpy(low), dtype
+    )
+    assert on_device.dtype == dtype and torch.equal(on_device, host)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", sorted(available_codecs()))
-def test_cuda_decode_matches_cpu(make_kv: KVFactory, name: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("name", "level"), ALL)
+def test_cuda_decode_equals_the_cpu_decode_moved_to_cuda(
+    make_kv: KVFactory, name: str, level: int, dtype: torch.dtype
+) -> None:
+    """Bit for bit: the device multiplies in fp32 like the host, and casts round the same way."""
     kv = make_kv(4, 2, 37, 16)
-    data = encoded(kv, name)
-    cpu, gpu = decode(data, expect=expected(kv, name)), decode(data, expect=expected(kv, name), device="cuda")
-    assert gpu.keys.is_cuda
-    assert torch.allclose(gpu.keys.cpu(), cpu.keys, atol=1e-5, rtol=1e-5)
-    assert torch.allclose(gpu.values.cpu(), cpu.values, atol=1e-5, rtol=1e-5)
+    data = encoded(kv, name, level)
+    cpu = decode(data, expect=expected(kv, name, level), dtype=dtype)
+    gpu = decode(data, expect=expected(kv, name, level), device="cuda", dtype=dtype)
+    assert gpu.keys.is_cuda and gpu.values.is_cuda and gpu.keys.dtype == dtype
+    assert torch.equal(gpu.keys.cpu(), cpu.keys) and torch.equal(gpu.values.cpu(), cpu.values)
+    assert torch.equal(gpu.positions, cpu.positions) and gpu.positions.device.type == "cpu"
 
 
 @pytest.mark.parametrize(("name", "level"), ALL)

@@ -1,0 +1,93 @@
+"""The masks fusion hands attention: one per set of active tokens, shared by every layer.
+
+A float ``[queries, keys]`` mask per layer would cost a long context its memory bandwidth; these
+tests record what each layer's attention receives (through transformers' attention registry, the
+seam the model calls) and check its identity, dtype and layout. Exactness against full prefill and
+the slow loop lives in test_fusion.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.attention.bias import CausalBias
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ragkv.fusion import FusionConfig, fuse
+from ragkv.model import ModelAdapter
+from ragkv.selection import BlendParams
+from tests.core.test_fusion import _prompt
+
+
+@contextmanager
+def recorded_masks() -> Iterator[list[Any]]:
+    """Within the block, the ``attention_mask`` of every SDPA call a layer makes, in order."""
+    masks: list[Any] = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a, **kw):
+        masks.append(mask)
+        return sdpa(module, query, key, value, mask, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", recording)
+        yield masks
+
+
+def _long_prompt(adapter: ModelAdapter):
+    return _prompt(adapter, sizes=(300, 250, 333))  # ~900 context slots
+
+
+def test_a_selective_pass_builds_one_mask_per_active_set_not_one_per_layer(llama_adapter):
+    a = llama_adapter
+    *_, inp = _long_prompt(a)
+    config = FusionConfig(method="blend", ratio=0.15, params=BlendParams(check_layer=1))
+    with recorded_masks() as masks:
+        fused = fuse(a, inp, config)
+    assert len(masks) == a.spec.num_layers
+    # every chunk token through layers 0-1, then the selected 15%: two masks for four layers
+    assert len({m.untyped_storage().data_ptr() for m in masks}) == 2
+    for mask in masks:
+        assert mask.dtype == a.dtype and mask.shape[:2] == (1, 1) and mask.shape[-1] == fused.num_tokens
+        # rows padded to 16 elements: SDPA's memory-efficient CUDA kernel takes it without a copy
+        assert mask.stride(-1) == 1 and all(s % 16 == 0 for s in mask.stride()[:-1])
+    assert masks[-1].shape[2] == fused.recomputed_tokens
+
+
+def test_the_mask_is_exact_causal_over_the_slots(llama_adapter):
+    pos = torch.tensor([3, 4, 9, 12])
+    mask = llama_adapter.causal_mask(pos, 13, torch.float32)[0, 0]  # [4, 13]
+    allowed = torch.arange(13).unsqueeze(0) <= pos.unsqueeze(1)
+    assert torch.equal(mask == 0, allowed) and bool((mask[~allowed] == torch.finfo(torch.float32).min).all())
+
+
+def test_queries_at_the_tail_get_a_causal_bias_and_stay_exact(llama_adapter, monkeypatch):
+    """What CUDA runs (no mask tensor at all), forced here on the CPU, where torch materialises it."""
+    a = llama_adapter
+    prefix, chunk_ids, suffix, inp = _prompt(a)
+    monkeypatch.setattr(a, "_lower_right_bias_is_free", lambda: True)
+    with recorded_masks() as masks, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: no CUDA kernel for the bias on the CPU
+        fused = fuse(a, inp, FusionConfig(method="full", ratio=1.0), prefill_suffix=True)
+    assert len(masks) == a.spec.num_layers and all(isinstance(m, CausalBias) for m in masks)
+    ref = a.forward(prefix + sum(chunk_ids, []) + suffix, a.build_cache([]), 0)[-len(suffix) :]
+    assert fused.suffix_logits is not None
+    torch.testing.assert_close(fused.suffix_logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_question_probe_reads_a_causal_bias_as_lower_right(llama_adapter, monkeypatch):
+    """The probe's own eager attention takes the bias the way SDPA does: the same question weights."""
+    a = llama_adapter
+    *_, inp = _prompt(a)
+    config = FusionConfig(method="query_attn", ratio=0.3)
+    want = fuse(a, inp, config).selected
+    monkeypatch.setattr(a, "_lower_right_bias_is_free", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        got = fuse(a, inp, config).selected
+    assert torch.equal(got, want)
