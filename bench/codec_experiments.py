@@ -21,7 +21,7 @@ import torch
 
 import ragkv.codec.cachegen as cachegen
 from ragkv.bench.codec import _Case, _kl, _prepare
-from ragkv.bench.fusion import builtin_prompts
+from ragkv.bench.prompt_sets import prompt_set
 from ragkv.codec import Expected, decode, encode
 from ragkv.model import ModelAdapter, load_model
 from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
@@ -157,12 +157,17 @@ EXPERIMENTS = {  # name -> (function, built-in prompts used)
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
+    name = "builtin"
+    if argv[1:2] == ["--prompts"] and len(argv) == 3:
+        name, argv = argv[2], argv[:1]
     if len(argv) != 1 or argv[0] not in EXPERIMENTS:
-        raise SystemExit(f"usage: python bench/codec_experiments.py {{{','.join(EXPERIMENTS)}}}")
+        raise SystemExit(
+            f"usage: python bench/codec_experiments.py {{{','.join(EXPERIMENTS)}}} [--prompts builtin|packages]"
+        )
     run, prompts = EXPERIMENTS[argv[0]]
     adapter = load_model("smollm2-135m")
     answer_tokens = 4 if argv[0] == "entropy" else 16 if argv[0] == "sensitivity" else 24
-    cases = [_prepare(adapter, p, answer_tokens) for p in builtin_prompts(adapter, n=prompts)]
+    cases = [_prepare(adapter, p, answer_tokens) for p in prompt_set(name, adapter, n=prompts)]
     run(adapter, cases)
 
 
