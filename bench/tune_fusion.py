@@ -1,8 +1,10 @@
 """Fast fusion tuning: KL, top-1 and a rough TTFT ratio (no greedy answers per method).
 
     python bench/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query", "ratio": 0.15}'
+    python bench/tune_fusion.py --prompts packages 4 '{"method": "query_focus", "ratio": 0.15}'
 
-Uses the first N built-in prompts of ``ragkv bench fusion``; each argument after N is a JSON
+Uses the first N prompts of a set of ``ragkv bench fusion`` (``--prompts builtin``, the default,
+or ``packages``: ragkv.bench.prompt_sets); each argument after N is a JSON
 object: ``method``, ``ratio`` and any fields of the method's parameter record (e.g.
 ``narrow_layer`` for ``QueryFocusParams``). Reference: full prefill's 32-token greedy answer.
 """
@@ -16,7 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1, builtin_prompts
+from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1
+from ragkv.bench.prompt_sets import prompt_set
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import load_model
@@ -31,10 +34,13 @@ def _config(fields: dict) -> FusionConfig:
 
 @torch.inference_mode()
 def main(argv: list[str]) -> None:
+    name = "builtin"
+    if argv[:1] == ["--prompts"]:
+        name, argv = argv[1], argv[2:]
     adapter = load_model("smollm2-135m")
     n, configs = int(argv[0]), [_config(json.loads(a)) for a in argv[1:]]
     cases = []
-    for p in builtin_prompts(adapter, n=n):
+    for p in prompt_set(name, adapter, n=n):
         prefix, chunks, suffix = adapter.chat_segments(None, p["chunks"], p["question"])
         ctx = prefix + [t for c in chunks for t in c]
         cache = adapter.build_cache([])

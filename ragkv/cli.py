@@ -380,9 +380,25 @@ def _load_model(model: str | None, dtype: str | None = None, device: str | None 
     return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
 
 
-def _load_prompts(path: Path | None) -> list[dict[str, Any]] | None:
-    if path is None:
-        return None
+def _bench_prompts(spec: str, adapter: Any, limit: int, max_tokens: int) -> list[dict[str, Any]]:
+    """``--prompts``: a prompt set's name (``builtin``, ``packages``) or a JSONL file's path."""
+    from ragkv.bench.prompt_sets import PROMPT_SETS, prompt_set
+
+    if spec in PROMPT_SETS:
+        try:
+            return prompt_set(spec, adapter, n=limit, max_tokens=max_tokens)
+        except ValueError as e:  # the set's sources are missing on this machine
+            raise typer.BadParameter(str(e), param_hint="--prompts") from e
+    path = Path(spec)
+    if not path.is_file():
+        raise typer.BadParameter(
+            f"{spec!r} is neither a prompt set ({', '.join(sorted(PROMPT_SETS))}) nor a JSONL file",
+            param_hint="--prompts",
+        )
+    return _load_prompts(path)[:limit]
+
+
+def _load_prompts(path: Path) -> list[dict[str, Any]]:
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -403,13 +419,20 @@ def _write_rows(rows: list[dict[str, Any]], out: Path | None) -> None:
         typer.echo(f"wrote {len(rows)} rows to {out}")
 
 
-Prompts = Annotated[Path | None, typer.Option("--prompts", help="JSONL: {system, chunks, question} per line.")]
+Prompts = Annotated[
+    str,
+    typer.Option(
+        "--prompts",
+        help="Prompt set: builtin (stdlib docs), packages (PyPI package descriptions), "
+        "or a JSONL file with {system, chunks, question} per line.",
+    ),
+]
 JsonOut = Annotated[Path | None, typer.Option("--json", help="Write result rows to this file.")]
 
 
 @bench_app.command("fusion")
 def bench_fusion(
-    prompts: Prompts = None,
+    prompts: Prompts = "builtin",
     model: Model = None,
     out: JsonOut = None,
     limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
@@ -421,9 +444,10 @@ def bench_fusion(
     """Fidelity and TTFT of fusion methods against full prefill (in the model's dtype)."""
     from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
 
+    adapter = _load_model(model, dtype, device)
     rows = run_fusion_bench(
-        _load_model(model, dtype, device),
-        _load_prompts(prompts),
+        adapter,
+        _bench_prompts(prompts, adapter, limit, max_tokens=2800),
         parse_grid(methods) if methods else DEFAULT_GRID,
         limit=limit,
     )
@@ -435,7 +459,7 @@ def bench_fusion(
 
 @bench_app.command("codec")
 def bench_codec(
-    prompts: Prompts = None,
+    prompts: Prompts = "builtin",
     model: Model = None,
     out: JsonOut = None,
     limit: Annotated[int, typer.Option("--limit")] = 6,
@@ -443,11 +467,9 @@ def bench_codec(
 ) -> None:
     """Size, fidelity and speed of every codec and level."""
     from ragkv.bench.codec import format_table, plot_rows, run_codec_bench
-    from ragkv.bench.fusion import builtin_prompts
 
     adapter = _load_model(model)
-    ps = (_load_prompts(prompts) or builtin_prompts(adapter, n=limit, max_tokens=2000))[:limit]
-    rows = run_codec_bench(adapter, ps)
+    rows = run_codec_bench(adapter, _bench_prompts(prompts, adapter, limit, max_tokens=2000))
     typer.echo(format_table(rows))
     _write_rows(rows, out)
     if plot:
