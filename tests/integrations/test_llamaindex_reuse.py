@@ -12,9 +12,11 @@ from llama_index.core import Document, VectorStoreIndex  # noqa: E402
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.schema import TextNode  # noqa: E402
 
+from ragkv.fusion import FusionConfig  # noqa: E402
 from ragkv.integrations import _bridge  # noqa: E402
 from ragkv.integrations.llamaindex import RagKVEmbedding, RagKVLLM, RagKVNodePostprocessor  # noqa: E402
 from ragkv.retriever.documents import Document as RagDocument  # noqa: E402
+from tests.integrations.conftest import make_engine  # noqa: E402
 
 QUESTION = "Where do apples grow?"
 # newlines and quotes: simple_summarize prints the chunk list, escaping both
@@ -34,9 +36,9 @@ def index(rag):
     )
 
 
-def query_engine(index, rag, *, postprocessor: bool = True, **kw):
+def query_engine(index, rag, *, postprocessor: bool = True, max_tokens: int = 3, **kw):
     pp = [RagKVNodePostprocessor(rag, progress=False)] if postprocessor else []
-    llm = RagKVLLM(rag, max_tokens=3)
+    llm = RagKVLLM(rag, max_tokens=max_tokens)
     return index.as_query_engine(llm=llm, node_postprocessors=pp, similarity_top_k=2, **kw)
 
 
@@ -47,6 +49,28 @@ def test_every_response_mode_reuses_on_the_second_identical_query(index, rag, mo
     s = qe.query(QUESTION).metadata[_bridge.STATS_KEY]
     assert s["reused_tokens"] > 0 and s["cache_hits"] >= 2 and s["cache_misses"] == 0
     assert "reuse_warning" not in s
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_full_recomputation_answers_exactly_like_the_plain_model(tmp_path, llama_adapter, mode):
+    # Issue 13 point 4 (tree_summarize answered another question with reuse) was fusion at the
+    # default ratio, not the prompt layout or chunk boundaries: with every chunk token recomputed
+    # the reused path must give the plain model's answer, in every mode, from loaded caches.
+    # (The byte-level test tokenizer cuts segments exactly as it cuts the whole prompt.)
+    with make_engine(tmp_path, llama_adapter, fusion=FusionConfig(ratio=1.0)) as rag:
+        docs = [Document(text=text, metadata={"source": source}) for source, text in TEXTS.items()]
+        index = VectorStoreIndex.from_documents(
+            docs, embed_model=RagKVEmbedding(rag), transformations=[SentenceSplitter(chunk_size=1024)]
+        )
+        plain = index.as_query_engine(
+            llm=RagKVLLM(rag, max_tokens=8, reuse_chunks=False), similarity_top_k=2, response_mode=mode
+        )
+        reuse = query_engine(index, rag, max_tokens=8, response_mode=mode)
+        reuse.query(QUESTION)  # builds the caches
+        response = reuse.query(QUESTION)
+        s = response.metadata[_bridge.STATS_KEY]
+        assert s["cache_hits"] >= 2 and s["cache_misses"] == 0 and s["reused_tokens"] == 0
+        assert str(response) == str(plain.query(QUESTION))
 
 
 def test_first_query_reports_cache_building_and_the_users_ttft(index, rag):
