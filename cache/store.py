@@ -25,10 +25,10 @@ from ragkv.cache._workers import DaemonPool
 from ragkv.cache.breaker import CircuitBreaker
 from ragkv.cache.fetched import Fetched
 from ragkv.cache.keys import validate_key, validate_namespace, validate_value
+from ragkv.cache.link import LinkEstimate
 from ragkv.cache.registry import open_tier
 from ragkv.cache.stats import TierStats
 from ragkv.cache.store_config import StoreConfig
-from ragkv.cache.throughput import LinkEstimate
 from ragkv.cache.tier import Tier
 from ragkv.errors import StoreUnavailableError
 

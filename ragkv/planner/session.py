@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragkv.cache.fetched import Fetched
-from ragkv.cache.throughput import LinkEstimate, RateEstimate
+from ragkv.cache.link import LinkEstimate
+from ragkv.cache.throughput import RateEstimate
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import TEXT, ChunkOptions, Rates, choice_name, plan_load
 from ragkv.types import CodecSpec

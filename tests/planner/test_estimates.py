@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from ragkv.cache.link import LinkEstimate
 from ragkv.cache.store import open_store
-from ragkv.cache.throughput import LinkEstimate
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import ChunkOptions
 from ragkv.planner.ratebook import FORMAT, RateBook
