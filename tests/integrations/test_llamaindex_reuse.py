@@ -15,7 +15,9 @@ from llama_index.core.schema import TextNode  # noqa: E402
 from ragkv.fusion import FusionConfig  # noqa: E402
 from ragkv.integrations import _bridge  # noqa: E402
 from ragkv.integrations.llamaindex import RagKVEmbedding, RagKVLLM, RagKVNodePostprocessor  # noqa: E402
+from ragkv.planner.config import LoadConfig  # noqa: E402
 from ragkv.retriever.documents import Document as RagDocument  # noqa: E402
+from ragkv.types import DEFAULT_CODEC  # noqa: E402
 from tests.integrations.conftest import make_engine  # noqa: E402
 
 QUESTION = "Where do apples grow?"
@@ -56,8 +58,10 @@ def test_full_recomputation_answers_exactly_like_the_plain_model(tmp_path, llama
     # Issue 13 point 4 (tree_summarize answered another question with reuse) was fusion at the
     # default ratio, not the prompt layout or chunk boundaries: with every chunk token recomputed
     # the reused path must give the plain model's answer, in every mode, from loaded caches.
-    # (The byte-level test tokenizer cuts segments exactly as it cuts the whole prompt.)
-    with make_engine(tmp_path, llama_adapter, fusion=FusionConfig(ratio=1.0)) as rag:
+    # (The byte-level test tokenizer cuts segments exactly as it cuts the whole prompt.) The load
+    # is fixed: at ratio 1.0 the planner rightly recomputes from text rather than load caches.
+    load = LoadConfig(fixed=DEFAULT_CODEC)
+    with make_engine(tmp_path, llama_adapter, fusion=FusionConfig(ratio=1.0), load=load) as rag:
         docs = [Document(text=text, metadata={"source": source}) for source, text in TEXTS.items()]
         index = VectorStoreIndex.from_documents(
             docs, embed_model=RagKVEmbedding(rag), transformations=[SentenceSplitter(chunk_size=1024)]
