@@ -16,7 +16,8 @@ class LinkEstimate:
     about one size the line cannot be told apart from its slope: the latency stays at its last
     value (``first_latency`` at first) and the rate takes the rest, which, averaged over seconds
     per byte as in :class:`~ragkv.cache.throughput.RateEstimate`, shows a drop at once.
-    ``measured`` says whether anything was measured (or seeded from an earlier process, see :meth:`seed`; or the first guess is
+    ``measured`` says whether anything was measured (or seeded from an earlier process, see
+    :meth:`seed`; or the first guess is
     ``trusted``, a tier inside this machine). The first read replaces the first guess outright.
 
     >>> link = LinkEstimate(first=125e6, first_latency=0.001, weight=0.5)
