@@ -91,10 +91,12 @@ def test_a_plan_that_fits_is_the_best_quality_cap_that_fits(chunks, rates, budge
 def test_with_slack_the_best_quality_within_it_of_the_fastest(chunks, rates, slack, base):
     plan = plan_load(chunks, ORDER, rates, slack=slack, base_s=base)
     quality = plan_load(chunks, ORDER, rates)  # quality first: the best that beats recomputing
-    fastest = plan_load(chunks, ORDER, rates, 0.0)  # no budget met: the fastest plan
-    assert base + plan.seconds <= (1 + slack) * (base + fastest.seconds) + 1e-9
-    assert plan.fits and plan.seconds >= fastest.seconds - 1e-9
-    if base + quality.seconds <= (1 + slack) * (base + fastest.seconds):
+    # no budget met: the cheapest plan within 5% of the fastest, so the fastest is at least this
+    near = plan_load(chunks, ORDER, rates, 0.0)
+    fastest_s = near.seconds / 1.05
+    assert base + plan.seconds <= (1 + slack) * (base + near.seconds) + 1e-9
+    assert plan.fits and plan.seconds >= fastest_s - 1e-9
+    if base + quality.seconds <= (1 + slack) * (base + fastest_s):
         assert plan.choices == quality.choices  # quality first when it costs little
 
 
