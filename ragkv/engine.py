@@ -309,24 +309,8 @@ class RagKV:
         exactly that text. Each segment is tokenized on its own. With no ``CachedText`` this is a
         plain prefill of the whole prompt, exactly like the model alone.
         """
-        segs = [s for s in segments if (s.text if isinstance(s, CachedText) else s)]
-        cached_at = [i for i, s in enumerate(segs) if isinstance(s, CachedText)]
-
-        def plain(parts: Sequence[str | CachedText]) -> list[int]:
-            return self.adapter.encode("".join(p for p in parts if isinstance(p, str)))
-
-        if not cached_at:
-            return self._generate([], [], plain(segs), "full", generation, fusion)
-        first, last = cached_at[0], cached_at[-1]
-        prefix = plain(segs[:first]) if first else []
-        middle = [
-            (self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
-            for s in segs[first : last + 1]
-        ]
-        suffix = plain(segs[last + 1 :])
-        if not suffix:
-            raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
-        return self._generate(prefix, middle, suffix, "reuse", generation, fusion)
+        prefix, middle, suffix = self._segment_ids(segments)
+        return self._generate(prefix, middle, suffix, "reuse" if middle else "full", generation, fusion)
 
     def warm(self, chunk_texts: Sequence[str]) -> int:
         """Make sure the cache of each text (tokenized on its own) is stored; return how many were computed."""
