@@ -399,7 +399,9 @@ class RagKV:
             got = next(fetched)
             loaded.append(got.kv)
             forced.append(got.recompute)
-            if got.recompute:  # planned as text (or its tier failed): fusion computes it in place
+            # planned as text (or its tier failed): fusion computes it in place; planned LOCAL: stored,
+            # but prefilled here while the other chunks were read
+            if got.recompute or got.local:
                 stats.prefilled_chunk_tokens += len(seg)
             elif got.hit:
                 stats.cache_hits += 1

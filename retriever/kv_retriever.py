@@ -29,7 +29,7 @@ from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
 from ragkv.errors import CodecError
 from ragkv.model import ModelAdapter
-from ragkv.planner.plan import ChunkOptions
+from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions
 from ragkv.planner.session import LoadPlanning, LoadSession
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
 from ragkv.retriever.documents import Document, document_source
@@ -119,6 +119,7 @@ class LoadedChunk:
     hit: bool  # True: loaded from the store; False: computed now (and stored)
     nbytes: int  # encoded bytes read (hits) or written (misses)
     recompute: bool = False  # True: not loaded (planned as text, or its tier failed); kv is a placeholder
+    local: bool = False  # True: stored, but prefilled here while other chunks were fetched (planned LOCAL)
 
 
 class KVRetriever:
@@ -475,7 +476,10 @@ class KVRetriever:
         With ``plan``, each chunk's (codec, level) is chosen just before it is fetched, on the speeds
         measured so far (see ``ragkv.planner``); a chunk planned as text, or whose tier fails
         mid-load (and every chunk after it), comes back with ``recompute=True`` and no bytes read:
-        fusion computes it from its tokens. Without ``plan``, every chunk loads at ``config.codec``.
+        fusion computes it from its tokens. A chunk planned as ``LOCAL`` (under a deadline the
+        link cannot meet) is prefilled on this thread when its turn comes, while the fetch thread
+        reads the next chunks, and comes back with ``local=True`` (not stored again: the store has
+        it). Without ``plan``, every chunk loads at ``config.codec``.
         """
         keys = [self.chunk_key(t, self.config.codec) for t in segments]
         first: dict[str, int] = {}  # storage key -> index of its first occurrence
@@ -489,12 +493,16 @@ class KVRetriever:
         planning = session is not None and plan is not None and plan.config.fixed is None
 
         def fetch(n: int) -> tuple[ChunkKey | None, Fetched | None]:
+            """(key, bytes) read; (None, None): recompute in fusion; (key, None): prefill here."""
             i = unique[n]
             spec = fixed
             if planning and session is not None and session.chunks[n].sizes:  # chunks never stored: a miss
                 chosen = session.choose(n)
-                if chosen is None:
+                if chosen is TEXT:
                     return None, None
+                if chosen == LOCAL:
+                    return keys[i], None
+                assert isinstance(chosen, CodecSpec)
                 spec = chosen
             if spec != keys[i].codec:
                 keys[i] = self.chunk_key(segments[i], spec)
@@ -508,10 +516,18 @@ class KVRetriever:
         sizes: dict[int, int | None] = {}  # bytes of each stored blob (None: not stored)
         decoded: dict[int, ChunkKV | None] = {}
         text: set[int] = set()  # chunks fusion recomputes from their tokens
-        with contextlib.closing(prefetch(range(len(unique)), fetch)) as fetched:
+        local: set[int] = set()  # chunks prefilled here while the next ones were fetched
+        # up to 3 ahead: a run of chunks prefilled here leaves room for the read after them to start
+        with contextlib.closing(prefetch(range(len(unique)), fetch, ahead=3)) as fetched:
             for n, (key, got) in enumerate(fetched):
                 # the next chunks keep loading while this one decodes; its bytes are dropped after
                 i = unique[n]
+                if key is not None and got is None and session is not None:  # planned LOCAL
+                    started = time.perf_counter()
+                    decoded[i] = self.adapter.prefill_kv(segments[i], past=[self.prefix_kv()])
+                    session.prefilled_here(n, len(segments[i]), time.perf_counter() - started)
+                    local.add(i)
+                    continue
                 if key is None or got is None:
                     text.add(i)
                     if session is not None:
@@ -523,7 +539,7 @@ class KVRetriever:
                 decoded[i] = None if blob is None else self._decode(key, len(segments[i]), blob)
                 if session is not None and blob is not None and decoded[i] is not None:
                     session.decoded(key.codec, len(blob), time.perf_counter() - started)
-        done = self._finish_loads(segments, keys, unique, decoded, sizes, text)
+        done = self._finish_loads(segments, keys, unique, decoded, sizes, text, local)
         out = []
         for i, storage_key in enumerate(primary):
             j = first[storage_key]
@@ -562,14 +578,20 @@ class KVRetriever:
         decoded: dict[int, ChunkKV | None],
         sizes: dict[int, int | None],
         text: set[int],
+        local: set[int],
     ) -> dict[int, LoadedChunk]:
-        """Hits as loaded; text chunks as placeholders; misses computed and stored; hits touched."""
+        """Hits as loaded; text chunks as placeholders; local ones as prefilled; misses computed and
+        stored; hits touched."""
         done: dict[int, LoadedChunk] = {}
         for i in unique:
             if i in text:
                 done[i] = LoadedChunk(self.adapter.empty_kv(len(segments[i])), False, 0, recompute=True)
                 continue
-            kv, size = decoded[i], sizes[i]
+            kv = decoded[i]
+            if i in local and kv is not None:
+                done[i] = LoadedChunk(kv, False, 0, local=True)
+                continue
+            size = sizes[i]
             if kv is not None and size is not None:
                 done[i] = LoadedChunk(kv, True, size)
                 continue

@@ -5,6 +5,15 @@ fusion pass (``TEXT``). Levels are ranked by quality, best first (``RetrieverCon
 ``codec``, then ``index_codecs`` as listed); text is the fallback ranked after every level, as in
 CacheGen: it costs compute, not bytes, and is picked when no level loads faster than it computes.
 
+Under a deadline no cap meets, a chunk can also be prefilled here (``LOCAL``): alone after the
+shared prefix, as a miss is, on the caller's thread while the other chunks' bytes are still on the
+wire, and then fused like a loaded chunk. Text is recomputed in the fusion pass, after every chunk
+has arrived (its tokens attend to the chunks before it, so it cannot start earlier and stay exact);
+a local chunk is an uncompressed cache made during the transfer, so the compute that text would
+add after the load hides behind it. It ranks with text, as a fallback: a slow link can buy time
+by giving fetches to the idle processor. The two paths are timed apart: the link's (reads) and
+the processor's (decodes and local prefills), whichever ends last, then the fusion pass.
+
 The plan lowers one quality cap ``r`` for all remaining chunks: at cap ``r`` each chunk takes the
 first stored level at rank >= ``r`` that costs no more than recomputing it, else text. A level's
 cost is the read's latency, then fetch and decode overlapped, plus the share of its tokens the
@@ -38,12 +47,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final, Literal
 
 from ragkv.types import CodecSpec
 
-__all__ = ["TEXT", "ChunkOptions", "LoadPlan", "Rates", "choice_name", "plan_load"]
+__all__ = ["LOCAL", "TEXT", "Choice", "ChunkOptions", "LoadPlan", "Rates", "choice_name", "plan_load"]
 
-TEXT = None  # the choice "recompute this chunk from its tokens"
+TEXT = None  # the choice "recompute this chunk from its tokens in the fusion pass"
+LOCAL: Final = "local"  # the choice "prefill this chunk here, alone, while the others are fetched"
+Choice = CodecSpec | Literal["local"] | None  # a stored level, LOCAL or TEXT
 _NOISE = 0.05  # plans whose estimates differ by less than this share are taken as equally fast
 
 
@@ -70,8 +82,12 @@ class Rates:
         """Time to have one chunk's cache: a read's latency, then fetching and decoding overlap (the
         pipelined loader)."""
         transfer = nbytes / self.transfer_bps if self.transfer_bps > 0 else float("inf")
+        return self.latency_s + max(transfer, self.decode_seconds(spec, nbytes))
+
+    def decode_seconds(self, spec: CodecSpec, nbytes: int) -> float:
+        """Time to decode ``nbytes`` stored at ``spec`` (0 while no speed is known for it)."""
         decode = self.decode_bps.get(str(spec)) or self.decode_bps.get(spec.name)
-        return self.latency_s + max(transfer, nbytes / decode if decode else 0.0)
+        return nbytes / decode if decode else 0.0
 
     def text_seconds(self, tokens: int) -> float:
         """Time to recompute one chunk from its tokens (in the fusion pass)."""
@@ -85,10 +101,10 @@ class Rates:
 
 @dataclass(frozen=True, slots=True)
 class LoadPlan:
-    """Per chunk: the (codec, level) to load, or ``TEXT``."""
+    """Per chunk: the (codec, level) to load, ``LOCAL`` or ``TEXT``."""
 
-    choices: tuple[CodecSpec | None, ...]
-    seconds: float  # estimated time to load or recompute every chunk, one after the other
+    choices: tuple[Choice, ...]
+    seconds: float  # estimated time to have every chunk: loads and local prefills, then recomputed text
     fits: bool  # the estimate is within the budget (always True without one)
 
 
@@ -114,8 +130,10 @@ def plan_load(
         base_s: seconds the answer costs whatever the plan (the fusion pass's fixed share).
 
     Returns:
-        The plan; when no plan fits the budget, the fastest plan (or the cheapest within 5% of it:
-        estimates are not that exact) with ``fits=False``.
+        The plan. With a budget no cap meets, the same caps with chunks moved to ``LOCAL`` (the
+        earliest first, while that shortens the estimate) are tried next, in cap order; when none
+        fits either, the fastest of all (or the cheapest within 5% of it: estimates are not that
+        exact) with ``fits=False``.
     """
     if not rates.recompute_tps > 0:
         raise ValueError(f"recompute_tps must be > 0 (prefill tokens/s); got {rates.recompute_tps!r}")
@@ -132,6 +150,11 @@ def plan_load(
     fitting = next((p for p in plans if p.seconds <= budget_s), None)
     if fitting is not None:
         return fitting
+    plans += [_overlapped(chunks, p, rates) for p in plans]
+    fastest = min(plans, key=lambda p: p.seconds)
+    fitting = next((p for p in plans if p.seconds <= budget_s), None)
+    if fitting is not None:
+        return fitting
     # nothing fits: the fastest plan, or a cheaper one within estimate noise of it (bytes are the surer bet)
     close = [p for p in plans if p.seconds <= (1 + _NOISE) * fastest.seconds]
     return LoadPlan(close[-1].choices, close[-1].seconds, False)
@@ -140,22 +163,62 @@ def plan_load(
 def _at_cap(chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: Rates, cap: int) -> LoadPlan:
     """At quality cap ``cap``: per chunk, the first stored level at rank >= cap that costs no more than
     recomputing the chunk, else text."""
-    choices: list[CodecSpec | None] = []
-    total = 0.0
+    choices: list[Choice] = []
     for chunk in chunks:
         text = rates.text_seconds(chunk.tokens)
-        best: tuple[CodecSpec | None, float] = (TEXT, text)
+        choice: Choice = TEXT
         for spec in order[cap:]:
-            if spec in chunk.sizes:
-                seconds = rates.chunk_seconds(spec, chunk)
-                if seconds <= text:
-                    best = (spec, seconds)
-                    break
-        choices.append(best[0])
-        total += best[1]
-    return LoadPlan(tuple(choices), total, True)
+            if spec in chunk.sizes and rates.chunk_seconds(spec, chunk) <= text:
+                choice = spec
+                break
+        choices.append(choice)
+    return LoadPlan(tuple(choices), plan_seconds(chunks, choices, rates), True)
 
 
-def choice_name(choice: CodecSpec | None) -> str:
-    """``"cachegen:0"`` for a level, ``"text"`` for recompute."""
+def _overlapped(chunks: Sequence[ChunkOptions], plan: LoadPlan, rates: Rates) -> LoadPlan:
+    """``plan`` with chunks moved to ``LOCAL``, the earliest first, while each move shortens the estimate
+    (earliest: the caller prefills a local chunk when its turn comes, so the later fetches overlap it)."""
+    choices = list(plan.choices)
+    seconds = plan.seconds
+    moved = True
+    while moved:
+        moved = False
+        for i, choice in enumerate(choices):
+            if choice == LOCAL:
+                continue
+            trial = [*choices[:i], LOCAL, *choices[i + 1 :]]
+            trial_s = plan_seconds(chunks, trial, rates)
+            if trial_s < seconds - 1e-12:
+                choices, seconds, moved = trial, trial_s, True
+                break
+    return LoadPlan(tuple(choices), seconds, True)
+
+
+def plan_seconds(chunks: Sequence[ChunkOptions], choices: Sequence[Choice], rates: Rates) -> float:
+    """Estimated seconds until every chunk is ready for the fusion pass's end: the link's reads and the
+    processor's decodes and local prefills overlap (whichever ends last), then the text recomputed and
+    the share of the other chunks' tokens the fusion pass recomputes anyway.
+
+    With no ``LOCAL`` chunk this is the sum of each chunk's cost (``Rates.chunk_seconds`` or
+    ``Rates.text_seconds``): a read's decode overlaps its own transfer.
+    """
+    link = processor = after = 0.0
+    for chunk, choice in zip(chunks, choices, strict=True):
+        text = rates.text_seconds(chunk.tokens)
+        if choice is TEXT:
+            after += text
+        elif choice == LOCAL:
+            processor += text
+            after += text * rates.fusion_ratio
+        else:
+            assert isinstance(choice, CodecSpec)
+            nbytes = chunk.sizes[choice]
+            link += rates.load_seconds(choice, nbytes)
+            processor += rates.decode_seconds(choice, nbytes)
+            after += text * rates.fusion_ratio
+    return max(link, processor) + after
+
+
+def choice_name(choice: Choice) -> str:
+    """``"cachegen:0"`` for a level, ``"text"`` for recompute in the fusion pass, ``"local"``."""
     return "text" if choice is None else str(choice)

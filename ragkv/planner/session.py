@@ -22,7 +22,7 @@ from ragkv.cache.fetched import Fetched
 from ragkv.cache.link import LinkEstimate
 from ragkv.cache.throughput import RateEstimate
 from ragkv.planner.config import LoadConfig
-from ragkv.planner.plan import TEXT, ChunkOptions, Rates, choice_name, plan_load
+from ragkv.planner.plan import LOCAL, TEXT, Choice, ChunkOptions, Rates, choice_name, plan_load
 from ragkv.types import CodecSpec
 
 __all__ = ["Average", "LoadEstimates", "LoadPlanning", "LoadSession"]
@@ -146,8 +146,8 @@ class LoadSession:
         self.broken = False  # a tier failed mid-load: every later chunk is recomputed from text
         self._tier: str | None = estimates.last_tier
 
-    def choose(self, n: int) -> CodecSpec | None:
-        """What to load chunk ``n`` as (re-planning chunks ``n..``), or ``TEXT``."""
+    def choose(self, n: int) -> Choice:
+        """What to load chunk ``n`` as (re-planning chunks ``n..``): a stored level, ``LOCAL`` or ``TEXT``."""
         if self.broken:
             return TEXT
         link = self.link()
@@ -192,6 +192,12 @@ class LoadSession:
     def decoded(self, spec: CodecSpec, nbytes: int, seconds: float) -> None:
         """Record a decode's cost."""
         self.estimates.decode(str(spec)).observe(nbytes, seconds)
+
+    def prefilled_here(self, n: int, tokens: int, seconds: float) -> None:
+        """Record that chunk ``n`` (planned ``LOCAL``) was prefilled here: ``tokens`` in ``seconds``, a
+        measurement of the prefill speed (the fusion pass's fixed cost is not in it)."""
+        self.choices[n] = LOCAL
+        self.estimates.recompute.observe(tokens, seconds)
 
     def recomputed(self, n: int) -> None:
         """Record that chunk ``n`` is recomputed from its text (planned, or its tier failed)."""

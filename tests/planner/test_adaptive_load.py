@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ragkv.cache.throughput import RateEstimate
 from ragkv.engine import EngineConfig, RagKV
@@ -12,6 +15,8 @@ from ragkv.errors import StoreUnavailableError
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
 from ragkv.planner.config import LoadConfig
+from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions, Rates, plan_seconds
+from ragkv.planner.session import LoadPlanning
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
@@ -122,3 +127,57 @@ def test_the_next_engine_on_a_data_dir_starts_from_the_measured_speeds(tmp_path,
     with _engine(tmp_path / "off", llama_adapter, load=LoadConfig(persist=False)) as rag:
         rag.answer("Where do apples grow?", chunks=_three_chunks(rag), generation=GEN)
     assert not (tmp_path / "off" / "load_rates.json").exists()
+
+
+def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_path, llama_adapter, monkeypatch):
+    """Under a deadline only the overlapped plan meets, the first chunk is prefilled on the caller's
+    thread while the fetch thread already reads the second (no sleep decides it: the prefill waits for
+    that read to start, so a loader that read only after prefilling would time out), and its cache is
+    the one a fresh prefill after the shared prefix gives."""
+    with _engine(tmp_path, llama_adapter) as rag:
+        retriever = rag.retriever
+        segments = [c.token_ids for c in _three_chunks(rag)]
+        keys = [retriever.chunk_key(s, LEVELS[1]).storage_key for s in segments]
+        found = retriever.catalog.entry_sizes(keys)
+        chunks = [ChunkOptions(len(s), {LEVELS[1]: found[k]}) for s, k in zip(segments, keys, strict=True)]
+        # estimates only: prefill 1 token/s, and a link on which each level-3 read takes at most 0.9 of
+        # its chunk's prefill: all level 3 beats all text, prefilling the first chunk while the other two
+        # are read beats both, and the deadline lies between the two
+        estimates = rag.load_estimates
+        estimates.recompute = RateEstimate(1.0)
+        rate = max(c.sizes[LEVELS[1]] / (0.9 * c.tokens) for c in chunks)
+        for link in rag.store.read_estimates().values():
+            link.seed(rate, 0.0)
+        rates = Rates(rate, 1.0, {str(LEVELS[1]): estimates.decode(str(LEVELS[1])).rate})
+        overlap_s = plan_seconds(chunks, [LOCAL, LEVELS[1], LEVELS[1]], rates)
+        level3_s = plan_seconds(chunks, [LEVELS[1]] * 3, rates)
+        assert overlap_s < level3_s < plan_seconds(chunks, [TEXT] * 3, rates)
+        started, read_started = threading.Event(), threading.Event()
+        overlapped: list[bool] = []
+        tier = rag.store.tiers[0]
+        get, prefill = tier._get, retriever.adapter.prefill_kv
+
+        def reading(key: str) -> bytes | None:
+            read_started.set()
+            return get(key)
+
+        def prefilling(*args, **kw):
+            started.set()
+            overlapped.append(read_started.wait(timeout=20))
+            return prefill(*args, **kw)
+
+        monkeypatch.setattr(tier, "_get", reading)
+        monkeypatch.setattr(retriever.adapter, "prefill_kv", prefilling)
+        plan = LoadPlanning(LoadConfig(slo_ms=1), estimates, time.perf_counter() + (overlap_s + level3_s) / 2)
+        loaded = retriever.load_many(segments, plan=plan)
+        monkeypatch.undo()
+        assert plan.report is not None
+        choices = plan.report["choices"]
+        assert choices[0] == "local" and choices[1].startswith("cachegen:")
+        assert overlapped == [True] * choices.count("local")
+        first = loaded[0]
+        assert first.local and not first.hit and not first.recompute and first.nbytes == 0
+        fresh = retriever.adapter.prefill_kv(segments[0], past=[retriever.prefix_kv()])
+        assert torch.equal(first.kv.keys, fresh.keys) and torch.equal(first.kv.values, fresh.values)
+        assert torch.equal(first.kv.positions, fresh.positions)
+        assert loaded[1].hit and not loaded[1].local

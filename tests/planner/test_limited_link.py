@@ -20,7 +20,7 @@ def test_a_tight_deadline_at_a_low_rate_picks_cheaper_levels_or_text_and_still_a
     got = json.loads(out.read_text())
     tight = got["tight"]
     assert tight["tokens"] > 0 and isinstance(tight["load"]["deadline_met"], bool)
-    assert tight["load"]["choices"] and all(c in ("cachegen:3", "text") for c in tight["load"]["choices"])
+    assert tight["load"]["choices"] and all(c in ("cachegen:3", "text", "local") for c in tight["load"]["choices"])
     # every chunk recomputed from text: the answer is full prefill's, and nothing crossed the link
     assert got["all_text"]["load"]["choices"] == ["text"] * 3 and got["all_text"]["bytes"] == 0
     assert got["all_text"]["text"] == got["full"]["text"]
