@@ -116,6 +116,7 @@ def plan_load(
     *,
     slack: float | None = None,
     base_s: float = 0.0,
+    busy_s: float = 0.0,
 ) -> LoadPlan:
     """The highest-quality choice per chunk whose estimated total time fits ``budget_s``.
 
@@ -128,6 +129,8 @@ def plan_load(
             estimated time, ``base_s`` included) a better-quality plan may be and still be taken;
             None: quality first, the best that still loads faster than recomputing.
         base_s: seconds the answer costs whatever the plan (the fusion pass's fixed share).
+        busy_s: seconds of work the processor already has before these chunks' (earlier chunks
+            planned ``LOCAL`` and not prefilled yet).
 
     Returns:
         The plan. With a budget no cap meets, the same caps with chunks moved to ``LOCAL`` (the
@@ -140,8 +143,8 @@ def plan_load(
     if slack is not None and not slack >= 0:
         raise ValueError(f"slack must be >= 0 (a share of the answer's time) or None; got {slack!r}")
     if budget_s is None and slack is None:
-        return _at_cap(chunks, order, rates, 0)
-    plans = [_at_cap(chunks, order, rates, cap) for cap in range(max(len(order), 1))]
+        return _at_cap(chunks, order, rates, 0, busy_s)
+    plans = [_at_cap(chunks, order, rates, cap, busy_s) for cap in range(max(len(order), 1))]
     fastest = min(plans, key=lambda p: p.seconds)
     if budget_s is None:
         assert slack is not None
@@ -150,7 +153,7 @@ def plan_load(
     fitting = next((p for p in plans if p.seconds <= budget_s), None)
     if fitting is not None:
         return fitting
-    plans += [_overlapped(chunks, p, rates) for p in plans]
+    plans += [_overlapped(chunks, p, rates, busy_s) for p in plans]
     fastest = min(plans, key=lambda p: p.seconds)
     fitting = next((p for p in plans if p.seconds <= budget_s), None)
     if fitting is not None:
@@ -160,7 +163,9 @@ def plan_load(
     return LoadPlan(close[-1].choices, close[-1].seconds, False)
 
 
-def _at_cap(chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: Rates, cap: int) -> LoadPlan:
+def _at_cap(
+    chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: Rates, cap: int, busy_s: float = 0.0
+) -> LoadPlan:
     """At quality cap ``cap``: per chunk, the first stored level at rank >= cap that costs no more than
     recomputing the chunk, else text."""
     choices: list[Choice] = []
@@ -172,10 +177,10 @@ def _at_cap(chunks: Sequence[ChunkOptions], order: Sequence[CodecSpec], rates: R
                 choice = spec
                 break
         choices.append(choice)
-    return LoadPlan(tuple(choices), plan_seconds(chunks, choices, rates), True)
+    return LoadPlan(tuple(choices), plan_seconds(chunks, choices, rates, busy_s), True)
 
 
-def _overlapped(chunks: Sequence[ChunkOptions], plan: LoadPlan, rates: Rates) -> LoadPlan:
+def _overlapped(chunks: Sequence[ChunkOptions], plan: LoadPlan, rates: Rates, busy_s: float = 0.0) -> LoadPlan:
     """``plan`` with chunks moved to ``LOCAL``, the earliest first, while each move shortens the estimate
     (earliest: the caller prefills a local chunk when its turn comes, so the later fetches overlap it)."""
     choices = list(plan.choices)
@@ -187,22 +192,24 @@ def _overlapped(chunks: Sequence[ChunkOptions], plan: LoadPlan, rates: Rates) ->
             if choice == LOCAL:
                 continue
             trial = [*choices[:i], LOCAL, *choices[i + 1 :]]
-            trial_s = plan_seconds(chunks, trial, rates)
+            trial_s = plan_seconds(chunks, trial, rates, busy_s)
             if trial_s < seconds - 1e-12:
                 choices, seconds, moved = trial, trial_s, True
                 break
     return LoadPlan(tuple(choices), seconds, True)
 
 
-def plan_seconds(chunks: Sequence[ChunkOptions], choices: Sequence[Choice], rates: Rates) -> float:
+def plan_seconds(chunks: Sequence[ChunkOptions], choices: Sequence[Choice], rates: Rates, busy_s: float = 0.0) -> float:
     """Estimated seconds until every chunk is ready for the fusion pass's end: the link's reads and the
     processor's decodes and local prefills overlap (whichever ends last), then the text recomputed and
     the share of the other chunks' tokens the fusion pass recomputes anyway.
 
-    With no ``LOCAL`` chunk this is the sum of each chunk's cost (``Rates.chunk_seconds`` or
-    ``Rates.text_seconds``): a read's decode overlaps its own transfer.
+    With no ``LOCAL`` chunk (and ``busy_s`` 0, the processor's work queued before these chunks) this
+    is the sum of each chunk's cost (``Rates.chunk_seconds`` or ``Rates.text_seconds``): a read's
+    decode overlaps its own transfer.
     """
-    link = processor = after = 0.0
+    link = after = 0.0
+    processor = busy_s
     for chunk, choice in zip(chunks, choices, strict=True):
         text = rates.text_seconds(chunk.tokens)
         if choice is TEXT:

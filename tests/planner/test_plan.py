@@ -169,3 +169,14 @@ def test_a_deadline_no_cap_meets_prefills_the_earliest_chunk_here_while_the_rest
     assert LOCAL not in plan_load([chunk] * 3, ORDER, rates, 2.0).choices
     assert LOCAL not in plan_load([chunk] * 3, ORDER, rates).choices
     assert LOCAL not in plan_load([chunk] * 3, ORDER, rates, slack=0.05).choices
+
+
+def test_prefills_already_queued_here_are_not_double_booked():
+    """Two chunks left, one earlier chunk still to prefill here (0.5 s): prefilling another here would
+    end after reading both, so both are read."""
+    chunk = ChunkOptions(400, {ORDER[3]: 1_000_000})
+    rates = Rates(2.5e6, 800.0, fusion_ratio=0.15)  # level 3 read 0.4 s, prefill 0.5 s
+    assert plan_load([chunk] * 2, ORDER, rates, 0.7).choices == (LOCAL, ORDER[3])
+    queued = plan_load([chunk] * 2, ORDER, rates, 0.7, busy_s=0.5)
+    assert queued.choices == (ORDER[3], ORDER[3]) and not queued.fits
+    assert queued.seconds == pytest.approx(0.8 + 2 * 0.5 * 0.15)
