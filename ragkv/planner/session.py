@@ -144,7 +144,10 @@ class LoadSession:
         self.bytes_by_tier: dict[str, int] = {}
         self.bandwidth_bps: list[float] = []  # the transfer estimate each plan used
         self.broken = False  # a tier failed mid-load: every later chunk is recomputed from text
-        self._queued: dict[int, float] = {}  # chunks planned LOCAL, not prefilled yet -> estimated seconds
+        # chunks planned LOCAL and not prefilled yet -> estimated seconds (planned on the fetch thread,
+        # prefilled on the caller's: hence the lock)
+        self._queued: dict[int, float] = {}
+        self._queued_lock = threading.Lock()
         self._tier: str | None = estimates.last_tier
 
     def choose(self, n: int) -> Choice:
@@ -159,12 +162,14 @@ class LoadSession:
             self.probed = n
             return min(self.chunks[n].sizes, key=lambda spec: self.chunks[n].sizes[spec])
         budget = None if self.deadline is None else self.deadline - time.perf_counter() - self.reserve_s
-        busy = sum(self._queued.values())  # the caller's thread still has these prefills to do
+        with self._queued_lock:
+            busy = sum(self._queued.values())  # the caller's thread still has these prefills to do
         plan = plan_load(
             self.chunks[n:], self.order, rates, budget, slack=self.slack, base_s=self.reserve_s, busy_s=busy
         )
         if plan.choices[0] == LOCAL:
-            self._queued[n] = rates.text_seconds(self.chunks[n].tokens)
+            with self._queued_lock:
+                self._queued[n] = rates.text_seconds(self.chunks[n].tokens)
         return plan.choices[0]
 
     def link(self) -> LinkEstimate:
@@ -203,7 +208,8 @@ class LoadSession:
         """Record that chunk ``n`` (planned ``LOCAL``) was prefilled here: ``tokens`` in ``seconds``, a
         measurement of the prefill speed (the fusion pass's fixed cost is not in it)."""
         self.choices[n] = LOCAL
-        self._queued.pop(n, None)
+        with self._queued_lock:
+            self._queued.pop(n, None)
         self.estimates.recompute.observe(tokens, seconds)
 
     def recomputed(self, n: int) -> None:
