@@ -7,6 +7,8 @@ Uses the first N prompts of a set of ``ragkv bench fusion`` (``--prompts builtin
 or ``packages``: ragkv.bench.prompt_sets); each argument after N is a JSON
 object: ``method``, ``ratio`` and any fields of the method's parameter record (e.g.
 ``narrow_layer`` for ``QueryFocusParams``). Reference: full prefill's 32-token greedy answer.
+Methods that rank by deviation recorded at index time (``craft``, ``craft_query``) get it
+recorded per chunk, untimed, after chunks of the other prompts (as ``ragkv bench fusion`` does).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1
+from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1, craft_contexts, stored_scores
 from ragkv.bench.prompt_sets import prompt_set
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
@@ -40,7 +42,10 @@ def main(argv: list[str]) -> None:
     adapter = load_model("smollm2-135m")
     n, configs = int(argv[0]), [_config(json.loads(a)) for a in argv[1:]]
     cases = []
-    for p in prompt_set(name, adapter, n=n):
+    prompts = prompt_set(name, adapter, n=n)
+    craft = any(cfg.strategy().wants_stored_scores for cfg in configs)
+    for i, p in enumerate(prompts):
+        scores = stored_scores(adapter, p, craft_contexts(prompts, i)) if craft else None  # index time
         prefix, chunks, suffix = adapter.chat_segments(None, p["chunks"], p["question"])
         ctx = prefix + [t for c in chunks for t in c]
         cache = adapter.build_cache([])
@@ -54,18 +59,19 @@ def main(argv: list[str]) -> None:
         ref = torch.cat([logits[-1:], adapter.forward(answer[:-1], cache, start)])[: len(answer)]
         pre = adapter.prefill_kv(prefix)
         cached = [adapter.prefill_kv(c, past=[pre]) for c in chunks]
-        cases.append((pre, cached, chunks, suffix, answer, ref, len(ctx), t_full))
+        cases.append((FusionInput(pre, cached, chunks, suffix, stored_scores=scores), answer, ref, len(ctx), t_full))
     print("prompt tokens", [c[-2] for c in cases], flush=True)
     for cfg in configs:
         t0, kls, top1s, shares, ttfts = time.perf_counter(), [], [], [], []
-        for pre, cached, chunks, suffix, answer, ref, n_ctx, t_full in cases:
+        for inp, answer, ref, n_ctx, t_full in cases:
             t_fuse = time.perf_counter()
-            fused = fuse(adapter, FusionInput(pre, cached, chunks, suffix), cfg, prefill_suffix=True)
+            fused = fuse(adapter, inp, cfg, prefill_suffix=True)
             assert fused.suffix_logits is not None
             first = fused.suffix_logits[-1:]
             int(first.argmax())  # wait for the result (asynchronous devices)
             ttfts.append((time.perf_counter() - t_fuse) / t_full)
-            got = torch.cat([first, adapter.forward(answer[:-1], fused.cache, n_ctx + len(suffix))])[: len(answer)]
+            start = n_ctx + len(inp.suffix_ids)
+            got = torch.cat([first, adapter.forward(answer[:-1], fused.cache, start)])[: len(answer)]
             kl, top1 = _kl_top1(ref, got)
             kls.append(kl)
             top1s.append(top1)

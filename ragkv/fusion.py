@@ -65,6 +65,9 @@ class FusionInput:
     chunk_ids: Sequence[Sequence[int]]  # each chunk's token ids (to embed recomputed tokens)
     suffix_ids: Sequence[int] = ()  # question + generation prompt (query-aware selection reads it)
     forced: Sequence[bool] = ()  # per chunk: True = no cache (placeholder KV), recompute every token
+    # per chunk [tokens] deviation recorded at index time (ragkv.craft.record_deviation): only the
+    # craft methods read it, and they refuse to run without it
+    stored_scores: Sequence[torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -106,6 +109,7 @@ def fuse(
     probe = strategy.wants_query_attention and suffix.numel() > 0
     placed = _place(adapter, inp, suffix.numel() if (probe or prefill_suffix) else 0)
     state = SelectionState.start([len(ids) for ids in inp.chunk_ids])
+    state.stored_scores = _stored_scores(inp)
     if probe and placed.slots.numel() > 0:
         slots = placed.slots.to(adapter.device, non_blocking=True)
         state.query_attention = _question_attention(adapter, placed.keys, placed.values, suffix, placed.n_ctx, slots)
@@ -265,6 +269,19 @@ def _deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
 def _union(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Sorted union of two index tensors."""
     return torch.unique(torch.cat([a.cpu(), b.cpu()])) if b.numel() else a
+
+
+def _stored_scores(inp: FusionInput) -> torch.Tensor | None:
+    """The chunks' stored scores as one ``[chunk tokens]`` float32 tensor on the CPU (None when not given)."""
+    if inp.stored_scores is None:
+        return None
+    if len(inp.stored_scores) != len(inp.chunk_ids):
+        raise ValueError(f"stored_scores has {len(inp.stored_scores)} entries for {len(inp.chunk_ids)} chunks")
+    for scores, ids in zip(inp.stored_scores, inp.chunk_ids, strict=True):
+        if scores.shape != (len(ids),):
+            raise ValueError(f"a chunk of {len(ids)} tokens has stored scores of shape {tuple(scores.shape)}")
+    parts = [s.float().cpu() for s in inp.stored_scores]
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def _forced_tokens(inp: FusionInput) -> torch.Tensor:

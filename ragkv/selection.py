@@ -23,6 +23,8 @@ __all__ = [
     "BlendSinkParams",
     "BudgetParams",
     "CheckParams",
+    "CraftParams",
+    "CraftQueryParams",
     "GradualParams",
     "NoParams",
     "QueryAttnParams",
@@ -140,6 +142,23 @@ class QueryAttnParams(CheckParams, SinkParams):
     """``query_attn``: the tokens the question attends most in the layers after ``check_layer``."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class CraftParams(SinkParams):
+    """``craft``: the tokens with the highest deviation recorded at index time (``ragkv.craft``)."""
+
+    # The first chunk's cache was computed right after the same prefix, at the same positions
+    # (the engine and the benches cache every chunk after the shared prefix): it is exact, and
+    # recomputing it would spend budget on nothing. False = rank its tokens like the others.
+    first_chunk_exact: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class CraftQueryParams(QueryAttnParams, CraftParams):
+    """``craft_query``: the stored deviation weighted by the question's attention after ``check_layer``."""
+
+    query_weight: float = 1.0  # exponent of the question-attention factor in the score
+
+
 # ---- what a strategy sees ------------------------------------------------------------------
 
 
@@ -152,6 +171,7 @@ class SelectionState:
     deviations: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> score [active]
     active: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> chunk-token indices measured
     query_attention: torch.Tensor | None = None  # [layers, chunk tokens], query-aware strategies only
+    stored_scores: torch.Tensor | None = None  # [chunk tokens] deviation recorded at index time (craft methods)
 
     @classmethod
     def start(cls, chunk_lengths: Sequence[int]) -> SelectionState:
@@ -214,6 +234,7 @@ class Strategy:
     name: ClassVar[str]
     Params: ClassVar[type[StrategyParams]] = NoParams  # the record this strategy takes
     wants_query_attention: ClassVar[bool] = False  # fusion runs the question probe for it
+    wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time (ragkv.craft)
 
     def __init__(self, ratio: float, params: StrategyParams | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
@@ -488,3 +509,72 @@ class QueryAttention(Strategy):
         if importance is None:  # no question: what `sink` recomputes
             return _sinks(state, p.sink_tokens)
         return _top(importance, state.budget(self.ratio), state.sink_mask(every, p.sink_tokens))
+
+
+@register_strategy
+class Craft(Strategy):
+    """Cache-Craft: recompute the ``ratio`` of tokens whose deviation, recorded at index time, is highest.
+
+    No question probe and no check layer: the ranking comes with the chunks
+    (``FusionInput.stored_scores``, from :func:`ragkv.craft.record_deviation`), so selecting costs
+    nothing at query time. Every chunk's first ``sink_tokens`` come first within the budget.
+    """
+
+    name = "craft"
+    Params = CraftParams
+    params: CraftParams
+    wants_stored_scores = True
+
+    def score(self, state: SelectionState) -> torch.Tensor:
+        """[chunk tokens] ranking score (higher = recompute first)."""
+        return _stored(state, self.name)
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        every = torch.arange(state.num_chunk_tokens)
+        score = self.score(state).clone()
+        forced = state.sink_mask(every, self.params.sink_tokens)
+        k = state.budget(self.ratio)
+        if self.params.first_chunk_exact and len(state.chunk_starts):
+            first = every < (state.chunk_starts[1] if len(state.chunk_starts) > 1 else state.num_chunk_tokens)
+            score[first], forced = float("-inf"), forced & ~first
+            k = min(k, state.num_chunk_tokens - int(first.sum()))  # the budget goes to the later chunks
+        return _top(score, k, forced)
+
+
+@register_strategy
+class CraftQuery(Craft):
+    """Ours on Cache-Craft: the stored deviation times the attention the question pays each token.
+
+    The question probe (as ``query_attn``) weights the stored score the way ``query`` weights
+    the measured one; no check layer. Without a question it is ``craft``.
+    """
+
+    name = "craft_query"
+    Params = CraftQueryParams
+    params: CraftQueryParams
+    wants_query_attention = True
+
+    def score(self, state: SelectionState) -> torch.Tensor:
+        stored = _stored(state, self.name)
+        importance = _question_importance(state, self.params.check_layer)
+        if importance is None:
+            return stored
+        importance = importance / importance.mean().clamp_min(1e-12)
+        weight = (importance + 1e-3).pow(self.params.query_weight)
+        return stored / stored.mean().clamp_min(1e-12) * weight
+
+
+def _stored(state: SelectionState, method: str) -> torch.Tensor:
+    """The stored per-token scores, or a ValueError saying how to pass them."""
+    if state.stored_scores is None:
+        raise ValueError(
+            f"fusion method {method!r} ranks tokens by the deviation recorded when each chunk was indexed; "
+            "pass FusionInput(stored_scores=[ragkv.craft.record_deviation(...) for each chunk]) or choose "
+            "a method that measures at query time (query_focus, query_attn)"
+        )
+    if state.stored_scores.shape != (state.num_chunk_tokens,):
+        raise ValueError(
+            f"stored_scores has shape {tuple(state.stored_scores.shape)}, expected ({state.num_chunk_tokens},): "
+            "one score per chunk token"
+        )
+    return state.stored_scores

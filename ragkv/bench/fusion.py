@@ -5,11 +5,16 @@ prefill gives the reference greedy answer (32 tokens) and its logits. Each metho
 cached chunks, prefills the suffix and picks the first token (its TTFT, caches already in
 memory); then its logits at the positions predicting the reference answer give KL(full || method)
 and top-1 agreement, and its own greedy answer gives exact match and token F1 against full's.
+
+Methods that rank by deviation recorded at index time (``craft``, ``craft_query``) get it
+recorded per chunk, untimed, with :func:`ragkv.craft.record_deviation` after a few chunks drawn
+from the other prompts of the run (:func:`craft_contexts`), never the prompt's own chunks.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -21,9 +26,11 @@ from tqdm.auto import tqdm
 
 from ragkv.bench import table
 from ragkv.bench.table import Column
+from ragkv.craft import record_deviation
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter
+from ragkv.selection import strategy_class
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ DEFAULT_GRID: list[tuple[str, float]] = [
     ("query_focus", 0.2),
     ("full", 1.0),
 ]
+CRAFT_CONTEXTS = 3  # other chunks each chunk's deviation is recorded after (craft methods)
 KEYS = ("method", "recompute_ratio", "kl", "top1", "exact_match", "f1", "ttft_ms", "ttft_ratio")
 
 
@@ -101,8 +109,49 @@ def _kl_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return float(kl), float(top1)
 
 
+def craft_contexts(
+    prompts: Sequence[Mapping[str, Any]], index: int, k: int = CRAFT_CONTEXTS, seed: int = 0
+) -> list[list[str]]:
+    """Per chunk of ``prompts[index]``, ``k`` chunk texts of the other prompts to record its deviation after.
+
+    Drawn (seeded by ``seed``, the prompt and the chunk: the same prompts give the same draws)
+    from the chunks of the other prompts that are not chunks of this one: a chunk recorded after
+    its own neighbours would learn the answer's context. Empty lists when there is no such chunk.
+    """
+    own = set(prompts[index]["chunks"])
+    pool = list(dict.fromkeys(c for j, p in enumerate(prompts) if j != index for c in p["chunks"] if c not in own))
+    out = []
+    for c in range(len(prompts[index]["chunks"])):
+        rng = random.Random(seed * 1_000_003 + index * 1_009 + c)
+        out.append(rng.sample(pool, min(k, len(pool))))
+    return out
+
+
+def stored_scores(
+    adapter: ModelAdapter, prompt: Mapping[str, Any], contexts: Sequence[Sequence[str]]
+) -> list[torch.Tensor]:
+    """Each chunk's recorded deviation (index time) after its ``contexts`` (texts, one list per chunk)."""
+    prefix, chunks, _ = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
+    pre = adapter.prefill_kv(prefix)
+    out = []
+    for ids, texts in zip(chunks, contexts, strict=True):
+        other = adapter.chat_segments(prompt.get("system"), list(texts), prompt["question"])[1] if texts else []
+        out.append(record_deviation(adapter, pre, adapter.prefill_kv(ids, past=[pre]), ids, other))
+    return out
+
+
+def needs_stored_scores(grid: Sequence[tuple[str, float]]) -> bool:
+    """Whether any method of ``grid`` ranks by deviation recorded at index time."""
+    return any(strategy_class(m).wants_stored_scores for m, _ in grid)
+
+
 @torch.inference_mode()
-def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tuple[str, float]]) -> list[dict]:
+def _one_prompt(
+    adapter: ModelAdapter,
+    prompt: dict[str, Any],
+    grid: Sequence[tuple[str, float]],
+    scores: Sequence[torch.Tensor] | None = None,
+) -> list[dict]:
     prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     ctx = prefix + [t for c in chunks for t in c]
     n = len(ctx)
@@ -138,7 +187,8 @@ def _one_prompt(adapter: ModelAdapter, prompt: dict[str, Any], grid: Sequence[tu
             continue
         cfg = FusionConfig(method=method, ratio=ratio)
         t0 = time.perf_counter()
-        fused = fuse(adapter, FusionInput(pre, cached, chunks, suffix), cfg, prefill_suffix=True)
+        inp = FusionInput(pre, cached, chunks, suffix, stored_scores=scores)
+        fused = fuse(adapter, inp, cfg, prefill_suffix=True)
         assert fused.suffix_logits is not None
         logits = fused.suffix_logits
         int(logits[-1].argmax())
@@ -178,8 +228,10 @@ def run_fusion_bench(
         grid.insert(0, ("naive", 0.0))
     _one_prompt(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per: dict[tuple[str, float], list[dict]] = {}
-    for p in tqdm(prompts, desc="fusion bench", unit="prompt"):
-        for (m, r), row in zip(grid, _one_prompt(adapter, p, grid), strict=True):
+    craft = needs_stored_scores(grid)
+    for i, p in enumerate(tqdm(prompts, desc="fusion bench", unit="prompt")):
+        scores = stored_scores(adapter, p, craft_contexts(prompts, i)) if craft else None  # index time
+        for (m, r), row in zip(grid, _one_prompt(adapter, p, grid, scores), strict=True):
             per.setdefault((m, r), []).append(row)
     out = []
     for (m, _r), rows in per.items():

@@ -12,6 +12,8 @@ from ragkv.fusion import FusionConfig
 from ragkv.selection import (
     BlendParams,
     BudgetParams,
+    CraftParams,
+    CraftQueryParams,
     GradualParams,
     NoParams,
     QueryFocusParams,
@@ -178,3 +180,51 @@ def test_query_score_is_normalized_deviation_times_later_attention():
     want = v / v.mean() * (imp / imp.mean() + 1e-3) ** 2.0
     torch.testing.assert_close(strategy.score(state, 1), want)
     assert strategy.select(state, 1).tolist() == _slow_top(want.tolist(), round(0.2 * 25), set())
+
+
+def test_craft_picks_the_later_chunks_sinks_then_the_top_stored_scores():
+    state = SelectionState.start(LENGTHS)
+    state.stored_scores = torch.rand(25, generator=torch.Generator().manual_seed(7))
+    first = LENGTHS[0]
+    later = [i for i in range(25) if i >= first]
+    masked = [float(state.stored_scores[i]) if i >= first else float("-inf") for i in range(25)]
+    sinks = set(_slow_sinks(LENGTHS, 2)) - set(range(first))
+    craft = FusionConfig("craft", 0.4).strategy()
+    assert craft.initial(state).tolist() == _slow_top(masked, round(0.4 * 25), sinks)
+    assert craft.check_layers(state, 4) == () and not craft.wants_query_attention
+    assert FusionConfig("craft", 1.0).strategy().initial(state).tolist() == later  # the first chunk is exact
+    every = FusionConfig("craft", 0.4, CraftParams(first_chunk_exact=False)).strategy()
+    want = _slow_top(state.stored_scores.tolist(), round(0.4 * 25), set(_slow_sinks(LENGTHS, 2)))
+    assert every.initial(state).tolist() == want
+    assert FusionConfig("craft", 0.0).strategy().initial(state).numel() == 0  # budget 0: naive
+    one = SelectionState.start([9])
+    one.stored_scores = torch.rand(9)
+    assert FusionConfig("craft", 0.5).strategy().initial(one).numel() == 0  # one chunk: all of it exact
+
+
+def test_craft_query_weights_the_stored_score_by_later_attention():
+    state = SelectionState.start(LENGTHS)
+    g = torch.Generator().manual_seed(8)
+    state.stored_scores = torch.rand(25, generator=g)
+    strategy = FusionConfig("craft_query", 0.3, CraftQueryParams(query_weight=2.0)).strategy()
+    assert strategy.score(state).tolist() == state.stored_scores.tolist()  # no question: craft's score
+    state.query_attention = torch.rand(4, 25, generator=g)
+    imp = state.query_attention[2:].sum(0)  # layers after check layer 1
+    want = state.stored_scores / state.stored_scores.mean() * (imp / imp.mean() + 1e-3) ** 2.0
+    torch.testing.assert_close(strategy.score(state), want)
+    masked = [float(want[i]) if i >= LENGTHS[0] else float("-inf") for i in range(25)]
+    sinks = set(_slow_sinks(LENGTHS, 2)) - set(range(LENGTHS[0]))
+    assert strategy.initial(state).tolist() == _slow_top(masked, round(0.3 * 25), sinks)
+    assert strategy.wants_query_attention and strategy.wants_stored_scores
+
+
+def test_craft_methods_say_how_to_pass_the_stored_scores():
+    state = SelectionState.start(LENGTHS)
+    for name in ("craft", "craft_query"):
+        with pytest.raises(ValueError, match=f"{name}.*record_deviation"):
+            FusionConfig(name, 0.2).strategy().initial(state)
+    state.stored_scores = torch.zeros(24)
+    with pytest.raises(ValueError, match="expected \\(25,\\)"):
+        FusionConfig("craft", 0.2).strategy().initial(state)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        CraftQueryParams(sink_tokens=-1)

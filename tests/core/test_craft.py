@@ -1,0 +1,130 @@
+"""Cache-Craft: the index-time recorder against a written-out prefill, and the craft methods in fusion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragkv.fusion
+from ragkv.craft import record_deviation
+from ragkv.fusion import FusionConfig, FusionInput, fuse
+from ragkv.selection import CraftParams
+from tests.core.test_fusion import _prompt, _suffix_logits_from
+from tests.core.test_model import _ids
+
+
+def _scores(adapter, inp: FusionInput, seed: int = 50) -> list[torch.Tensor]:
+    """Each chunk's recorded deviation after two unrelated random contexts."""
+    contexts = [_ids(11, seed), _ids(7, seed + 1)]
+    return [
+        record_deviation(adapter, inp.prefix, kv, ids, contexts)
+        for kv, ids in zip(inp.chunks, inp.chunk_ids, strict=True)
+    ]
+
+
+def _with_scores(adapter, inp: FusionInput) -> FusionInput:
+    return FusionInput(inp.prefix, inp.chunks, inp.chunk_ids, inp.suffix_ids, stored_scores=_scores(adapter, inp))
+
+
+def test_recorded_deviation_is_zero_after_no_context(tiny_adapter):
+    _, chunk_ids, _, inp = _prompt(tiny_adapter)
+    kv, ids = inp.chunks[1], chunk_ids[1]
+    assert torch.equal(record_deviation(tiny_adapter, inp.prefix, kv, ids, []), torch.zeros(len(ids)))
+    # an empty context puts the chunk where it was cached: the real K/V are the cache (up to re-rotation)
+    same = record_deviation(tiny_adapter, inp.prefix, kv, ids, [[]])
+    assert same.dtype == torch.float32 and same.shape == (len(ids),)
+    assert float(same.max()) < 1e-5
+    moved = record_deviation(tiny_adapter, inp.prefix, kv, ids, [_ids(11, 50)])
+    assert float(moved.min()) > 1e-4  # after other text every token drifts
+
+
+def test_recorded_deviation_equals_the_written_out_prefill(llama_adapter):
+    a = llama_adapter
+    prefix, chunk_ids, _, inp = _prompt(a)
+    kv, ids = inp.chunks[2], chunk_ids[2]
+    contexts = [_ids(11, 50), _ids(7, 51)]
+    want = torch.zeros(len(ids))
+    for ctx in contexts:
+        cache = a.build_cache([])
+        a.forward(prefix + ctx + ids, cache, 0)
+        start = len(prefix) + len(ctx)
+        moved = a.rerotate(kv, start)
+        per_layer = []
+        for i in range(1, a.spec.num_layers):  # layer 0 is exact after re-rotation: left out
+            real_k = cache.layers[i].keys[0, :, start:]  # [H, tokens, D]
+            real_v = cache.layers[i].values[0, :, start:]
+            dk = (real_k - moved.keys[i]).norm(dim=(0, 2)) / moved.keys[i].norm(dim=(0, 2))
+            dv = (real_v - moved.values[i]).norm(dim=(0, 2)) / moved.values[i].norm(dim=(0, 2))
+            per_layer.append((dk + dv) / 2)
+        want += torch.stack(per_layer).mean(0) / len(contexts)
+    got = record_deviation(a, inp.prefix, kv, ids, contexts)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["craft", "craft_query"])
+@pytest.mark.parametrize("first_chunk_exact", [True, False])
+def test_craft_at_ratio_one_equals_full_prefill(llama_adapter, method, first_chunk_exact):
+    a = llama_adapter
+    prefix, chunk_ids, suffix, inp = _prompt(a)
+    params = FusionConfig(method).strategy().Params(first_chunk_exact=first_chunk_exact)
+    fused = fuse(a, _with_scores(a, inp), FusionConfig(method, 1.0, params), prefill_suffix=True)
+    n = sum(map(len, chunk_ids))
+    # the first chunk sits where it was cached (right after the prefix): exact, so not recomputed
+    assert fused.recomputed_tokens == (n - len(chunk_ids[0]) if first_chunk_exact else n)
+    ref = a.forward(prefix + sum(chunk_ids, []) + suffix, a.build_cache([]), 0)[-len(suffix) :]
+    torch.testing.assert_close(fused.suffix_logits, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["craft", "craft_query"])
+def test_craft_at_ratio_zero_is_naive_reuse(tiny_adapter, method):
+    _, _, _, inp = _prompt(tiny_adapter)
+    naive = fuse(tiny_adapter, inp, FusionConfig("naive"), prefill_suffix=True)
+    fused = fuse(tiny_adapter, _with_scores(tiny_adapter, inp), FusionConfig(method, 0.0), prefill_suffix=True)
+    assert fused.recomputed_tokens == 0 and fused.selected.numel() == 0
+    torch.testing.assert_close(fused.suffix_logits, naive.suffix_logits, atol=0, rtol=0)
+
+
+def test_craft_recomputes_the_top_stored_tokens_exactly_as_the_slow_path(llama_adapter):
+    """The later chunks' sinks, then the highest stored scores, within the budget; the first chunk never.
+    The suffix riding along the recomputed tokens equals prefilling it after (the layer loop is shared
+    with every method and checked against the written-out one in test_fusion)."""
+    a = llama_adapter
+    _, chunk_ids, suffix, inp = _prompt(a, sizes=(30, 25, 35))
+    scored = _with_scores(a, inp)
+    cfg = FusionConfig("craft", 0.2, CraftParams(sink_tokens=1))
+    fused = fuse(a, scored, cfg)
+    stored = torch.cat(list(scored.stored_scores or []))
+    n, first = len(stored), len(chunk_ids[0])
+    sinks = {first, first + len(chunk_ids[1])}  # the later chunks' first tokens
+    order = sorted(range(first, n), key=lambda i: (i not in sinks, -float(stored[i])))
+    want = sorted(order[: round(0.2 * n)])
+    assert (fused.selected - inp.prefix.num_tokens).tolist() == want
+    fast = fuse(a, scored, cfg, prefill_suffix=True)
+    torch.testing.assert_close(fast.suffix_logits, _suffix_logits_from(a, fused, suffix), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["craft", "craft_query"])
+def test_craft_refuses_to_run_without_stored_scores(tiny_adapter, method):
+    _, _, _, inp = _prompt(tiny_adapter)
+    with pytest.raises(ValueError, match="stored_scores=.*record_deviation"):
+        fuse(tiny_adapter, inp, FusionConfig(method, 0.15))
+    wrong = FusionInput(inp.prefix, inp.chunks, inp.chunk_ids, inp.suffix_ids, stored_scores=[torch.zeros(3)] * 3)
+    with pytest.raises(ValueError, match="stored scores of shape"):
+        fuse(tiny_adapter, wrong, FusionConfig(method, 0.15))
+
+
+def test_craft_runs_no_question_probe_and_craft_query_runs_one(tiny_adapter, monkeypatch):
+    _, _, _, inp = _prompt(tiny_adapter)
+    scored = _with_scores(tiny_adapter, inp)
+    calls: list[int] = []
+    probe = ragkv.fusion._question_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(ragkv.fusion, "_question_attention", counted)
+    fuse(tiny_adapter, scored, FusionConfig("craft", 0.3), prefill_suffix=True)
+    assert calls == []
+    fuse(tiny_adapter, scored, FusionConfig("craft_query", 0.3), prefill_suffix=True)
+    assert calls == [1]
