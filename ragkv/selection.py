@@ -25,6 +25,7 @@ __all__ = [
     "CheckParams",
     "CraftParams",
     "CraftQueryParams",
+    "ExactFirstParams",
     "GradualParams",
     "NoParams",
     "QueryAttnParams",
@@ -118,12 +119,23 @@ class QueryParams(BlendSinkParams):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExactFirstParams(StrategyParams):
+    """Whether the first chunk's cache is known to be exact (and so never worth recomputing)."""
+
+    # True only where the first chunk's cache was computed right after the very same prefix, at the
+    # same positions, and is not quantized (the fusion benches: every chunk cached after the shared
+    # prefix, uncompressed): then it is exact, and recomputing it spends budget on nothing. The
+    # engine's caches come through the codec and framework prefixes differ, so there it stays False.
+    first_chunk_exact: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class QueryGradualParams(QueryParams, GradualParams):
     """``query_gradual``: query-aware scores with gradual narrowing."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class QueryFocusParams(QueryGradualParams):
+class QueryFocusParams(QueryGradualParams, ExactFirstParams):
     """``query_focus``: only the tokens the question attends most run the check layers."""
 
     focus_ratio: float = 0.4  # share of tokens the question attends most that start active
@@ -138,17 +150,17 @@ class BudgetParams(BlendSinkParams):
 
 
 @dataclass(frozen=True, kw_only=True)
-class QueryAttnParams(CheckParams, SinkParams):
+class QueryAttnParams(CheckParams, SinkParams, ExactFirstParams):
     """``query_attn``: the tokens the question attends most in the layers after ``check_layer``."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class CraftParams(SinkParams):
-    """``craft``: the tokens with the highest deviation recorded at index time (``ragkv.craft``)."""
+class CraftParams(SinkParams, ExactFirstParams):
+    """``craft``: the tokens with the highest deviation recorded at index time (``ragkv.craft``).
 
-    # The first chunk's cache was computed right after the same prefix, at the same positions
-    # (the engine and the benches cache every chunk after the shared prefix): it is exact, and
-    # recomputing it would spend budget on nothing. False = rank its tokens like the others.
+    Its benches cache every chunk after the shared prefix, uncompressed, so ``first_chunk_exact``
+    defaults to True here (False: rank the first chunk's tokens like the others)."""
+
     first_chunk_exact: bool = True
 
 
@@ -157,6 +169,7 @@ class CraftQueryParams(QueryAttnParams, CraftParams):
     """``craft_query``: the stored deviation weighted by the question's attention after ``check_layer``."""
 
     query_weight: float = 1.0  # exponent of the question-attention factor in the score
+    first_chunk_exact: bool = True  # as craft's (QueryAttnParams, earlier in the MRO, says False)
 
 
 # ---- what a strategy sees ------------------------------------------------------------------
@@ -466,7 +479,8 @@ class QueryFocus(QueryGradual):
         share = max(p.focus_ratio, self.ratio * p.narrow_factor)
         if importance is None or state.budget(self.ratio) == 0:
             return super().initial(state)  # no question: query_gradual's; budget 0: naive
-        return _top(importance, state.budget(min(1.0, share)), state.sink_mask(every, p.sink_tokens))
+        forced = state.sink_mask(every, p.sink_tokens)
+        return _top(*_skip_exact_first(state, p, importance, state.budget(min(1.0, share)), forced))
 
 
 @register_strategy
@@ -508,7 +522,8 @@ class QueryAttention(Strategy):
         importance = _question_importance(state, p.check_layer)
         if importance is None:  # no question: what `sink` recomputes
             return _sinks(state, p.sink_tokens)
-        return _top(importance, state.budget(self.ratio), state.sink_mask(every, p.sink_tokens))
+        forced = state.sink_mask(every, p.sink_tokens)
+        return _top(*_skip_exact_first(state, p, importance, state.budget(self.ratio), forced))
 
 
 @register_strategy
@@ -531,14 +546,8 @@ class Craft(Strategy):
 
     def initial(self, state: SelectionState) -> torch.Tensor:
         every = torch.arange(state.num_chunk_tokens)
-        score = self.score(state).clone()
         forced = state.sink_mask(every, self.params.sink_tokens)
-        k = state.budget(self.ratio)
-        if self.params.first_chunk_exact and len(state.chunk_starts):
-            first = every < (state.chunk_starts[1] if len(state.chunk_starts) > 1 else state.num_chunk_tokens)
-            score[first], forced = float("-inf"), forced & ~first
-            k = min(k, state.num_chunk_tokens - int(first.sum()))  # the budget goes to the later chunks
-        return _top(score, k, forced)
+        return _top(*_skip_exact_first(state, self.params, self.score(state), state.budget(self.ratio), forced))
 
 
 @register_strategy
@@ -562,6 +571,20 @@ class CraftQuery(Craft):
         importance = importance / importance.mean().clamp_min(1e-12)
         weight = (importance + 1e-3).pow(self.params.query_weight)
         return stored / stored.mean().clamp_min(1e-12) * weight
+
+
+def _skip_exact_first(
+    state: SelectionState, params: ExactFirstParams, score: torch.Tensor, k: int, forced: torch.Tensor
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """``(score, k, forced)`` for ``_top``, with the first chunk's tokens out of the running when
+    ``params.first_chunk_exact`` (the budget then goes to the later chunks); unchanged otherwise."""
+    if not params.first_chunk_exact or not len(state.chunk_starts):
+        return score, k, forced
+    every = torch.arange(state.num_chunk_tokens)
+    first = every < (state.chunk_starts[1] if len(state.chunk_starts) > 1 else state.num_chunk_tokens)
+    score = score.clone()
+    score[first] = float("-inf")
+    return score, min(k, state.num_chunk_tokens - int(first.sum())), forced & ~first
 
 
 def _stored(state: SelectionState, method: str) -> torch.Tensor:

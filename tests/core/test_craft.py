@@ -128,3 +128,21 @@ def test_craft_runs_no_question_probe_and_craft_query_runs_one(tiny_adapter, mon
     assert calls == []
     fuse(tiny_adapter, scored, FusionConfig("craft_query", 0.3), prefill_suffix=True)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("method", ["query_focus", "query_attn"])
+def test_an_exact_first_chunk_is_never_recomputed_and_full_recompute_stays_exact(llama_adapter, method):
+    """``first_chunk_exact`` on the query-aware methods: the first chunk (cached right after this very
+    prefix, uncompressed) is left alone at any ratio, and at ratio 1.0 the answer is still full
+    prefill's; off (the default), the same ratio also recomputes the first chunk."""
+    a = llama_adapter
+    prefix, chunk_ids, suffix, inp = _prompt(a)
+    n, first = sum(map(len, chunk_ids)), len(chunk_ids[0])
+    exact = FusionConfig(method).strategy().Params(first_chunk_exact=True)
+    fused = fuse(a, inp, FusionConfig(method, 1.0, exact), prefill_suffix=True)
+    assert fused.recomputed_tokens == n - first
+    ref = a.forward(prefix + sum(chunk_ids, []) + suffix, a.build_cache([]), 0)[-len(suffix) :]
+    torch.testing.assert_close(fused.suffix_logits, ref, atol=1e-4, rtol=1e-4)
+    assert fuse(a, inp, FusionConfig(method, 1.0), prefill_suffix=True).recomputed_tokens == n
+    part = fuse(a, inp, FusionConfig(method, 0.3, exact), prefill_suffix=True)
+    assert part.selected.numel() > 0 and bool((part.selected >= len(prefix) + first).all())
