@@ -457,6 +457,33 @@ def bench_fusion(
         plot_rows(rows, plot)
 
 
+@bench_app.command("qa")
+def bench_qa(
+    model: Model = None,
+    out: JsonOut = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="Use at most this many questions [all].")] = None,
+    methods: Annotated[
+        str, typer.Option("--methods", help="method[:ratio],...; 'default' = the engine's default fusion.")
+    ] = "full,naive,blend,query_focus,default",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Answer tokens (greedy).")] = 24,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the distractor documents and their order.")] = 0,
+    dtype: Dtype = None,
+    device: Device = None,
+) -> None:
+    """Answers scored against gold on an invented multi-document QA set, per fusion method."""
+    from ragkv.bench.qa import format_qa_table, parse_methods, run_qa_bench
+
+    try:
+        grid = parse_methods(methods)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--methods") from e
+    result = run_qa_bench(_load_model(model, dtype, device), methods=grid, limit=limit, max_tokens=max_tokens, seed=seed)
+    typer.echo(format_qa_table(result))
+    if out is not None:
+        out.write_text(json.dumps(result, indent=1))
+        typer.echo(f"wrote {len(result['rows'])} rows and {len(result['questions'])} answers to {out}")
+
+
 @bench_app.command("codec")
 def bench_codec(
     prompts: Prompts = "builtin",

@@ -146,17 +146,24 @@ def needs_stored_scores(grid: Sequence[tuple[str, float]]) -> bool:
 
 
 @torch.inference_mode()
-def _one_prompt(
+def compare_methods(
     adapter: ModelAdapter,
-    prompt: dict[str, Any],
+    prompt: Mapping[str, Any],
     grid: Sequence[tuple[str, float]],
     scores: Sequence[torch.Tensor] | None = None,
+    *,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> list[dict]:
+    """One prompt, every (method, ratio) of ``grid`` against full prefill: one row per grid entry, in order.
+
+    Rows hold :data:`KEYS` and ``answer`` (the method's greedy answer ids, at most ``answer_tokens``;
+    full prefill's own for ``full``), so a caller can score the answers (``ragkv bench qa``).
+    """
     prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     ctx = prefix + [t for c in chunks for t in c]
     n = len(ctx)
-    adapter.check_context(n + len(suffix) + ANSWER_TOKENS)
-    gen = GenerationConfig(max_new_tokens=ANSWER_TOKENS)
+    adapter.check_context(n + len(suffix) + answer_tokens)
+    gen = GenerationConfig(max_new_tokens=answer_tokens)
 
     t0 = time.perf_counter()
     cache = adapter.build_cache([])
@@ -182,6 +189,7 @@ def _one_prompt(
                     f1=1.0,
                     ttft_ms=full_ttft,
                     ttft_ratio=1.0,
+                    answer=answer,
                 )
             )
             continue
@@ -207,6 +215,7 @@ def _one_prompt(
                 f1=_f1(own, answer),
                 ttft_ms=ttft,
                 ttft_ratio=ttft / full_ttft,
+                answer=own,
             )
         )
     return rows
@@ -226,12 +235,12 @@ def run_fusion_bench(
         grid.append(("full", 1.0))
     if not any(m == "naive" for m, _ in grid):
         grid.insert(0, ("naive", 0.0))
-    _one_prompt(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
+    compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per: dict[tuple[str, float], list[dict]] = {}
     craft = needs_stored_scores(grid)
     for i, p in enumerate(tqdm(prompts, desc="fusion bench", unit="prompt")):
         scores = stored_scores(adapter, p, craft_contexts(prompts, i)) if craft else None  # index time
-        for (m, r), row in zip(grid, _one_prompt(adapter, p, grid, scores), strict=True):
+        for (m, r), row in zip(grid, compare_methods(adapter, p, grid, scores), strict=True):
             per.setdefault((m, r), []).append(row)
     out = []
     for (m, _r), rows in per.items():

@@ -1,0 +1,192 @@
+"""``ragkv bench qa``: answers scored against gold, per fusion method, on an invented multi-document set.
+
+Per question (see :mod:`ragkv.bench.qa_data`): the prompt holds the documents it needs plus one or
+two distractors, chunked as ragkv indexes them, with a system prompt asking for a short answer.
+:func:`ragkv.bench.fusion.compare_methods` runs full prefill and every method on it (chunk caches
+precomputed after the shared prefix, untimed; greedy answers of at most ``max_tokens``), so each
+method gets, in the same run as full prefill: its TTFT, its recompute share, KL(full || method) at
+the positions of full prefill's answer, and whether its answer equals full prefill's (and their
+token F1). This module adds the score against gold: normalized containment of any gold alias
+(:func:`ragkv.bench.qa_score.contains_answer`) and token F1.
+
+Rows aggregate over questions: accuracy and F1 are means, KL the mean, TTFT the median and the
+TTFT ratio the median of per-question ratios to full prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ragkv.bench import table
+from ragkv.bench.fusion import compare_methods, craft_contexts, needs_stored_scores, stored_scores
+from ragkv.bench.qa_data import QASet, build_prompt, load_qa_set
+from ragkv.bench.qa_score import best_f1, contains_answer
+from ragkv.bench.table import Column
+from ragkv.fusion import FusionConfig
+from ragkv.model import ModelAdapter
+
+__all__ = ["DEFAULT_METHODS", "Method", "parse_methods", "run_qa_bench", "format_qa_table"]
+
+logger = logging.getLogger(__name__)
+
+ANSWER_TOKENS = 24  # gold answers are a few words; longer answers only cost decode time
+DEFAULT_METHODS = "full,naive,blend,query_focus,default"
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """One row of the bench: a fusion method at a recompute ratio."""
+
+    method: str  # strategy name, or "full" for full prefill
+    ratio: float
+    default: bool = False  # the engine's default fusion (EngineConfig().fusion)
+
+    @property
+    def label(self) -> str:
+        name = self.method if self.method in ("full", "naive") else f"{self.method}:{self.ratio:g}"
+        return name + (" (default)" if self.default else "")
+
+
+def parse_methods(spec: str = DEFAULT_METHODS) -> list[Method]:
+    """``"full,naive,blend:0.3,default"`` -> methods; a bare name takes the default ratio.
+
+    ``default`` is the engine's default fusion (``EngineConfig().fusion``, a plain ``FusionConfig()``);
+    a method equal to it is listed once, marked default. Full prefill is always included (first),
+    since every other figure is measured against it.
+
+    >>> [m.label for m in parse_methods("naive,query_focus,default")]
+    ['full', 'naive', 'query_focus:0.15 (default)']
+    """
+    base = FusionConfig()  # the engine's default: EngineConfig.fusion's default_factory
+    out: list[Method] = [Method("full", 1.0)]
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, _, ratio = part.partition(":")
+        if name == "default":
+            name, ratio = base.method, str(base.ratio)
+        r = {"full": 1.0, "naive": 0.0}.get(name, float(ratio) if ratio else base.ratio)
+        if name not in ("full", "naive"):
+            FusionConfig(method=name, ratio=r)  # unknown method or bad ratio: fail before loading anything
+        m = Method(name, r, default=(name, r) == (base.method, base.ratio))
+        if all((o.method, o.ratio) != (m.method, m.ratio) for o in out):
+            out.append(m)
+    return out
+
+
+def run_qa_bench(
+    adapter: ModelAdapter,
+    qa: QASet | None = None,
+    methods: Sequence[Method] | None = None,
+    *,
+    limit: int | None = None,
+    max_tokens: int = ANSWER_TOKENS,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run the QA bench: ``{"meta", "rows", "questions"}``.
+
+    ``rows``: one per method (keys of :data:`TABLE`); ``questions``: per question, its documents and
+    each method's answer and scores; ``meta``: model, dtype, set, question count, seed, max tokens.
+    """
+    qa = qa or load_qa_set()
+    methods = list(methods or parse_methods())
+    questions = list(qa.questions[:limit] if limit else qa.questions)
+
+    def count(text: str) -> int:
+        return len(adapter.encode(text))
+
+    prompts = [build_prompt(qa, q, count, seed=seed) for q in questions]
+    grid = [(m.method, m.ratio) for m in methods]
+    craft = needs_stored_scores([g for g in grid if g[0] != "full"])
+    compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
+    per_question = []
+    for i, (q, p) in enumerate(zip(tqdm(questions, desc="qa bench", unit="question"), prompts, strict=True)):
+        scores = stored_scores(adapter, p, craft_contexts(prompts, i, seed=seed)) if craft else None
+        results = compare_methods(adapter, p, grid, scores, answer_tokens=max_tokens)
+        answers = {}
+        for m, r in zip(methods, results, strict=True):
+            text = adapter.decode(r["answer"]).strip()
+            answers[m.label] = dict(
+                answer=text,
+                correct=contains_answer(text, q.answers),
+                f1_gold=best_f1(text, q.answers),
+                kl=r["kl"],
+                same_as_full=r["exact_match"],
+                f1_full=r["f1"],
+                recompute=r["recompute_ratio"],
+                ttft_ms=r["ttft_ms"],
+                ttft_ratio=r["ttft_ratio"],
+            )
+        per_question.append(
+            dict(id=q.id, question=q.question, gold=list(q.answers), docs=p["docs"], needs=len(q.docs), methods=answers)
+        )
+    meta = dict(
+        model=adapter.name,
+        dtype=str(adapter.dtype).removeprefix("torch."),
+        qa_set=qa.name,
+        questions=len(questions),
+        seed=seed,
+        max_tokens=max_tokens,
+        default_fusion=next((m.label for m in methods if m.default), FusionConfig().method),
+    )
+    rows = [_aggregate(m.label, [pq["methods"][m.label] for pq in per_question], per_question, meta) for m in methods]
+    return {"meta": meta, "rows": rows, "questions": per_question}
+
+
+def _aggregate(
+    label: str, got: Sequence[Mapping[str, Any]], per_question: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    n = len(got)
+    two = [g for g, pq in zip(got, per_question, strict=True) if pq["needs"] > 1]
+
+    def mean(key: str, rows: Sequence[Mapping[str, Any]] = got) -> float:
+        return sum(float(r[key]) for r in rows) / len(rows) if rows else 0.0
+
+    return dict(
+        method=label,
+        dtype=meta["dtype"],
+        correct=sum(bool(g["correct"]) for g in got),
+        right=f"{sum(bool(g['correct']) for g in got)}/{n}",
+        questions=n,
+        accuracy=mean("correct"),
+        accuracy_two_docs=mean("correct", two),
+        f1_gold=mean("f1_gold"),
+        kl=mean("kl"),
+        same_as_full=mean("same_as_full"),
+        f1_full=mean("f1_full"),
+        recompute=mean("recompute"),
+        ttft_ms=statistics.median(g["ttft_ms"] for g in got) if got else 0.0,
+        ttft_ratio=statistics.median(g["ttft_ratio"] for g in got) if got else 0.0,
+    )
+
+
+TABLE = (
+    Column("method"),
+    Column("dtype"),
+    Column("right"),
+    Column("accuracy", "acc", "{:.3f}"),
+    Column("accuracy_two_docs", "acc 2-doc", "{:.3f}"),
+    Column("f1_gold", "F1 gold", "{:.3f}"),
+    Column("kl", "KL vs full", "{:.4f}"),
+    Column("same_as_full", "same as full", "{:.3f}"),
+    Column("f1_full", "F1 vs full", "{:.3f}"),
+    Column("recompute", "recompute", "{:.3f}"),
+    Column("ttft_ms", "TTFT ms (median)", "{:.0f}"),
+    Column("ttft_ratio", "TTFT / full", "{:.3f}"),
+)
+
+
+def format_qa_table(result: Mapping[str, Any]) -> str:
+    """A caption line (model, dtype, set, questions) and the rows as a Markdown table (:data:`TABLE`)."""
+    m = result["meta"]
+    caption = (
+        f"QA bench: model {m['model']}, dtype {m['dtype']}, set {m['qa_set']} ({m['questions']} questions), "
+        f"greedy, max {m['max_tokens']} tokens, seed {m['seed']}; default fusion {m['default_fusion']}"
+    )
+    return caption + "\n\n" + table.format_table(result["rows"], TABLE)
