@@ -462,6 +462,7 @@ def bench_qa(
     model: Model = None,
     out: JsonOut = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Use at most this many questions [all].")] = None,
+    only: Annotated[str | None, typer.Option("--only", help="Question ids to run, comma-separated [all].")] = None,
     methods: Annotated[
         str, typer.Option("--methods", help="method[:ratio],...; 'default' = the engine's default fusion.")
     ] = "full,naive,blend,query_focus,default",
@@ -477,7 +478,20 @@ def bench_qa(
         grid = parse_methods(methods)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--methods") from e
-    result = run_qa_bench(_load_model(model, dtype, device), methods=grid, limit=limit, max_tokens=max_tokens, seed=seed)
+    partial = None if out is None else out.with_name(out.name + ".partial.jsonl")  # a long run's answers so far
+    if partial is not None:
+        partial.write_text("")
+
+    def progress(record: dict[str, Any]) -> None:
+        if partial is not None:
+            with partial.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    adapter = _load_model(model, dtype, device)
+    ids = [i.strip() for i in (only or "").split(",") if i.strip()]
+    result = run_qa_bench(
+        adapter, methods=grid, limit=limit, only=ids, max_tokens=max_tokens, seed=seed, on_question=progress
+    )
     typer.echo(format_qa_table(result))
     if out is not None:
         out.write_text(json.dumps(result, indent=1))

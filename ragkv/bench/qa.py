@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,15 @@ from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig
 from ragkv.model import ModelAdapter
 
-__all__ = ["DEFAULT_METHODS", "Method", "parse_methods", "run_qa_bench", "format_qa_table"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "Method",
+    "parse_methods",
+    "run_qa_bench",
+    "merge_results",
+    "summarize",
+    "format_qa_table",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +94,26 @@ def run_qa_bench(
     methods: Sequence[Method] | None = None,
     *,
     limit: int | None = None,
+    only: Sequence[str] = (),
     max_tokens: int = ANSWER_TOKENS,
     seed: int = 0,
+    on_question: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the QA bench: ``{"meta", "rows", "questions"}``.
 
     ``rows``: one per method (keys of :data:`TABLE`); ``questions``: per question, its documents and
     each method's answer and scores; ``meta``: model, dtype, set, question count, seed, max tokens.
+    ``only``: question ids to run (all when empty), then ``limit`` keeps the first ones. ``on_question``
+    gets each question's record as soon as it is done (a long run's progress).
     """
     qa = qa or load_qa_set()
     methods = list(methods or parse_methods())
-    questions = list(qa.questions[:limit] if limit else qa.questions)
+    unknown = set(only) - {q.id for q in qa.questions}
+    if unknown:
+        raise ValueError(
+            f"no question {sorted(unknown)} in the set; its ids run {qa.questions[0].id}..{qa.questions[-1].id}"
+        )
+    questions = [q for q in qa.questions if not only or q.id in only][:limit]
 
     def count(text: str) -> int:
         return len(adapter.encode(text))
@@ -123,9 +140,10 @@ def run_qa_bench(
                 ttft_ms=r["ttft_ms"],
                 ttft_ratio=r["ttft_ratio"],
             )
-        per_question.append(
-            dict(id=q.id, question=q.question, gold=list(q.answers), docs=p["docs"], needs=len(q.docs), methods=answers)
-        )
+        record = dict(id=q.id, question=q.question, gold=list(q.answers), docs=p["docs"], needs=len(q.docs))
+        per_question.append({**record, "methods": answers})
+        if on_question is not None:
+            on_question(per_question[-1])
     meta = dict(
         model=adapter.name,
         dtype=str(adapter.dtype).removeprefix("torch."),
@@ -135,8 +153,34 @@ def run_qa_bench(
         max_tokens=max_tokens,
         default_fusion=next((m.label for m in methods if m.default), FusionConfig().method),
     )
-    rows = [_aggregate(m.label, [pq["methods"][m.label] for pq in per_question], per_question, meta) for m in methods]
-    return {"meta": meta, "rows": rows, "questions": per_question}
+    return {"meta": meta, "rows": summarize(per_question, meta), "questions": per_question}
+
+
+def merge_results(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One result from runs over disjoint questions (``--only``) of the same model, dtype and methods.
+
+    Rows are summarized again over every question (a median of medians would not be the median);
+    raises ValueError when the runs differ in model, dtype, set, seed, answer length or methods.
+    """
+    if not results:
+        raise ValueError("nothing to merge; pass the results of one or more runs")
+    keys = ("model", "dtype", "qa_set", "seed", "max_tokens", "default_fusion")
+    first = results[0]["meta"]
+    for r in results[1:]:
+        differ = [k for k in keys if r["meta"][k] != first[k]]
+        if differ or list(r["questions"][0]["methods"]) != list(results[0]["questions"][0]["methods"]):
+            raise ValueError(f"runs differ in {differ or ['methods']}; merge only runs of one configuration")
+    questions = sorted((q for r in results for q in r["questions"]), key=lambda q: q["id"])
+    if len({q["id"] for q in questions}) != len(questions):
+        raise ValueError("the runs share questions; merge runs over disjoint --only sets")
+    meta = {**first, "questions": len(questions)}
+    return {"meta": meta, "rows": summarize(questions, meta), "questions": questions}
+
+
+def summarize(per_question: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per method (in the order of the first question's methods) from per-question records."""
+    labels = list(per_question[0]["methods"]) if per_question else []
+    return [_aggregate(label, [pq["methods"][label] for pq in per_question], per_question, meta) for label in labels]
 
 
 def _aggregate(

@@ -96,7 +96,9 @@ def load_qa_set(path: str | Path | None = None) -> QASet:
     return QASet.from_dict(json.loads(text))
 
 
-def pick_documents(qa: QASet, question: QAQuestion, *, seed: int = 0, distractors: tuple[int, int] = (1, 2)) -> list[str]:
+def pick_documents(
+    qa: QASet, question: QAQuestion, *, seed: int = 0, distractors: tuple[int, int] = (1, 2)
+) -> list[str]:
     """Ids of the documents in ``question``'s prompt, in prompt order (seeded by ``seed`` and the question).
 
     The needed documents plus ``distractors[0]..distractors[1]`` others: near-miss documents first,

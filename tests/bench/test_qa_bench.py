@@ -1,0 +1,206 @@
+"""``ragkv bench qa``: scoring against gold, the shipped QA set, its prompts, and a run on a tiny model."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from ragkv.bench.qa import merge_results, parse_methods, run_qa_bench
+from ragkv.bench.qa_data import QASet, build_prompt, documents_text, load_qa_set, pick_documents
+from ragkv.bench.qa_score import best_f1, contains_answer, normalize, token_f1
+
+# ---- scoring -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ragkv.bench.qa_score", "ragkv.bench.qa"])
+def test_doctests(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_normalize_folds_case_accents_articles_and_number_punctuation() -> None:
+    assert normalize("The MV Orrin Star") == ["mv", "orrin", "star"]
+    assert normalize("9,000 eggs") == normalize("9000 eggs") == ["9000", "eggs"]
+    assert normalize("4.5 km.") == ["4.5", "km"]  # a decimal point stays, a full stop goes
+    assert normalize("Ferreira-Doyle") == ["ferreira", "doyle"]
+    assert normalize("Señor Ōta") == ["senor", "ota"]
+    assert normalize("1,2,3") == ["1", "2", "3"]  # commas that are not thousands separators split
+    assert normalize("") == []
+
+
+def test_containment_matches_whole_token_runs_only() -> None:
+    assert contains_answer("The capital is Port Tessaly.", ["Port Tessaly"])
+    assert contains_answer("port  tessaly", ["Port Tessaly"])
+    assert not contains_answer("Port of Tessaly", ["Port Tessaly"])  # not a contiguous run
+    assert not contains_answer("Sable Harbour", ["Port Tessaly"])
+    assert contains_answer("about 9000", ["9,000", "nine thousand"])  # any alias
+    assert not contains_answer("47810", ["4"])  # never a substring of a token
+    assert not contains_answer("4.5 km", ["4"])
+    assert contains_answer("It is 1,214 m.", ["1214"])
+    assert not contains_answer("anything", [])
+
+
+def test_token_f1_is_squad_f1_and_best_over_aliases() -> None:
+    assert token_f1("Port Tessaly", "Port Tessaly") == 1.0
+    assert token_f1("Tessaly", "Port Tessaly") == pytest.approx(2 * 1.0 * 0.5 / 1.5)
+    assert token_f1("Port Tessaly harbour town", "Port Tessaly") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    assert token_f1("", "") == 1.0 and token_f1("x", "") == 0.0 and token_f1("", "x") == 0.0
+    assert token_f1("a the an", "") == 1.0  # articles only: nothing left on either side
+    assert best_f1("1214", ["1,214 metres", "1214"]) == 1.0
+    assert best_f1("1214 metres", ["1,214 metres", "1214"]) == 1.0
+    assert best_f1("anything", []) == 0.0
+
+
+# ---- the shipped set -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qa() -> QASet:
+    return load_qa_set()
+
+
+def test_shipped_set_has_the_shape_the_issue_asks_for(qa: QASet) -> None:
+    assert len(qa.documents) >= 10 and len(qa.questions) >= 30
+    for doc in qa.documents.values():
+        assert 250 <= len(doc.text.split()) <= 600, doc.id
+    two = [q for q in qa.questions if len(q.docs) == 2]
+    assert len(two) * 3 >= len(qa.questions)  # a third need two documents
+    assert sum(bool(q.near_miss) for q in qa.questions) >= 10
+    assert len({q.id for q in qa.questions}) == len(qa.questions)
+    assert all(not set(q.near_miss) & set(q.docs) for q in qa.questions)
+    assert set(Counter(d for q in qa.questions for d in q.docs)) == set(qa.documents)  # every document is used
+
+
+def test_every_span_answer_is_in_a_needed_document_and_nowhere_else_for_single_doc_questions(qa: QASet) -> None:
+    for q in qa.questions:
+        if q.computed:
+            continue
+        assert contains_answer(documents_text(qa, q.docs), q.answers[:1]), q.id
+        if len(q.docs) == 1:  # the near-miss documents hold a similar fact, never the answer itself
+            assert not contains_answer(documents_text(qa, q.near_miss), q.answers[:1]), q.id
+
+
+def test_a_chained_question_cannot_be_answered_from_the_document_holding_the_answer_alone(qa: QASet) -> None:
+    # q23 names the protocol by its timeout, which only the protocol's document gives
+    q = next(q for q in qa.questions if q.id == "q23")
+    assert "750" in documents_text(qa, ["ferrule"]) and "750" not in documents_text(qa, ["halvorsen"])
+    assert not contains_answer(documents_text(qa, ["ferrule"]), q.answers)
+
+
+def test_set_with_an_unknown_document_is_refused_with_the_known_ones() -> None:
+    data = {
+        "documents": [{"id": "a", "title": "A", "text": "x"}],
+        "questions": [{"id": "q", "question": "?", "answers": ["x"], "docs": ["b"]}],
+    }
+    with pytest.raises(ValueError, match=r"unknown: \['b'\].*known: \['a'\]"):
+        QASet.from_dict(data)
+
+
+def test_prompts_hold_needed_docs_near_misses_and_one_or_two_distractors_seeded(qa: QASet) -> None:
+    counts = Counter()
+    for q in qa.questions:
+        ids = pick_documents(qa, q, seed=0)
+        assert ids == pick_documents(qa, q, seed=0)
+        assert set(q.docs) <= set(ids) and len(set(ids)) == len(ids)
+        extra = [d for d in ids if d not in q.docs]
+        assert 1 <= len(extra) <= 2
+        assert set(q.near_miss[: len(extra)]) <= set(extra)
+        counts[ids.index(q.docs[0])] += 1
+    assert len(counts) > 1  # the needed document is not always first
+    assert any(pick_documents(qa, q, seed=1) != pick_documents(qa, q, seed=0) for q in qa.questions)
+
+
+def test_prompt_chunks_are_the_documents_cut_as_ragkv_indexes_them(qa: QASet) -> None:
+    q = qa.questions[0]
+    prompt = build_prompt(qa, q, lambda t: 3 * len(t.split()), seed=0)  # ~900 "tokens" a document
+    words = [w for d in prompt["docs"] for w in qa.documents[d].text.split()]
+    assert [w for c in prompt["chunks"] for w in c.split()] == words  # tiled, nothing lost or repeated
+    assert len(prompt["chunks"]) > len(prompt["docs"])  # chunks of 256-512 "tokens": documents split
+    assert prompt["question"] == q.question and prompt["system"]
+
+
+# ---- a run on a tiny random-weight model --------------------------------------------------------
+
+
+def test_bench_on_a_tiny_model_gives_a_row_per_method_and_full_is_its_own_reference(tiny_tokenizer, qa) -> None:
+    from ragkv.model import ModelAdapter
+    from tests.conftest import make_model
+
+    # the tokenizer has one token per byte: the shipped documents, cut short, keep prompts ~2K tokens
+    short = QASet(qa.name, {k: replace(d, text=d.text[:600]) for k, d in qa.documents.items()}, qa.questions)
+    adapter = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer, name="tiny-qwen2")
+    methods = parse_methods("naive,blend:1.0,default")
+    seen: list[str] = []
+    result = run_qa_bench(adapter, short, methods, limit=2, max_tokens=4, on_question=lambda r: seen.append(r["id"]))
+
+    meta = result["meta"]
+    assert meta["model"] == "tiny-qwen2" and meta["dtype"] == "float32" and meta["questions"] == 2
+    assert meta["default_fusion"] == "query_focus:0.15 (default)"
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["full", "naive", "blend:1", "query_focus:0.15 (default)"]
+    for r in rows.values():
+        assert r["questions"] == 2 and 0 <= r["correct"] <= 2 and r["right"] == f"{r['correct']}/2"
+        assert 0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["f1_gold"] <= 1.0 and r["dtype"] == "float32"
+        assert r["kl"] > -1e-6 and r["ttft_ms"] > 0.0  # KL is >= 0 up to rounding
+    full = rows["full"]
+    assert full["kl"] == 0.0 and full["same_as_full"] == 1.0 and full["f1_full"] == 1.0 and full["ttft_ratio"] == 1.0
+    assert rows["naive"]["recompute"] == 0.0
+    # recomputing every chunk token is full prefill: the fused path itself agrees with it
+    assert rows["blend:1"]["recompute"] == 1.0
+    assert rows["blend:1"]["kl"] < 1e-4 and rows["blend:1"]["same_as_full"] == 1.0
+    assert 0.0 < rows["query_focus:0.15 (default)"]["recompute"] < 0.5
+
+    assert [q["id"] for q in result["questions"]] == seen == ["q01", "q02"]
+    for q in result["questions"]:
+        assert set(q["methods"]) == set(rows)
+        for got in q["methods"].values():
+            assert got["correct"] == contains_answer(got["answer"], q["gold"])
+
+
+def test_runs_over_disjoint_questions_merge_into_the_rows_of_one_run() -> None:
+    def run(qid: str, right: bool, ttft: float) -> dict:
+        got = dict(answer="x", correct=right, f1_gold=float(right), kl=0.5, same_as_full=0.0, f1_full=0.5)
+        got.update(recompute=0.1, ttft_ms=ttft, ttft_ratio=ttft / 100)
+        full = dict(got, correct=True, f1_gold=1.0, kl=0.0, same_as_full=1.0, f1_full=1.0, ttft_ms=100.0)
+        meta = dict(model="m", dtype="float32", qa_set="s", seed=0, max_tokens=8, default_fusion="d", questions=1)
+        question = dict(id=qid, question="?", gold=["x"], docs=["a"], needs=1, methods={"full": full, "naive": got})
+        return {"meta": meta, "rows": [], "questions": [question]}
+
+    merged = merge_results([run("q03", False, 30.0), run("q01", True, 10.0), run("q02", True, 20.0)])
+    assert [q["id"] for q in merged["questions"]] == ["q01", "q02", "q03"] and merged["meta"]["questions"] == 3
+    naive = merged["rows"][1]
+    assert naive["method"] == "naive" and naive["right"] == "2/3" and naive["ttft_ms"] == 20.0
+    with pytest.raises(ValueError, match="disjoint"):
+        merge_results([run("q01", True, 1.0), run("q01", True, 1.0)])
+    other = run("q09", True, 1.0)
+    other["meta"]["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        merge_results([run("q01", True, 1.0), other])
+
+
+# ---- a real model (opt-in) -----------------------------------------------------------------------
+
+
+@pytest.mark.realmodel
+def test_qa_bench_on_the_real_model_named_by_the_environment(tmp_path: Path, monkeypatch) -> None:
+    path = os.environ.get("RAGKV_TEST_REAL_MODEL", "")
+    if not path.endswith(".gguf") or not Path(path).is_file():
+        pytest.skip("set RAGKV_TEST_REAL_MODEL to a .gguf file (e.g. fetch-model.sh qwen2.5-0.5b) to run this")
+    from ragkv.model import load_model
+
+    monkeypatch.setenv("RAGKV_MODEL_CACHE", str(tmp_path / "models"))  # never the user's conversion cache
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    adapter = load_model(path, dtype="float32", offline=True)
+    result = run_qa_bench(adapter, methods=parse_methods("naive,default"), limit=3, max_tokens=16)
+
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["full"]["questions"] == 3 and rows["full"]["kl"] == 0.0
+    assert rows["full"]["correct"] >= 2  # a real instruct model reads these single-document answers
+    fused = rows["query_focus:0.15 (default)"]
+    assert 0.0 < fused["recompute"] < 0.5 and fused["kl"] >= 0.0
