@@ -145,6 +145,18 @@ def needs_stored_scores(grid: Sequence[tuple[str, float]]) -> bool:
     return any(strategy_class(m).wants_stored_scores for m, _ in grid)
 
 
+def _answer_logits(
+    adapter: ModelAdapter, cache: Any, prompt_logits: torch.Tensor, answer: Sequence[int], start: int
+) -> torch.Tensor:
+    """Logits ``[len(answer), vocab]`` predicting each answer token: the prompt's last, then the answer's own.
+
+    A one-token answer needs no forward pass (and an empty one would fail in the model).
+    """
+    if len(answer) <= 1:
+        return prompt_logits[-1:]
+    return torch.cat([prompt_logits[-1:], adapter.forward(answer[:-1], cache, start)])[: len(answer)]
+
+
 @torch.inference_mode()
 def compare_methods(
     adapter: ModelAdapter,
@@ -172,7 +184,7 @@ def compare_methods(
     full_ttft = (time.perf_counter() - t0) * 1000
     answer = list(decode_loop(adapter, cache, logits[-1], n + len(suffix), gen)) or [first]
     adapter.crop_cache(cache, n + len(suffix))
-    ref = torch.cat([logits[-1:], adapter.forward(answer[:-1], cache, n + len(suffix))])[: len(answer)]
+    ref = _answer_logits(adapter, cache, logits, answer, n + len(suffix))
 
     pre = adapter.prefill_kv(prefix)
     cached = [adapter.prefill_kv(c, past=[pre]) for c in chunks]  # index time: each chunk alone
@@ -203,7 +215,7 @@ def compare_methods(
         ttft = (time.perf_counter() - t0) * 1000
         own = list(decode_loop(adapter, fused.cache, logits[-1], n + len(suffix), gen))
         adapter.crop_cache(fused.cache, n + len(suffix))
-        got = torch.cat([logits[-1:], adapter.forward(answer[:-1], fused.cache, n + len(suffix))])[: len(answer)]
+        got = _answer_logits(adapter, fused.cache, logits, answer, n + len(suffix))
         kl, top1 = _kl_top1(ref, got)
         rows.append(
             dict(

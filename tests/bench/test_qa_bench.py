@@ -163,6 +163,18 @@ def test_bench_on_a_tiny_model_gives_a_row_per_method_and_full_is_its_own_refere
             assert got["correct"] == contains_answer(got["answer"], q["gold"])
 
 
+def test_one_token_answers_are_compared_without_an_empty_forward_pass(tiny_tokenizer) -> None:
+    from ragkv.bench.fusion import compare_methods
+    from ragkv.model import ModelAdapter
+    from tests.conftest import make_model
+
+    adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer, name="tiny-llama")
+    prompt = {"chunks": ["The ferry takes three hours.", "The island has one town."], "question": "How long?"}
+    rows = compare_methods(adapter, prompt, [("full", 1.0), ("blend", 1.0)], answer_tokens=1)
+    assert len(rows[0]["answer"]) == 1 and rows[0]["kl"] == 0.0
+    assert rows[1]["kl"] < 1e-4  # every token recomputed: full prefill, through the fused path
+
+
 def test_runs_over_disjoint_questions_merge_into_the_rows_of_one_run() -> None:
     def run(qid: str, right: bool, ttft: float) -> dict:
         got = dict(answer="x", correct=right, f1_gold=float(right), kl=0.5, same_as_full=0.0, f1_full=0.5)
