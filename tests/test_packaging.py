@@ -43,6 +43,7 @@ def test_built_wheel_contains_and_imports_every_subpackage(tmp_path):
     for pkg in SUBPACKAGES:
         assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
     assert "ragkv/py.typed" in names
+    assert "ragkv/bench/data/qa_invented.json" in names  # the QA set of ragkv bench qa
     # import from the unpacked wheel alone (no repo on the path)
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
