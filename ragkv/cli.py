@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ragkv.cli_models import models_app
 from ragkv.errors import RagkvError
 
 app = typer.Typer(
@@ -20,11 +21,15 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(models_app, name="models")
 
 # Options default to None ("not given"): EngineConfig and its component records hold the defaults,
 # written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Index and cache directory [env RAGKV_DATA_DIR].")]
-Model = Annotated[str | None, typer.Option("--model", help="Model alias, local path or .gguf file [smollm2-135m].")]
+Model = Annotated[
+    str | None,
+    typer.Option("--model", help="Model alias, local path, .gguf file or hub name [env RAGKV_MODEL; smollm2-135m]."),
+]
 Store = Annotated[str | None, typer.Option("--store", help="Tier URLs, comma-separated [env RAGKV_STORE].")]
 CatalogUrl = Annotated[str | None, typer.Option("--catalog", help="SQLAlchemy URL [env RAGKV_CATALOG].")]
 Tenant = Annotated[
@@ -606,7 +611,6 @@ def main() -> None:
     logging.basicConfig(
         level=os.environ.get("RAGKV_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         app()

@@ -59,6 +59,7 @@ class ModelAdapter:
         self.name = name or getattr(model.config, "_name_or_path", "") or self.spec.model_type
         self._inner = model.model
         self._fingerprint: str | None = None
+        self.dtype_reason = "given"  # why the weights run in their dtype (load_model says, e.g. "auto: ...")
         self._tok_fingerprint: str | None = None
         self._layouts: dict[str, PromptLayout] = {}
         self._rotary_fn: RotaryFn | None = model_rotary_fn(model)
@@ -342,10 +343,10 @@ def load_model(
     ``mps``. ``dtype``: ``auto`` picks bf16 on CUDA and on CPUs with native bf16 matmuls, fp16 on
     MPS, else fp32; ``float32``/``bfloat16``/``float16``; None keeps the loader's choice (fp32 for
     the default model). Hub names download into the Hugging Face cache unless ``offline`` or
-    ``HF_HUB_OFFLINE=1`` (see ``ragkv.resolver``). A loaded adapter is returned as is.
+    ``HF_HUB_OFFLINE=1`` (see ``ragkv.model.loading``). A loaded adapter is returned as is.
     """
-    from ragkv.model.placement import resolve_device, resolve_dtype
-    from ragkv.resolver import resolve
+    from ragkv.model.loading import resolve
+    from ragkv.model.placement import dtype_reason, resolve_device, resolve_dtype
 
     if isinstance(spec, ModelAdapter):
         return spec
@@ -357,5 +358,7 @@ def load_model(
     else:
         model, tokenizer, name = resolve(spec, dtype=dt, offline=offline)
     model = model.to(device=dev, dtype=dt) if dt is not None else model.to(dev)
-    logger.info("model %s on %s in %s", name, dev, next(model.parameters()).dtype)
-    return ModelAdapter(model, tokenizer, name=name)
+    adapter = ModelAdapter(model, tokenizer, name=name)
+    adapter.dtype_reason = dtype_reason(dtype, dev)
+    logger.info("model %s on %s in %s (%s)", name, dev, adapter.dtype, adapter.dtype_reason)
+    return adapter
