@@ -462,6 +462,29 @@ def bench_fusion(
         plot_rows(rows, plot)
 
 
+@bench_app.command("load")
+def bench_load(
+    model: Model = None,
+    dtype: Dtype = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Later loads to time after the first.")] = 2,
+) -> None:
+    """Time a fresh process's model load: the first converts (empty cache), later ones read the entry."""
+    from ragkv.bench.load import run_load_bench
+    from ragkv.bench.table import Column, format_table
+
+    cfg = _config(model=model, dtype=dtype)
+    rows = run_load_bench(cfg.model, cfg.dtype, repeats=repeats)
+    columns = (
+        "model",
+        "load",
+        Column("seconds", "seconds", "{:.1f}"),
+        Column("peak_rss_mb", "peak RSS MB", "{:,.0f}"),
+        "dtype",
+        "dtype_reason",
+    )
+    typer.echo(format_table(rows, columns))
+
+
 @bench_app.command("codec")
 def bench_codec(
     prompts: Prompts = "builtin",
