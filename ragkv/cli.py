@@ -379,10 +379,14 @@ def serve(
 
 def _load_model(model: str | None, dtype: str | None = None, device: str | None = None) -> Any:
     """The model the options name, placed as EngineConfig would place it (its defaults, RAGKV_* variables)."""
+    from ragkv.bench.table import machine_note
     from ragkv.model import load_model
+    from ragkv.model.placement import dtype_name
 
     cfg = _config(model=model, dtype=dtype, device=device)
-    return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
+    adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
+    typer.echo(machine_note(adapter.name, dtype_name(adapter.dtype), adapter.dtype_reason))
+    return adapter
 
 
 def _bench_prompts(spec: str, adapter: Any, limit: int, max_tokens: int) -> list[dict[str, Any]]:
