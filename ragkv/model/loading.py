@@ -185,8 +185,10 @@ def _convert_gguf(path: Path, dtype: torch.dtype, out: Path) -> None:
     # Asked to de-quantize up front, transformers neither looks for packed-GGUF kernels nor warns that
     # the weights "stay packed": they do not, ragkv runs plain dense layers.
     quant = GgufConfig(gguf_file=path.name, dequantize=True)
+    # De-quantized tensor by tensor (in fp32, by gguf) and cast to ``dtype`` as each lands, so the peak
+    # is about two copies of the model in ``dtype``, not one in fp32 plus one in ``dtype``.
     gguf_model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, quantization_config=quant
+        path.parent, gguf_file=path.name, dtype=dtype, quantization_config=quant
     )
     plain = _dequantized_copy(gguf_model, dtype)
     del gguf_model
@@ -205,8 +207,7 @@ def _dequantized_copy(model: Any, dtype: torch.dtype) -> Any:
     # Built on the CPU, not the meta device: non-persistent buffers (RoPE inv_freq) are not in the
     # state dict and must be computed by the modules' own init (a meta build left them empty).
     plain = AutoModelForCausalLM.from_config(plain_cfg, dtype=dtype)
-    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
-    missing, unexpected = plain.load_state_dict(state, strict=False)
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
     plain.tie_weights()
     if unexpected or any(not k.startswith("lm_head.") for k in missing):
         raise RuntimeError(f"GGUF conversion lost weights: missing={missing}, unexpected={unexpected}")
