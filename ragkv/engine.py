@@ -81,6 +81,13 @@ class EngineConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         validate_tenant(self.tenant)
         validate_placement(self.dtype, self.device)
+        if self.fusion.strategy().wants_stored_scores:
+            # the engine records no index-time deviation (ragkv.craft is a bench-only recorder), so
+            # such a method would fail at the first query instead of here
+            raise ValueError(
+                f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "
+                "the engine does not record; use query_focus (the default), query_attn or blend"
+            )
         if isinstance(self.store, str):
             raise TypeError("store takes a tuple of tier URLs, e.g. ('memory://', 'redis://host:6379/0')")
         if self.store_secret is not None and (not isinstance(self.store_secret, bytes) or len(self.store_secret) < 16):
