@@ -18,7 +18,7 @@ from ragkv.errors import ContextTooLongError
 from ragkv.model import caches
 from ragkv.model.arch import ArchSpec
 from ragkv.model.attention import AttentionProbe, install_dispatcher, is_dispatched, probing
-from ragkv.model.caches import ScatterCache, concat_kv
+from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
 from ragkv.prompt import DEFAULT_SYSTEM, PromptLayout
@@ -224,7 +224,7 @@ class ModelAdapter:
         """Run ``token_ids`` at positions ``start..`` on top of ``cache`` (appending); return logits [T, vocab]."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.model)): cache})
         return out.logits[0].float()
 
     def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV:
@@ -304,9 +304,9 @@ class ModelAdapter:
             hidden,
             attention_mask=mask,
             position_ids=positions.to(self.device).reshape(1, -1),
-            past_key_values=cache,
             use_cache=True,
             position_embeddings=position_embeddings,
+            **{cache_kwarg(type(layer)): cache},
         )
         return out[0] if isinstance(out, tuple) else out
 
