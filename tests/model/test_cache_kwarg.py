@@ -12,7 +12,7 @@ from ragkv.model.caches import cache_kwarg
 
 def test_forward_and_layer_runs_warn_nothing(llama_adapter):
     a = llama_adapter
-    ids = list(range(5, 25))
+    ids = list(range(5, 30))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         pre = a.prefill_kv(ids[:4])
