@@ -81,26 +81,33 @@ function renderMarkdown(node, text) {
 /** A document's name for people: its title from the list, else the last part of its source (never a server path). */
 function docName(source) {
   const title = state.titles.get(source);
-  if (title) return title.split(/[\\/]/).pop();
+  if (title && title !== source) return title;  // a title of its own (an upload's file name)
   return source.replace(/^[a-z][a-z0-9+.-]*:(?!\/\/)/i, "").split(/[\\/]/).filter(Boolean).pop() || source;
 }
 
-function queryTerms(question) {
+/** The question's words as a pattern: each word's stem and any ending ("guides" finds "guide", "guided"). */
+function queryPattern(question) {
   const words = question.toLowerCase().match(/[\p{L}\p{N}]+/gu) || [];
-  return [...new Set(words.filter((w) => w.length > 2 && !STOP_WORDS.has(w)))];
+  const stems = [...new Set(words.filter((w) => w.length > 2 && !STOP_WORDS.has(w))
+    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w)))];
+  if (!stems.length) return null;
+  return new RegExp("(?<![\\p{L}\\p{N}])(?:" + stems.join("|") + ")[\\p{L}\\p{N}]*", "giu");
 }
 
 /** The chunk's text with its best-matching sentence in <mark> and the question's words in <b>. */
-function passage(text, terms) {
+function passage(text, pattern) {
   const box = el("div", "passage");
   const sentences = text.match(/[^.!?\n]+[.!?]*\s*|\n+/g) || [text];
-  const hits = (s) => terms.filter((t) => s.toLowerCase().includes(t)).length;
+  const hits = (s) => (pattern ? new Set((s.match(pattern) || []).map((w) => w.toLowerCase())).size : 0);
   let best = -1, bestHits = 0;
   sentences.forEach((s, i) => { const h = hits(s); if (h > bestHits) { best = i; bestHits = h; } });
-  const pattern = terms.length ? new RegExp("(" + terms.map((t) => t.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")).join("|") + ")", "gi") : null;
   const words = (parent, s) => {
-    if (!pattern) { parent.append(s); return; }
-    s.split(pattern).forEach((part, i) => parent.append(i % 2 ? el("b", "", part) : part));
+    let at = 0;
+    for (const m of pattern ? s.matchAll(pattern) : []) {
+      parent.append(s.slice(at, m.index), el("b", "", m[0]));
+      at = m.index + m[0].length;
+    }
+    parent.append(s.slice(at));
   };
   sentences.forEach((s, i) => {
     if (i === best) { const m = el("mark"); words(m, s); box.append(m); } else words(box, s);
@@ -111,13 +118,13 @@ function passage(text, terms) {
 function sourcesList(sources, question) {
   const wrap = el("details", "sources");
   wrap.append(el("summary", "", sources.length + (sources.length === 1 ? " source" : " sources")));
-  const terms = queryTerms(question);
+  const pattern = queryPattern(question);
   for (const s of sources) {
     const card = el("div", "source");
     const head = el("div", "source-head");
     head.append(el("span", "source-name", docName(s.source)), el("span", "source-chunk", "chunk " + s.chunk));
     if (typeof s.score === "number") head.append(el("span", "score", "score " + s.score.toFixed(3)));
-    card.append(head, passage(s.text || "", terms));
+    card.append(head, passage(s.text || "", pattern));
     card.title = s.source;
     wrap.append(card);
   }
