@@ -287,3 +287,13 @@ def test_the_page_fits_a_phone(page, server):
         assert page.find_element(*by("#upload")).is_displayed()
     finally:
         page.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def test_an_upload_over_the_size_limit_is_a_readable_message(page, tmp_path):
+    big = tmp_path / "big.txt"
+    big.write_text("Lamps. " * (9 * 1024 * 1024 // 7))  # over the server's 8 MiB default limit
+    page.find_element(*by("#file")).send_keys(str(big))
+    page.find_element(*by("#upload")).click()
+    wait(page, 60).until(lambda d: "upload failed" in d.find_element(*by("#upload-status")).text)
+    status = page.find_element(*by("#upload-status")).text
+    assert status.startswith("upload failed: Too large (413)") and "limit of 8388608 bytes" in status, status
