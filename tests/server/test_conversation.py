@@ -47,8 +47,10 @@ def test_the_follow_up_retrieves_the_chunk_the_previous_turn_was_about(server, f
 
 
 def test_the_model_reads_the_earlier_turns_after_the_last_question():
-    chat = [("system", "Be brief."), ("user", "Where do apples grow?"), ("assistant", "In orchards."), ("user", "When?")]
-    assert rag_question(chat) == "When?\n\nEarlier in this conversation:\nuser: Where do apples grow?\nassistant: In orchards."
+    chat = [("system", "Be brief."), ("user", "Where do apples grow?"), ("assistant", "In orchards.")]
+    chat.append(("user", "When?"))
+    history = "user: Where do apples grow?\nassistant: In orchards."
+    assert rag_question(chat) == f"When?\n\nEarlier in this conversation:\n{history}"
     assert rag_question(chat[:2]) == ""  # one user turn: the retrieval query is the question, as before
 
 

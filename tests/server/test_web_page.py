@@ -114,7 +114,9 @@ def fake_answer(*pieces: str, finish: str = "stop") -> list[dict]:
     events = [{**chunk, "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
     stats = {"ttft_ms": 12.5, "reused_tokens": 40, "prompt_tokens": 60, "generated_tokens": len(pieces), "sources": []}
     events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "ragkv": stats})
-    events.append({**chunk, "choices": [], "usage": {"prompt_tokens": 60, "prompt_tokens_details": {"cached_tokens": 40}}})
+    events.append(
+        {**chunk, "choices": [], "usage": {"prompt_tokens": 60, "prompt_tokens_details": {"cached_tokens": 40}}}
+    )
     return events
 
 
@@ -153,8 +155,9 @@ def test_an_answer_streams_as_generating_then_shows_stats_sources_and_truncation
     page.execute_script(SPY)
     # every status the answer shows, in order
     page.execute_script(
-        "window.statuses = []; new MutationObserver(() => { const m = [...document.querySelectorAll('.msg.assistant .status')].pop();"
-        " if (m && m.textContent !== window.statuses[window.statuses.length - 1]) window.statuses.push(m.textContent); })"
+        "window.statuses = []; new MutationObserver(() => {"
+        " const m = [...document.querySelectorAll('.msg.assistant .status')].pop();"
+        " if (m && m.textContent !== window.statuses.at(-1)) window.statuses.push(m.textContent); })"
         ".observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});"
     )
     msg = ask(page, "What guides ships along rocky coasts?")
@@ -209,7 +212,9 @@ def test_the_status_says_generating_while_the_tokens_stream(page):
 def test_markdown_is_rendered_and_raw_html_never_reaches_the_dom(page):
     attack = '<img src="x" onerror="window.pwned = 1"><script>window.pwned = 2</script>'
     link = "[click](javascript:window.pwned=3)"
-    events = fake_answer("## Lamps\n\n**Bright** lamps and `code`:\n\n", "- one\n- two\n\n", attack, "\n\n", link, finish="length")
+    events = fake_answer(
+        "## Lamps\n\n**Bright** lamps and `code`:\n\n", "- one\n- two\n\n", attack, "\n\n", link, finish="length"
+    )
     page.execute_script(FAKE_CHAT, 200, events)
     msg = ask(page, "Show me some HTML")
     answer = msg.find_element(*by(".answer"))
@@ -253,7 +258,10 @@ def test_the_key_field_shows_only_when_the_server_requires_keys(page, keyed_serv
 
 def test_a_document_is_deleted_after_a_confirming_second_click(page, server):
     with server.client() as c:
-        assert c.post("/v1/documents", json={"source": "mem:ferns", "text": "Ferns grow in shade. " * 5}).status_code == 201
+        assert (
+            c.post("/v1/documents", json={"source": "mem:ferns", "text": "Ferns grow in shade. " * 5}).status_code
+            == 201
+        )
     open_page(page, server.url)
     item = next(d for d in page.find_elements(*by("#docs .doc")) if d.find_element(*by(".doc-name")).text == "ferns")
     button = item.find_element(*by(".delete"))
@@ -279,7 +287,9 @@ def test_the_page_fits_a_phone(page, server):
         scroll_width, width, body_width = page.execute_script(fits)
         assert width == 390 and scroll_width <= width and body_width <= width
         box = page.find_element(*by("#question"))
-        rect = page.execute_script("const r = arguments[0].getBoundingClientRect(); return [r.left, r.right, r.bottom];", box)
+        rect = page.execute_script(
+            "const r = arguments[0].getBoundingClientRect(); return [r.left, r.right, r.bottom];", box
+        )
         assert box.is_displayed() and rect[0] >= 0 and rect[1] <= 390 and rect[2] <= 844
         assert page.find_element(*by("#sidebar")).rect["x"] < 0  # the documents drawer starts closed ...
         page.find_element(*by("#menu")).click()  # ... and the menu opens it
