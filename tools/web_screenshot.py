@@ -87,7 +87,8 @@ def shoot(url: str, out: Path, width: int, height: int, mobile: bool, questions:
             ask(driver, q)
         details = driver.find_elements(By.CSS_SELECTOR, ".msg.assistant .sources")
         if details:
-            script = "arguments[0].open = true; document.getElementById('messages').scrollTop = 1e6;"
+            # the last question at the top, its answer and the first sources below it
+            script = "arguments[0].open = true; [...document.querySelectorAll('.msg.user')].pop().scrollIntoView();"
             driver.execute_script(script, details[-1])
         time.sleep(0.5)
         driver.save_screenshot(str(out))

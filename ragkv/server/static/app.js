@@ -97,7 +97,8 @@ function queryPattern(question) {
 /** The chunk's text with its best-matching sentence in <mark> and the question's words in <b>. */
 function passage(text, pattern) {
   const box = el("div", "passage");
-  const sentences = text.match(/[^.!?\n]+[.!?]*\s*|\n+/g) || [text];
+  // a sentence ends at . ! or ? before a space (not inside "api.py") or at a blank line
+  const sentences = (text.match(/[\s\S]*?(?:[.!?]+(?=\s)|\n\s*\n|$)\s*/g) || []).filter(Boolean);
   const hits = (s) => (pattern ? new Set((s.match(pattern) || []).map((w) => w.toLowerCase())).size : 0);
   let best = -1, bestHits = 0;
   sentences.forEach((s, i) => { const h = hits(s); if (h > bestHits) { best = i; bestHits = h; } });
@@ -128,6 +129,11 @@ function sourcesList(sources, question) {
     card.title = s.source;
     wrap.append(card);
   }
+  // a long chunk scrolls inside its card: bring its matched sentence into view once the list opens
+  wrap.addEventListener("toggle", () => wrap.querySelectorAll(".passage").forEach((box) => {
+    const mark = box.querySelector("mark");
+    if (mark) box.scrollTop = mark.offsetTop - box.offsetTop - 4;
+  }));
   return wrap;
 }
 
