@@ -181,8 +181,8 @@ def rag_question(messages: list[tuple[str, str]]) -> str:
     Only the text after the chunks changes from turn to turn, so a multi-turn chat still reuses
     every chunk cache. Returns "" for a single-turn chat (the caller keeps its retrieval query, as
     before); otherwise the last user turn, then the earlier user and assistant turns, oldest
-    first, capped at their last ``HISTORY_MAX_CHARS`` characters. System turns are left out (the
-    layout has its own system prompt).
+    first, capped at their last ``HISTORY_MAX_CHARS`` characters, then the last user turn again
+    (with the history last, qwen2.5-0.5b answered the earlier question instead). System turns are left out (the layout has its own system prompt).
 
     >>> rag_question([("user", "Where do apples grow?")])
     ''
@@ -192,13 +192,16 @@ def rag_question(messages: list[tuple[str, str]]) -> str:
     Earlier in this conversation:
     user: Where do apples grow?
     assistant: In orchards.
+    <BLANKLINE>
+    Answer the last question: When?
     """
     turns = [(role, text.strip()) for role, text in messages if role in ("user", "assistant") and text.strip()]
     last = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=-1)
     if last <= 0:
         return ""
     history = "\n".join(f"{role}: {text}" for role, text in turns[:last])[-HISTORY_MAX_CHARS:]
-    return f"{turns[last][1]}\n\nEarlier in this conversation:\n{history}"
+    question = turns[last][1]
+    return f"{question}\n\nEarlier in this conversation:\n{history}\n\nAnswer the last question: {question}"
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -50,7 +50,7 @@ def test_the_model_reads_the_earlier_turns_after_the_last_question():
     chat = [("system", "Be brief."), ("user", "Where do apples grow?"), ("assistant", "In orchards.")]
     chat.append(("user", "When?"))
     history = "user: Where do apples grow?\nassistant: In orchards."
-    assert rag_question(chat) == f"When?\n\nEarlier in this conversation:\n{history}"
+    assert rag_question(chat) == f"When?\n\nEarlier in this conversation:\n{history}\n\nAnswer the last question: When?"
     assert rag_question(chat[:2]) == ""  # one user turn: the retrieval query is the question, as before
 
 

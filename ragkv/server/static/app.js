@@ -132,7 +132,7 @@ function sourcesList(sources, question) {
   // a long chunk scrolls inside its card: bring its matched sentence into view once the list opens
   wrap.addEventListener("toggle", () => wrap.querySelectorAll(".passage").forEach((box) => {
     const mark = box.querySelector("mark");
-    if (mark) box.scrollTop = mark.offsetTop - box.offsetTop - 4;
+    if (mark) box.scrollTop = mark.offsetTop - 4;  // .passage is positioned: offsetTop is within it
   }));
   return wrap;
 }
