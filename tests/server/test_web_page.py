@@ -307,3 +307,13 @@ def test_an_upload_over_the_size_limit_is_a_readable_message(page, tmp_path):
     wait(page, 60).until(lambda d: "upload failed" in d.find_element(*by("#upload-status")).text)
     status = page.find_element(*by("#upload-status")).text
     assert status.startswith("upload failed: Too large (413)") and "limit of 8388608 bytes" in status, status
+
+
+def test_the_page_loads_nothing_from_other_sites(page, server):
+    urls = page.execute_script(
+        "return [...document.querySelectorAll('script[src], link[href]')].map((e) => e.src || e.href)"
+    )
+    assert urls and all(u.startswith(server.url + "/static/") for u in urls), urls
+    with server.client() as c:  # the vendored libraries ship with their licenses
+        for name in ("marked.LICENSE.txt", "purify.LICENSE.txt", "VENDOR.txt"):
+            assert c.get(f"/static/{name}").status_code == 200
