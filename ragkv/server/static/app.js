@@ -289,6 +289,7 @@ function upload() {
   xhr.open("POST", "/v1/documents?stream=true");
   for (const [k, v] of Object.entries(headers())) xhr.setRequestHeader(k, v);
   bar.hidden = false; bar.value = 0;
+  $("upload").disabled = true;
   uploadStatus("uploading " + f.name + ": 0%");
   xhr.upload.onprogress = (e) => {
     if (!e.lengthComputable) return;
@@ -315,12 +316,14 @@ function upload() {
   xhr.onprogress = events;
   xhr.onload = () => {
     events();
+    $("upload").disabled = false;
     bar.hidden = true; bar.max = 100;
     if (xhr.status >= 400) uploadStatus("upload failed: " + errorText(xhr.status, xhr.responseText), true);
     listDocs();
   };
   xhr.onerror = () => {
     bar.hidden = true;
+    $("upload").disabled = false;
     uploadStatus("upload failed: the connection closed before the server answered (a file over the server's " +
       "size limit is refused this way; try a smaller one)", true);
   };
@@ -348,7 +351,8 @@ function autoGrow() {
 function wire() {
   $("composer").addEventListener("submit", (e) => { e.preventDefault(); ask(); });
   $("question").addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); ask(); }
+    // Enter sends (Shift+Enter: a new line); while an answer streams only the Stop button stops it
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); if (!state.busy) ask(); }
   });
   $("question").addEventListener("input", autoGrow);
   $("upload").onclick = upload;
@@ -360,10 +364,12 @@ function wire() {
     $("messages").replaceChildren($("empty"));
     $("empty").hidden = false;
   };
-  $("menu").onclick = () => {
-    const open = document.body.classList.toggle("drawer-open");
+  const drawer = (open) => {
+    document.body.classList.toggle("drawer-open", open);
     $("menu").setAttribute("aria-expanded", String(open));
   };
+  $("menu").onclick = () => drawer(!document.body.classList.contains("drawer-open"));
+  document.querySelector(".chat").addEventListener("click", () => drawer(false));
 }
 
 wire();
