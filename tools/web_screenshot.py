@@ -23,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("docs/concepts.md", "docs/serving.md")
 QUESTION = "How does ragkv make the first token come sooner?"
-FOLLOW_UP = "And what does fusion repair in the reused caches?"
+FOLLOW_UP = "Which layer is the check layer?"
 
 
 def free_port() -> int:

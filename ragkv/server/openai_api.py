@@ -181,8 +181,9 @@ def rag_question(messages: list[tuple[str, str]]) -> str:
     Only the text after the chunks changes from turn to turn, so a multi-turn chat still reuses
     every chunk cache. Returns "" for a single-turn chat (the caller keeps its retrieval query, as
     before); otherwise the last user turn, then the earlier user and assistant turns, oldest
-    first, capped at their last ``HISTORY_MAX_CHARS`` characters, then the last user turn again
-    (with the history last, qwen2.5-0.5b answered the earlier question instead). System turns are left out (the layout has its own system prompt).
+    first, capped at their last ``HISTORY_MAX_CHARS`` characters, then the last user turn again:
+    with the history last, qwen2.5-0.5b answered the earlier question instead. System turns are
+    left out (the layout has its own system prompt).
 
     >>> rag_question([("user", "Where do apples grow?")])
     ''
