@@ -296,8 +296,8 @@ def _symbols(
 
     Adding the means in int16 while the streams are copied out of zstd is free; it leaves one
     float pass for dequantization. Salient tokens (indices along T-1) get ``2**shift`` times the
-    mean: their symbols count finer steps, scaled back after the multiply. (Overflow only wraps: a crafted stream decodes to garbage,
-    never to a crash, and the encoder keeps real sums within int16.)
+    mean: their symbols count finer steps, scaled back after the multiply. (Overflow only wraps: a
+    crafted stream decodes to garbage, never to a crash, and the encoder keeps real sums within int16.)
     """
     two, num_layers, heads, tokens, head_dim = shape
     count = heads * tokens * head_dim

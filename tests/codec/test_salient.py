@@ -130,7 +130,8 @@ def test_format_2_blobs_still_decode_bit_identically(make_kv: KVFactory, monkeyp
     old = encode(kv, spec, key=KEY).data
     monkeypatch.undo()
     assert read_header(old).format_version == 2 and read_header(now).format_version == FORMAT_VERSION == 3
-    a, b = decode(old, expect=expected(kv, "cachegen", PLAIN_LEVEL)), decode(now, expect=expected(kv, "cachegen", PLAIN_LEVEL))
+    expect = expected(kv, "cachegen", PLAIN_LEVEL)
+    a, b = decode(old, expect=expect), decode(now, expect=expect)
     assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
