@@ -48,7 +48,11 @@ LEVELS: dict[int, StepSchedule] = {
     1: StepSchedule(key_steps=(0.4, 0.4, 0.4), value_steps=(1 / 4, 1.0, 1.0)),  # default
     2: StepSchedule(key_steps=(1 / 2, 1 / 2, 1 / 2), value_steps=(1 / 2, 1.5, 1.5)),
     3: StepSchedule(key_steps=(1.0, 1.0, 1.0), value_steps=(0.4, 2.0, 2.0)),  # aggressive
-    # salient tokens (format 3): the most attended tokens at a finer step (placeholders, tuned below)
+    # Salient tokens (format 3, ZipCache-style): the 10% of tokens with the most normalized
+    # attention in their chunk's prefill keep a 4x finer step; the rest get level 1's (4) or level
+    # 3's (5) steps x1.3. On SmolLM2-135M (builtin prompts 0-1, bench/codec_salient.py): level 1
+    # x1.3 is 3,985 bytes/token at KL 0.0136 without them, 4,546 at KL 0.0060 with them; level 3
+    # x1.3 2,554 at 0.097 without, 3,074 at 0.044 with (docs/benchmarks.md, issue 26).
     4: StepSchedule(key_steps=(0.5, 0.5, 0.5), value_steps=(1 / 3, 1.3, 1.3), salient_share=0.1, salient_shift=2),
     5: StepSchedule(key_steps=(1.3, 1.3, 1.3), value_steps=(0.5, 2.6, 2.6), salient_share=0.1, salient_shift=2),
 }
