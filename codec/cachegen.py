@@ -175,8 +175,8 @@ class CacheGenCodec(Codec):
                 _symbols(sections[2:], bits, shape, mean, out=host.numpy(), salient=salient, shift=shift)
                 torch.mul(upload(host, device), to_device(step, device), out=out[:, :, :, 1:])
                 if salient:
-                    index = torch.tensor(salient, device=device) + 1
-                    out[:, :, :, index] *= 2.0**-shift
+                    where = torch.tensor(salient, device=device) + 1
+                    out[:, :, :, where] *= 2.0**-shift
         if out.dtype != dtype:
             out = out.to(dtype)
         return out[0], out[1]
