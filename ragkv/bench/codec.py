@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,15 +51,13 @@ class _Adapter(Decoder, Protocol):
         self, context: Sequence[ChunkKV], suffix_ids: Sequence[int], answer_ids: Sequence[int] = ()
     ) -> torch.Tensor: ...
 
-    def attention_probe(self, layer_idx: int | None = None) -> AbstractContextManager[Any]: ...
-
 
 @dataclass(frozen=True, slots=True)
 class _Case:
     """One prompt's exact reference."""
 
     slices: tuple[ChunkKV, ...]  # prefix and chunk KV, sliced from one exact prefill
-    saliency: tuple[torch.Tensor, ...]  # per slice: normalized attention its tokens received in that prefill
+    saliency: tuple[torch.Tensor | None, ...]  # per slice: normalized attention its tokens received there
     suffix: tuple[int, ...]  # question + generation prompt ids
     answer: tuple[int, ...]  # greedy answer on the exact cache
     logits: torch.Tensor  # [len(suffix) + len(answer), vocab] on the exact cache
@@ -69,18 +66,24 @@ class _Case:
 def _prepare(adapter: _Adapter, prompt: Mapping[str, Any], answer_tokens: int) -> _Case:
     prefix, chunks, suffix = adapter.chat_segments(prompt["system"], list(prompt["chunks"]), prompt["question"])
     segments = [seg for seg in (prefix, *chunks) if seg]
-    with adapter.attention_probe() as probe:
-        kv = adapter.prefill_kv([t for seg in segments for t in seg])
+    ids = [t for seg in segments for t in seg]
     bounds = [0]
     for seg in segments:
         bounds.append(bounds[-1] + len(seg))
+    probe_of = getattr(adapter, "attention_probe", None)
+    if probe_of is None:  # a stand-in adapter without a probe: the codec falls back to its proxy
+        kv = adapter.prefill_kv(ids)
+        saliency: tuple[torch.Tensor | None, ...] = (None,) * len(segments)
+    else:
+        with probe_of() as probe:
+            kv = adapter.prefill_kv(ids)
+        # each slice's tokens as the index path sees them: the attention they receive from the
+        # queries of their own chunk and of the later ones, per query that sees them
+        saliency = tuple(
+            normalized_attention({i: w[a:] for i, w in probe.weights.items()}, kv.num_tokens - a)[: b - a]
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        )
     slices = tuple(kv.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
-    # each slice's tokens as the index path sees them: the attention they receive from the
-    # queries of their own chunk and of the later ones, per query that sees them
-    saliency = tuple(
-        normalized_attention({i: w[a:] for i, w in probe.weights.items()}, kv.num_tokens - a)[: b - a]
-        for a, b in zip(bounds, bounds[1:], strict=False)
-    )
     answer = generate_ids(adapter, [kv], suffix, answer_tokens)
     logits = adapter.suffix_logits([kv], suffix, answer)
     return _Case(slices=slices, saliency=saliency, suffix=tuple(suffix), answer=tuple(answer), logits=logits.float())
