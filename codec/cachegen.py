@@ -49,12 +49,12 @@ LEVELS: dict[int, StepSchedule] = {
     2: StepSchedule(key_steps=(1 / 2, 1 / 2, 1 / 2), value_steps=(1 / 2, 1.5, 1.5)),
     3: StepSchedule(key_steps=(1.0, 1.0, 1.0), value_steps=(0.4, 2.0, 2.0)),  # aggressive
     # Salient tokens (format 3, ZipCache-style): the 10% of tokens with the most normalized
-    # attention in their chunk's prefill keep a 4x finer step; the rest get level 1's (4) or level
-    # 3's (5) steps x1.3. On SmolLM2-135M (builtin prompts 0-1, bench/codec_salient.py): level 1
-    # x1.3 is 3,985 bytes/token at KL 0.0136 without them, 4,546 at KL 0.0060 with them; level 3
-    # x1.3 2,554 at 0.097 without, 3,074 at 0.044 with (docs/benchmarks.md, issue 26).
-    4: StepSchedule(key_steps=(0.5, 0.5, 0.5), value_steps=(1 / 3, 1.3, 1.3), salient_share=0.1, salient_shift=2),
-    5: StepSchedule(key_steps=(1.3, 1.3, 1.3), value_steps=(0.5, 2.6, 2.6), salient_share=0.1, salient_shift=2),
+    # attention in their chunk's prefill keep a 2x finer step; the rest get level 1's (4) or level
+    # 3's (5) steps x1.3. A 4x finer step cost more than it saved on held-out text; 2x finer, on
+    # SmolLM2-135M packages prompts 0-1 (bench/codec_salient.py): level 1 x1.3 is 3,976
+    # bytes/token at KL 0.023 without, 4,206 at 0.013 with them (docs/benchmarks.md, issue 26).
+    4: StepSchedule(key_steps=(0.5, 0.5, 0.5), value_steps=(1 / 3, 1.3, 1.3), salient_share=0.1, salient_shift=1),
+    5: StepSchedule(key_steps=(1.3, 1.3, 1.3), value_steps=(0.5, 2.6, 2.6), salient_share=0.1, salient_shift=1),
 }
 
 _SIGMA_FLOOR = 1e-6  # channels that never vary still need a positive step
