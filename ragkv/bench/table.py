@@ -94,7 +94,7 @@ def machine_note(model: str, dtype: str, dtype_reason: str) -> str:
     import os
     from pathlib import Path
 
-    cpu, flags = "unknown CPU", []
+    cpu, flags = "unknown CPU", list[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and cpu == "unknown CPU":

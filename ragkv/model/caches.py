@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -121,7 +120,9 @@ def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
     )
 
 
-@functools.cache
+_CACHE_KWARGS: dict[type, str] = {}  # module class -> its forward's Cache keyword
+
+
 def cache_kwarg(module_type: type) -> str:
     """The keyword a transformers module's ``forward`` takes its Cache by.
 
@@ -129,5 +130,8 @@ def cache_kwarg(module_type: type) -> str:
     FutureWarning on every forward of every user's run); earlier 5.x releases, which vLLM's pins
     still require, know only ``past_key_values``.
     """
-    params = inspect.signature(module_type.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    kw = _CACHE_KWARGS.get(module_type)
+    if kw is None:
+        params = inspect.signature(module_type.forward).parameters  # type: ignore[attr-defined]
+        kw = _CACHE_KWARGS[module_type] = "cache" if "cache" in params else "past_key_values"
+    return kw

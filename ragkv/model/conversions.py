@@ -169,7 +169,7 @@ class ModelCache:
 
     def entries(self) -> list[CachedModel]:
         """Every complete entry, most recently used first. Half-written folders are not entries."""
-        out = []
+        out: list[CachedModel] = []
         if not self.root.is_dir():
             return out
         for folder in self.root.iterdir():
