@@ -42,6 +42,7 @@ from ragkv import codec
 from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.model import ModelAdapter, load_model
+from ragkv.model.caches import cache_kwarg
 from ragkv.types import ChunkKV, CodecSpec, StorageKey
 
 LLAMA_3_1_8B: dict[str, Any] = {
@@ -142,7 +143,7 @@ def _prompt(vocab: int, context: int, chunk: int, seed: int = 0) -> _Prompt:
 def _full_prefill(a: ModelAdapter, p: _Prompt) -> torch.Tensor:
     """The last position's logits ``[vocab]`` of the whole prompt, prefilled from an empty cache."""
     ids = torch.tensor([p.prefix + sum(p.chunks, []) + p.question], device=a.device)
-    out = a.model(input_ids=ids, past_key_values=a.build_cache([]), use_cache=True, logits_to_keep=1)
+    out = a.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(type(a.model)): a.build_cache([])})
     return out.logits[0, -1].float()
 
 

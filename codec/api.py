@@ -36,7 +36,14 @@ _FOREIGN_ERRORS = (
 )
 
 
-def encode(kv: ChunkKV, spec: CodecSpec, *, key: StorageKey, secret: bytes | None = None) -> EncodedChunk:
+def encode(
+    kv: ChunkKV,
+    spec: CodecSpec,
+    *,
+    key: StorageKey,
+    secret: bytes | None = None,
+    saliency: torch.Tensor | None = None,
+) -> EncodedChunk:
     """Encode a chunk's KV into one bitstream, bound to the storage key it will be stored under.
 
     Args:
@@ -47,13 +54,17 @@ def encode(kv: ChunkKV, spec: CodecSpec, *, key: StorageKey, secret: bytes | Non
         secret: when given, the bitstream ends with an HMAC-SHA256 tag keyed by this secret and
             the key's tenant namespace, so that only holders of the secret can write entries a
             reader with the secret accepts.
+        saliency: optional ``[tokens]`` scores, higher for tokens that matter more (e.g. the
+            normalized attention each token received in the chunk's prefill, see
+            :func:`token_saliency`); codecs with salient-token levels keep the top ones at a finer
+            step. Without it they derive a proxy from the keys and values themselves.
 
     Returns:
         The bitstream with its codec spec and token count.
 
     Raises:
         ValueError: unknown codec or level, a malformed key, an empty secret, an unsupported dtype,
-            or non-finite values.
+            non-finite values, or a saliency that is not one finite score per token.
         TypeError: ``spec`` is not a CodecSpec or ``secret`` is not bytes.
     """
     if not isinstance(spec, CodecSpec):
@@ -73,7 +84,11 @@ def encode(kv: ChunkKV, spec: CodecSpec, *, key: StorageKey, secret: bytes | Non
     values = kv.values.detach().to("cpu").contiguous()
     if not (bool(torch.isfinite(keys).all()) and bool(torch.isfinite(values).all())):
         raise ValueError("KV holds NaN or infinite values; refusing to encode a broken cache")
-    payload = impl.encode(keys, values, spec.level)
+    if saliency is not None:
+        saliency = saliency.detach().to("cpu", torch.float32).reshape(-1)
+        if saliency.numel() != kv.num_tokens or not bool(torch.isfinite(saliency).all()):
+            raise ValueError(f"saliency must hold one finite score per token ({kv.num_tokens}); got {saliency.numel()}")
+    payload = impl.encode_salient(keys, values, spec.level, saliency)
     header = BitstreamHeader(
         format_version=FORMAT_VERSION,
         codec=spec.name,

@@ -38,6 +38,20 @@ class Codec(ABC):
             The payload sections and the parameters the decoder needs.
         """
 
+    def wants_saliency(self, level: int) -> bool:
+        """Whether ``level`` spends precision by token saliency (worth measuring it at index time)."""
+        return False
+
+    def encode_salient(
+        self, keys: torch.Tensor, values: torch.Tensor, level: int, saliency: torch.Tensor | None
+    ) -> CodecPayload:
+        """Encode one chunk, given how much each token matters (see :func:`ragkv.codec.encode`).
+
+        ``saliency`` is ``[tokens]`` (higher: more salient), or None when the caller has none. A
+        codec that spends precision per token overrides this; the default ignores it.
+        """
+        return self.encode(keys, values, level)
+
     def check(self, header: BitstreamHeader) -> None:
         """Refuse a header whose payload sections cannot hold its shape, before anything is allocated.
 

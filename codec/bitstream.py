@@ -22,7 +22,10 @@ only: anyone can recompute it, so authenticity is the tag's job.
 
 Format history: 1 had no ``key`` in its header; 2 binds every bitstream to its storage key and
 may end with a tag. Version 1 headers still parse (``read_header``), but a decode that expects a
-key refuses them.
+key refuses them. 3 lets ``cachegen`` keep salient tokens at a finer step (``params["salient"]``,
+``params["shift"]``); version 2 bitstreams decode as before (they never carry those params).
+Storage keys digest the format version, so the query path asks for version-3 keys and finds
+version-2 entries as misses (recomputed); a version-2 blob read directly still decodes.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ragkv.errors import CodecError, IncompatibleCacheError
 __all__ = ["FORMAT_VERSION", "MAGIC", "Frame", "open_frame", "pack", "unpack", "read_header"]
 
 MAGIC = b"RKVC"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 _PRELUDE = struct.Struct("<4sHHIQ")  # magic, version, reserved, header length, header checksum
 _DIGEST = struct.Struct("<Q")

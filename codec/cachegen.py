@@ -34,6 +34,7 @@ from ragkv.codec.base import Codec
 from ragkv.codec.header import BitstreamHeader
 from ragkv.codec.payload import CodecPayload
 from ragkv.codec.registry import register_codec
+from ragkv.codec.saliency import proxy_saliency
 from ragkv.codec.schedule import StepSchedule
 from ragkv.errors import CodecError
 
@@ -47,6 +48,13 @@ LEVELS: dict[int, StepSchedule] = {
     1: StepSchedule(key_steps=(0.4, 0.4, 0.4), value_steps=(1 / 4, 1.0, 1.0)),  # default
     2: StepSchedule(key_steps=(1 / 2, 1 / 2, 1 / 2), value_steps=(1 / 2, 1.5, 1.5)),
     3: StepSchedule(key_steps=(1.0, 1.0, 1.0), value_steps=(0.4, 2.0, 2.0)),  # aggressive
+    # Salient tokens (format 3, ZipCache-style): the 10% of tokens with the most normalized
+    # attention in their chunk's prefill keep a 2x finer step; the rest get level 1's (4) or level
+    # 3's (5) steps x1.3. A 4x finer step cost more than it saved on held-out text; 2x finer, on
+    # SmolLM2-135M packages prompts 0-1 (bench/codec_salient.py): level 1 x1.3 is 3,976
+    # bytes/token at KL 0.023 without, 4,206 at 0.013 with them (docs/benchmarks.md, issue 26).
+    4: StepSchedule(key_steps=(0.5, 0.5, 0.5), value_steps=(1 / 3, 1.3, 1.3), salient_share=0.1, salient_shift=1),
+    5: StepSchedule(key_steps=(1.3, 1.3, 1.3), value_steps=(0.5, 2.6, 2.6), salient_share=0.1, salient_shift=1),
 }
 
 _SIGMA_FLOOR = 1e-6  # channels that never vary still need a positive step
@@ -70,6 +78,14 @@ class CacheGenCodec(Codec):
     levels: ClassVar[tuple[int, ...]] = tuple(LEVELS)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, level: int) -> CodecPayload:
+        return self.encode_salient(keys, values, level, None)
+
+    def wants_saliency(self, level: int) -> bool:
+        return LEVELS[level].salient_share > 0 and LEVELS[level].salient_shift > 0
+
+    def encode_salient(
+        self, keys: torch.Tensor, values: torch.Tensor, level: int, saliency: torch.Tensor | None
+    ) -> CodecPayload:
         num_layers, _, num_tokens, _ = keys.shape
         if num_tokens == 0:
             return CodecPayload(sections=(), params={"bits": []})
@@ -77,11 +93,14 @@ class CacheGenCodec(Codec):
         if num_tokens == 1:
             return CodecPayload(sections=(first,), params={"bits": []})
         schedule = LEVELS[level]
+        salient = _salient_tokens(keys, values, schedule, saliency)
+        factor = torch.ones(num_tokens - 1)
+        factor[salient] = float(1 << schedule.salient_shift)
         codes, means, frames, bits = [], [], [], []
         for x, relative, per_layer in ((keys, schedule.key_steps, True), (values, schedule.value_steps, False)):
             y = x[:, :, 1:].float()  # y: [L, H, T-1, D]
             rel = torch.tensor([relative[schedule.group(i, num_layers)] for i in range(num_layers)])
-            code, mean, q = _quantize(y, rel.view(-1, 1, 1, 1), per_layer)
+            code, mean, q = _quantize(y, rel.view(-1, 1, 1, 1), per_layer, factor.view(1, 1, -1, 1))
             codes.append(code)
             means.append(mean)
             layer_frames, layer_bits = _code_streams(q, schedule.zstd_level)
@@ -89,7 +108,11 @@ class CacheGenCodec(Codec):
             bits += layer_bits
         tables = to_bytes(torch.stack(codes)) + to_bytes(torch.stack(means))  # [2, L, H, D] each
         sections = (first, zstd_compress(tables, 19), *frames)
-        return CodecPayload(sections=sections, params={"bits": bits})
+        params: dict[str, object] = {"bits": bits}
+        if salient:
+            params["salient"] = salient
+            params["shift"] = schedule.salient_shift
+        return CodecPayload(sections=sections, params=params)
 
     def check(self, header: BitstreamHeader) -> None:
         num_layers, heads, num_tokens, head_dim = header.shape
@@ -105,6 +128,7 @@ class CacheGenCodec(Codec):
             raise CodecError("cachegen payload is malformed (sections or stream bit widths)")
         if num_tokens and header.section_sizes[0] != 2 * 2 * num_layers * heads * head_dim:  # fp16 first token
             raise CodecError(f"cachegen first-token section does not hold {header.shape}")
+        _check_salient(header)
 
     def decode(
         self,
@@ -133,15 +157,26 @@ class CacheGenCodec(Codec):
         if num_tokens > 1:
             shape = (2, num_layers, heads, num_tokens - 1, head_dim)
             step, mean = _tables(sections[1], shape)
+            salient, shift = _salient_params(header)
             if on_cpu:
-                np.multiply(_symbols(sections[2:], bits, shape, mean), step, out=out.numpy()[:, :, :, 1:])
+                symbols = _symbols(sections[2:], bits, shape, mean, salient=salient, shift=shift)
+                rest = out.numpy()[:, :, :, 1:]
+                np.multiply(symbols, step, out=rest)
+                if salient:
+                    # salient tokens' symbols count steps 2**shift times finer (exact: a power of 2);
+                    # numpy's fancy indexing: torch's index_put along a middle axis was 2x slower
+                    index = np.asarray(salient, dtype=np.intp)
+                    rest[:, :, :, index] *= np.float32(2.0**-shift)
             else:
                 # the entropy stage writes the int16 symbols straight into pinned memory; they cross
                 # as int16 (half of fp32's bytes) without a stream sync, and the multiply runs on
                 # the device in fp32, as numpy's does, cast to ``dtype`` on write
                 host = staging(shape, torch.int16, device)
-                _symbols(sections[2:], bits, shape, mean, out=host.numpy())
+                _symbols(sections[2:], bits, shape, mean, out=host.numpy(), salient=salient, shift=shift)
                 torch.mul(upload(host, device), to_device(step, device), out=out[:, :, :, 1:])
+                if salient:
+                    where = torch.tensor(salient, device=device) + 1
+                    out[:, :, :, where] *= 2.0**-shift
         if out.dtype != dtype:
             out = out.to(dtype)
         return out[0], out[1]
@@ -156,12 +191,18 @@ def _step_value(code: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(_STEPS)[code.long()]
 
 
-def _quantize(y: torch.Tensor, rel: torch.Tensor, per_layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize(
+    y: torch.Tensor, rel: torch.Tensor, per_layer: bool, factor: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``y`` ``[L, H, N, D]``; returns step codes and means ``[L, H, D]`` and symbols.
 
     ``per_layer`` gives every channel of a layer the same step (the geometric mean of the
     channel sigmas times ``rel``); otherwise each channel's step is its own sigma times ``rel``.
+    ``factor`` ``[1, 1, N, 1]`` (powers of 2) divides each token's step: a token with factor f
+    is coded as ``round(y * f / step) - f * mean``, centred like the rest, f times finer.
     """
+    if factor is None:
+        factor = torch.ones(1, 1, y.shape[2], 1)
     sigma = y.std(dim=2, correction=0, keepdim=True).clamp_min(_SIGMA_FLOOR)  # [L, H, 1, D]
     if per_layer:
         sigma = torch.exp(torch.log(sigma).mean(dim=(1, 3), keepdim=True)).expand_as(sigma)
@@ -171,12 +212,12 @@ def _quantize(y: torch.Tensor, rel: torch.Tensor, per_layer: bool) -> tuple[torc
     while True:
         step = _step_value(code)
         mean = torch.round(mean_x / step)
-        total = torch.round(y / step)
-        q = total - mean
+        total = torch.round(y * factor / step)
+        q = total - mean * factor
         too_big = (
             (q.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
             | (total.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
-            | (mean.abs().amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
+            | ((mean.abs() * factor.max()).amax(dim=(1, 2, 3)) > _SYMBOL_LIMIT)
         )
         if not bool(too_big.any()):
             break
@@ -255,12 +296,15 @@ def _symbols(
     shape: tuple[int, ...],
     mean: np.ndarray,
     out: np.ndarray | None = None,
+    salient: Sequence[int] = (),
+    shift: int = 0,
 ) -> np.ndarray:
     """All streams' symbols plus their channel means: int16 ``[2, L, H, T-1, D]`` (into ``out`` if given).
 
     Adding the means in int16 while the streams are copied out of zstd is free; it leaves one
-    float pass for dequantization. (Overflow only wraps: a crafted stream decodes to garbage,
-    never to a crash, and the encoder keeps real sums within int16.)
+    float pass for dequantization. Salient tokens (indices along T-1) get ``2**shift`` times the
+    mean: their symbols count finer steps, scaled back after the multiply. (Overflow only wraps: a
+    crafted stream decodes to garbage, never to a crash, and the encoder keeps real sums within int16.)
     """
     two, num_layers, heads, tokens, head_dim = shape
     count = heads * tokens * head_dim
@@ -268,6 +312,7 @@ def _symbols(
         out = np.empty(shape, dtype=np.int16)
     out = out.reshape(two * num_layers, heads, tokens, head_dim)  # a view: ``out`` is written in place
     means = mean.reshape(two * num_layers, heads, 1, head_dim)
+    index = np.asarray(salient, dtype=np.intp) if len(salient) else None
 
     def sink(i: int, data: bytes) -> None:
         offset = means[i]
@@ -281,6 +326,51 @@ def _symbols(
             q = np.empty(count, dtype=np.int16)
             q.view(np.uint8).reshape(count, 2)[:] = planes.T
         np.add(q.reshape(heads, tokens, head_dim), offset, out=out[i], casting="unsafe")
+        if index is not None:
+            extra = means[i] * ((1 << shift) - 1)
+            out[i][:, index] += extra.astype(np.int16)
 
     decompress_streams(frames, [_stream_nbytes(b, count) for b in bits], sink)
     return out.reshape(shape)
+
+
+def _salient_tokens(
+    keys: torch.Tensor, values: torch.Tensor, schedule: StepSchedule, saliency: torch.Tensor | None
+) -> list[int]:
+    """Indices along tokens 1..T-1 (0-based there) of the level's share of most salient tokens, sorted."""
+    rest = keys.shape[2] - 1
+    count = min(rest, round(schedule.salient_share * rest)) if schedule.salient_shift else 0
+    if count <= 0:
+        return []
+    score = saliency if saliency is not None else proxy_saliency(keys, values)
+    top = torch.topk(score[1:].float(), count, sorted=False).indices  # the first token is fp16 already
+    return sorted(int(i) for i in top)
+
+
+def _check_salient(header: BitstreamHeader) -> None:
+    """Refuse salient-token parameters that are malformed, or present before format 3."""
+    params = header.params
+    if "salient" not in params and "shift" not in params:
+        return
+    salient, shift = params.get("salient"), params.get("shift")
+    rest = header.num_tokens - 1
+    if (
+        header.format_version < 3
+        or not isinstance(shift, int)
+        or isinstance(shift, bool)
+        or not 1 <= shift <= 4
+        or not isinstance(salient, list)
+        or not 0 < len(salient) <= max(0, rest)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in salient)
+        or salient[0] < 0
+        or salient[-1] >= rest
+        or any(b <= a for a, b in zip(salient, salient[1:], strict=False))
+    ):
+        raise CodecError("cachegen salient-token parameters are malformed")
+
+
+def _salient_params(header: BitstreamHeader) -> tuple[list[int], int]:
+    """The salient token indices and the shift (checked by ``_check_salient``); none: ``([], 0)``."""
+    if "salient" not in header.params:
+        return [], 0
+    return list(header.params["salient"]), int(header.params["shift"])

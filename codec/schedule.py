@@ -25,11 +25,17 @@ class StepSchedule:
     key_steps: tuple[float, float, float]  # step / geometric-mean sigma, per depth third
     value_steps: tuple[float, float, float]  # step / channel sigma, per depth third
     zstd_level: int = 0  # 0: the tuned btultra parameters; otherwise a plain zstd level
+    # Salient tokens (ZipCache): this share of a chunk's tokens, the most salient, is quantized
+    # with steps 2 ** salient_shift times finer than the rest (format 3 on; 0.0: none).
+    salient_share: float = 0.0
+    salient_shift: int = 0
 
     def __post_init__(self) -> None:
         for steps in (self.key_steps, self.value_steps):
             if len(steps) != 3 or not all(s > 0 for s in steps):
                 raise ValueError("StepSchedule needs three positive steps for keys and for values")
+        if not 0.0 <= self.salient_share <= 1.0 or self.salient_shift not in range(0, 5):
+            raise ValueError("StepSchedule needs salient_share in [0, 1] and salient_shift in 0..4")
 
     @staticmethod
     def group(layer: int, num_layers: int) -> int:

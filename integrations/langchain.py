@@ -126,9 +126,9 @@ class _RagKVModel(BaseModel):
         """The model that really generates (``model=`` may only repeat it)."""
         if self.engine is not None:
             return str(self.engine.adapter.name)
-        from ragkv.resolver import DEFAULT_MODEL
+        from ragkv.model.loading import default_model
 
-        return DEFAULT_MODEL
+        return default_model()
 
     def _check_model(self) -> None:
         if self.model_name is not None and self.model_name != self._name():

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ragkv.cli_models import models_app
 from ragkv.errors import RagkvError
 
 app = typer.Typer(
@@ -20,11 +21,15 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(models_app, name="models")
 
 # Options default to None ("not given"): EngineConfig and its component records hold the defaults,
 # written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Index and cache directory [env RAGKV_DATA_DIR].")]
-Model = Annotated[str | None, typer.Option("--model", help="Model alias, local path or .gguf file [smollm2-135m].")]
+Model = Annotated[
+    str | None,
+    typer.Option("--model", help="Model alias, local path, .gguf file or hub name [env RAGKV_MODEL; smollm2-135m]."),
+]
 Store = Annotated[str | None, typer.Option("--store", help="Tier URLs, comma-separated [env RAGKV_STORE].")]
 CatalogUrl = Annotated[str | None, typer.Option("--catalog", help="SQLAlchemy URL [env RAGKV_CATALOG].")]
 Tenant = Annotated[
@@ -374,10 +379,14 @@ def serve(
 
 def _load_model(model: str | None, dtype: str | None = None, device: str | None = None) -> Any:
     """The model the options name, placed as EngineConfig would place it (its defaults, RAGKV_* variables)."""
+    from ragkv.bench.table import machine_note
     from ragkv.model import load_model
+    from ragkv.model.placement import dtype_name
 
     cfg = _config(model=model, dtype=dtype, device=device)
-    return load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
+    adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
+    typer.echo(machine_note(adapter.name, dtype_name(adapter.dtype), adapter.dtype_reason))
+    return adapter
 
 
 def _bench_prompts(spec: str, adapter: Any, limit: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -496,6 +505,29 @@ def bench_qa(
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
         typer.echo(f"wrote {len(result['rows'])} rows and {len(result['questions'])} answers to {out}")
+
+
+@bench_app.command("load")
+def bench_load(
+    model: Model = None,
+    dtype: Dtype = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Later loads to time after the first.")] = 2,
+) -> None:
+    """Time a fresh process's model load: the first converts (empty cache), later ones read the entry."""
+    from ragkv.bench.load import run_load_bench
+    from ragkv.bench.table import Column, format_table
+
+    cfg = _config(model=model, dtype=dtype)
+    rows = run_load_bench(cfg.model, cfg.dtype, repeats=repeats)
+    columns = (
+        "model",
+        "load",
+        Column("seconds", "seconds", "{:.1f}"),
+        Column("peak_rss_mb", "peak RSS MB", "{:,.0f}"),
+        "dtype",
+        "dtype_reason",
+    )
+    typer.echo(format_table(rows, columns))
 
 
 @bench_app.command("codec")
@@ -647,7 +679,6 @@ def main() -> None:
     logging.basicConfig(
         level=os.environ.get("RAGKV_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         app()

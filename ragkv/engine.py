@@ -24,11 +24,11 @@ from ragkv.errors import DocumentNotFoundError
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
+from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates, LoadPlanning
-from ragkv.resolver import DEFAULT_MODEL
 from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
 from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn, RetrieverConfig
 from ragkv.retriever.ray_index import RayConfig
@@ -81,6 +81,13 @@ class EngineConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         validate_tenant(self.tenant)
         validate_placement(self.dtype, self.device)
+        if self.fusion.strategy().wants_stored_scores:
+            # the engine records no index-time deviation (ragkv.craft is a bench-only recorder), so
+            # such a method would fail at the first query instead of here
+            raise ValueError(
+                f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "
+                "the engine does not record; use query_focus (the default), query_attn or blend"
+            )
         if isinstance(self.store, str):
             raise TypeError("store takes a tuple of tier URLs, e.g. ('memory://', 'redis://host:6379/0')")
         if self.store_secret is not None and (not isinstance(self.store_secret, bytes) or len(self.store_secret) < 16):
@@ -91,7 +98,7 @@ class EngineConfig:
         """The defaults, then ``RAGKV_*`` environment variables, then ``overrides`` (None = not given).
 
         Reads ``RAGKV_DATA_DIR``, ``RAGKV_STORE`` (comma-separated tier URLs), ``RAGKV_CATALOG``,
-        ``RAGKV_TENANT``, ``RAGKV_STORE_SECRET``, ``RAGKV_DTYPE`` and ``RAGKV_DEVICE``.
+        ``RAGKV_TENANT``, ``RAGKV_STORE_SECRET``, ``RAGKV_MODEL``, ``RAGKV_DTYPE`` and ``RAGKV_DEVICE``.
         """
         env: dict[str, Any] = {}
         if os.environ.get("RAGKV_STORE"):
@@ -102,7 +109,7 @@ class EngineConfig:
             env["tenant"] = os.environ["RAGKV_TENANT"]
         if os.environ.get("RAGKV_STORE_SECRET"):
             env["store_secret"] = os.environ["RAGKV_STORE_SECRET"].encode("utf-8")
-        for name in ("dtype", "device"):
+        for name in ("model", "dtype", "device"):
             if os.environ.get(f"RAGKV_{name.upper()}"):
                 env[name] = os.environ[f"RAGKV_{name.upper()}"]
         env.update({k: v for k, v in overrides.items() if v is not None})
@@ -337,7 +344,7 @@ class RagKV:
         t0 = time.perf_counter()
         ids = prefix + [t for seg, _ in middle for t in seg] + suffix
         self.adapter.check_context(len(ids) + gen.max_new_tokens)
-        stats = GenerationStats(prompt_tokens=len(ids), fusion="full" if mode == "full" else fusion.method)
+        stats = self._new_stats(len(ids), "full" if mode == "full" else fusion.method)
         with torch.inference_mode():
             with self._model_lock:
                 if mode == "full":
@@ -365,6 +372,17 @@ class RagKV:
             load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
         stats.total_ms = (time.perf_counter() - t0) * 1000
         yield "", stats
+
+    def _new_stats(self, prompt_tokens: int, fusion: str) -> GenerationStats:
+        """Stats of one answer, naming the dtype it is computed in (figures from bf16 and fp32 differ ~2x)."""
+        from ragkv.model.placement import dtype_name
+
+        return GenerationStats(
+            prompt_tokens=prompt_tokens,
+            fusion=fusion,
+            dtype=dtype_name(self.adapter.dtype),
+            dtype_reason=self.adapter.dtype_reason,
+        )
 
     def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
         """``tokens`` with each decode step (one forward pass) taken under the model lock."""
@@ -513,7 +531,7 @@ class RagKV:
         t0 = time.perf_counter()
         ids = prefix + [t for seg, _ in middle for t in seg] + suffix
         self.adapter.check_context(len(ids) + max_new_tokens)
-        stats = GenerationStats(prompt_tokens=len(ids), fusion="full" if mode == "full" else fusion.method)
+        stats = self._new_stats(len(ids), "full" if mode == "full" else fusion.method)
         with torch.inference_mode(), self._model_lock:
             if mode == "full":
                 cache = self.adapter.build_cache([])

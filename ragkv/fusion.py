@@ -106,6 +106,9 @@ def fuse(
     """
     strategy = (config or FusionConfig()).strategy()
     suffix = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)  # [S]
+    # Past a LongRoPE / dynamic-NTK model's original context (or a sliding window) the model's own
+    # prefill switches frequencies for every position, and caches made before would silently differ.
+    adapter.check_context(inp.prefix.num_tokens + sum(len(ids) for ids in inp.chunk_ids) + suffix.numel())
     probe = strategy.wants_query_attention and suffix.numel() > 0
     placed = _place(adapter, inp, suffix.numel() if (probe or prefill_suffix) else 0)
     state = SelectionState.start([len(ids) for ids in inp.chunk_ids])

@@ -242,6 +242,8 @@ class GenerationStats:
     cache_hits: int = 0  # chunks found in the store
     cache_misses: int = 0  # chunks computed at query time
     fusion: str = "naive"  # how chunk caches were fused
+    dtype: str = ""  # the weights' dtype the answer was computed in ("bfloat16", "float32", ...)
+    dtype_reason: str = ""  # why that dtype ("asked for", "auto: this CPU has native bf16 matmuls", ...)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -257,6 +259,8 @@ class GenerationStats:
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
             "fusion": self.fusion,
+            "dtype": self.dtype,
+            "dtype_reason": self.dtype_reason,
         }
         d.update(self.extra)
         return d

@@ -11,8 +11,11 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ragkv import codec
 from ragkv.cache.store import TieredStore
+from ragkv.codec.saliency import normalized_attention
 from ragkv.digests import tokens_digest
 from ragkv.model import ModelAdapter
 from ragkv.types import ChunkKey, ChunkKV, CodecSpec, ModelFingerprint, TokenizerFingerprint, validate_tenant
@@ -116,21 +119,32 @@ class ChunkComputer:
         missing = self.missing(token_ids)
         if not missing:
             return ChunkResult(computed=False)
-        kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
-        written = [self.put(kv, k) for k in missing]
+        saliency = None
+        if any(codec.get_codec(k.codec.name).wants_saliency(k.codec.level) for k in missing):
+            # salient-token levels rank tokens by the attention they receive in their own prefill
+            # (the probe runs eager fp32 attention: slower, so only when a level uses it)
+            with self.adapter.attention_probe() as probe:
+                kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
+            saliency = normalized_attention(probe.weights, kv.num_tokens)
+        else:
+            kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
+        written = [self.put(kv, k, saliency) for k in missing]
         return ChunkResult(
             computed=True,
             entries=tuple(e for e in written if e is not None),
             stored=all(e is not None for e in written),
         )
 
-    def put(self, kv: ChunkKV, key: ChunkKey) -> StoredEntry | None:
+    def put(self, kv: ChunkKV, key: ChunkKey, saliency: torch.Tensor | None = None) -> StoredEntry | None:
         """Encode ``kv`` as ``key`` says, bound to its storage key (and signed, with a store secret); store it.
+
+        ``saliency`` (``[tokens]``, see :func:`ragkv.codec.saliency.normalized_attention`) ranks
+        tokens for codec levels that keep salient ones finer; None lets the codec use its proxy.
 
         Returns:
             The entry to record, or None when no tier accepted it (down, full, read-only).
         """
-        enc = codec.encode(kv, key.codec, key=key.storage_key, secret=self.store_secret)
+        enc = codec.encode(kv, key.codec, key=key.storage_key, secret=self.store_secret, saliency=saliency)
         if not self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens)):
             logger.warning("no store tier accepted the cache entry %s (%d bytes)", key.storage_key, enc.nbytes)
             return None

@@ -67,6 +67,9 @@ class WorkerSpec:
     model_fingerprint: str  # the driver's: an actor whose model differs refuses to compute
     tokenizer_fingerprint: str
     threads: int = 1
+    # The driver's resolved dtype ("bfloat16", not "auto"): a worker on a CPU without native bf16
+    # would otherwise pick fp32, compute other caches and be refused by the fingerprint check.
+    dtype: str = "float32"
 
     @classmethod
     def for_retriever(cls, retriever: KVRetriever, model: str, store: Sequence[str], threads: int = 1) -> WorkerSpec:
@@ -83,6 +86,7 @@ class WorkerSpec:
             model_fingerprint=retriever.adapter.fingerprint,
             tokenizer_fingerprint=retriever.adapter.tokenizer_fingerprint,
             threads=threads,
+            dtype=str(retriever.adapter.dtype).removeprefix("torch."),
         )
 
 
@@ -96,7 +100,7 @@ class ChunkWorker:
         from ragkv.model import load_model
 
         torch.set_num_threads(spec.threads)
-        adapter = load_model(spec.model)
+        adapter = load_model(spec.model, dtype=spec.dtype)
         got = (adapter.fingerprint, adapter.tokenizer_fingerprint)
         if got != (spec.model_fingerprint, spec.tokenizer_fingerprint):
             raise ValueError(

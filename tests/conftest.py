@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+# Tests never read or write the user's caches (converted models, the Hugging Face cache, data dirs):
+# each test session gets its own, set here at import so every fixture and every subprocess (the CLI,
+# the server, Ray workers) inherits them. A conversion made by `make demo` in either dtype is never
+# seen. The default model is converted once per session into this folder.
+_SESSION_CACHES = tempfile.mkdtemp(prefix="ragkv-tests-")
+for _var, _sub in (("RAGKV_MODEL_CACHE", "models"), ("HF_HOME", "hf"), ("RAGKV_DATA_DIR", "data")):
+    os.environ[_var] = os.path.join(_SESSION_CACHES, _sub)
+os.environ.pop("HF_HUB_CACHE", None)
+os.environ.pop("RAGKV_MODEL", None)
+os.environ["HF_HUB_OFFLINE"] = "1"  # the tests download nothing
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_CACHES, ignore_errors=True)
+
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
@@ -91,5 +109,4 @@ def real_adapter():
     """The real default model (SmolLM2-135M-Instruct from its PyPI package), loaded once."""
     from ragkv.model import load_model
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return load_model("smollm2-135m")

@@ -18,6 +18,7 @@ import torch
 from ragkv.bench import table
 from ragkv.bench.table import Column
 from ragkv.codec import Expected, available_codecs, decode, encode
+from ragkv.codec.saliency import normalized_attention
 from ragkv.generation import Decoder, generate_ids
 from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
@@ -56,6 +57,7 @@ class _Case:
     """One prompt's exact reference."""
 
     slices: tuple[ChunkKV, ...]  # prefix and chunk KV, sliced from one exact prefill
+    saliency: tuple[torch.Tensor | None, ...]  # per slice: normalized attention its tokens received there
     suffix: tuple[int, ...]  # question + generation prompt ids
     answer: tuple[int, ...]  # greedy answer on the exact cache
     logits: torch.Tensor  # [len(suffix) + len(answer), vocab] on the exact cache
@@ -64,14 +66,27 @@ class _Case:
 def _prepare(adapter: _Adapter, prompt: Mapping[str, Any], answer_tokens: int) -> _Case:
     prefix, chunks, suffix = adapter.chat_segments(prompt["system"], list(prompt["chunks"]), prompt["question"])
     segments = [seg for seg in (prefix, *chunks) if seg]
-    kv = adapter.prefill_kv([t for seg in segments for t in seg])
+    ids = [t for seg in segments for t in seg]
     bounds = [0]
     for seg in segments:
         bounds.append(bounds[-1] + len(seg))
+    probe_of = getattr(adapter, "attention_probe", None)
+    if probe_of is None:  # a stand-in adapter without a probe: the codec falls back to its proxy
+        kv = adapter.prefill_kv(ids)
+        saliency: tuple[torch.Tensor | None, ...] = (None,) * len(segments)
+    else:
+        with probe_of() as probe:
+            kv = adapter.prefill_kv(ids)
+        # each slice's tokens as the index path sees them: the attention they receive from the
+        # queries of their own chunk and of the later ones, per query that sees them
+        saliency = tuple(
+            normalized_attention({i: w[a:] for i, w in probe.weights.items()}, kv.num_tokens - a)[: b - a]
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        )
     slices = tuple(kv.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False))
     answer = generate_ids(adapter, [kv], suffix, answer_tokens)
     logits = adapter.suffix_logits([kv], suffix, answer)
-    return _Case(slices=slices, suffix=tuple(suffix), answer=tuple(answer), logits=logits.float())
+    return _Case(slices=slices, saliency=saliency, suffix=tuple(suffix), answer=tuple(answer), logits=logits.float())
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
@@ -98,9 +113,9 @@ def _measure(
     matches = 0
     for case in cases:
         decoded = []
-        for kv in case.slices:
+        for kv, saliency in zip(case.slices, case.saliency, strict=True):
             start = time.perf_counter()
-            data = encode(kv, spec, key=_BENCH_KEY).data
+            data = encode(kv, spec, key=_BENCH_KEY, saliency=saliency).data
             encode_s += time.perf_counter() - start
             best = float("inf")
             expect = Expected.of(kv, spec, _BENCH_KEY)  # checked as the query path checks it

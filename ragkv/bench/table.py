@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from numbers import Number
 from typing import Any
 
-__all__ = ["Column", "format_table"]
+__all__ = ["Column", "format_table", "machine_note"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +83,28 @@ def _cell(row: Mapping[str, Any], column: Column) -> str:
 def _numeric(rows: Sequence[Mapping[str, Any]], key: str) -> bool:
     values = [row[key] for row in rows if key in row]
     return bool(values) and all(isinstance(v, Number) and not isinstance(v, bool) for v in values)
+
+
+def machine_note(model: str, dtype: str, dtype_reason: str) -> str:
+    """The line printed above every bench table: the model, its dtype and why, and the CPU that ran it.
+
+    bf16 runs ~2x faster than fp32 on a CPU with native bf16 matmuls, so a figure means little
+    without the dtype and the CPU's flags beside it.
+    """
+    import os
+    from pathlib import Path
+
+    cpu, flags = "unknown CPU", list[str]()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu == "unknown CPU":
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return (
+        f"model {model}, dtype {dtype} ({dtype_reason}); {cpu}, {os.cpu_count()} cores, "
+        f"flags: {' '.join(shown) or 'none of avx2/avx512'}"
+    )

@@ -18,7 +18,7 @@ from ragkv.errors import ContextTooLongError
 from ragkv.model import caches
 from ragkv.model.arch import ArchSpec
 from ragkv.model.attention import AttentionProbe, install_dispatcher, is_dispatched, probing
-from ragkv.model.caches import ScatterCache, concat_kv
+from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
 from ragkv.prompt import DEFAULT_SYSTEM, PromptLayout
@@ -59,6 +59,7 @@ class ModelAdapter:
         self.name = name or getattr(model.config, "_name_or_path", "") or self.spec.model_type
         self._inner = model.model
         self._fingerprint: str | None = None
+        self.dtype_reason = "given"  # why the weights run in their dtype (load_model says, e.g. "auto: ...")
         self._tok_fingerprint: str | None = None
         self._layouts: dict[str, PromptLayout] = {}
         self._rotary_fn: RotaryFn | None = model_rotary_fn(model)
@@ -223,7 +224,7 @@ class ModelAdapter:
         """Run ``token_ids`` at positions ``start..`` on top of ``cache`` (appending); return logits [T, vocab]."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.model)): cache})
         return out.logits[0].float()
 
     def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV:
@@ -303,9 +304,9 @@ class ModelAdapter:
             hidden,
             attention_mask=mask,
             position_ids=positions.to(self.device).reshape(1, -1),
-            past_key_values=cache,
             use_cache=True,
             position_embeddings=position_embeddings,
+            **{cache_kwarg(type(layer)): cache},
         )
         return out[0] if isinstance(out, tuple) else out
 
@@ -342,10 +343,10 @@ def load_model(
     ``mps``. ``dtype``: ``auto`` picks bf16 on CUDA and on CPUs with native bf16 matmuls, fp16 on
     MPS, else fp32; ``float32``/``bfloat16``/``float16``; None keeps the loader's choice (fp32 for
     the default model). Hub names download into the Hugging Face cache unless ``offline`` or
-    ``HF_HUB_OFFLINE=1`` (see ``ragkv.resolver``). A loaded adapter is returned as is.
+    ``HF_HUB_OFFLINE=1`` (see ``ragkv.model.loading``). A loaded adapter is returned as is.
     """
-    from ragkv.model.placement import resolve_device, resolve_dtype
-    from ragkv.resolver import resolve
+    from ragkv.model.loading import resolve
+    from ragkv.model.placement import dtype_reason, resolve_device, resolve_dtype
 
     if isinstance(spec, ModelAdapter):
         return spec
@@ -357,5 +358,7 @@ def load_model(
     else:
         model, tokenizer, name = resolve(spec, dtype=dt, offline=offline)
     model = model.to(device=dev, dtype=dt) if dt is not None else model.to(dev)
-    logger.info("model %s on %s in %s", name, dev, next(model.parameters()).dtype)
-    return ModelAdapter(model, tokenizer, name=name)
+    adapter = ModelAdapter(model, tokenizer, name=name)
+    adapter.dtype_reason = dtype_reason(dtype, dev)
+    logger.info("model %s on %s in %s (%s)", name, dev, adapter.dtype, adapter.dtype_reason)
+    return adapter

@@ -10,7 +10,7 @@ from ragkv.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ArchSpec"]
+__all__ = ["ArchSpec", "check_config"]
 
 # RoPE variants whose frequencies depend on how far the sequence reaches: past the original context
 # transformers switches the whole sequence to other frequencies (LongRoPE's long factors, dynamic
@@ -44,9 +44,7 @@ class ArchSpec:
             raise UnsupportedModelError(f"{type(model).__name__} has no .config; pass a transformers causal LM")
         cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         _check_layout(model, cfg)
-        _check_attention_layers(cfg)
-        _check_no_outside_scaling(cfg)
-        _check_per_head_cache(cfg)
+        check_config(cfg)
         heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
@@ -62,6 +60,19 @@ class ArchSpec:
             max_context=_exact_context(cfg, rope, rope_type),
             rope_type=rope_type,
         )
+
+
+def check_config(config: Any) -> None:
+    """Refuse from a config alone (config.json, before any weight is read) what ArchSpec would refuse.
+
+    Raises:
+        UnsupportedModelError: attention layers without per-token K/V, scaling outside the decoder
+            layers, or multi-head latent attention.
+    """
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    _check_attention_layers(cfg)
+    _check_no_outside_scaling(cfg)
+    _check_per_head_cache(cfg)
 
 
 def _check_layout(model: Any, cfg: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ragkv.model.caches import _layer_tensors
+from ragkv.model.caches import _layer_tensors, cache_kwarg
 
 __all__ = ["DecodeBatch"]
 
@@ -146,9 +146,9 @@ class DecodeBatch:
                 hidden,
                 attention_mask=mask,
                 position_ids=pos,
-                past_key_values=cache,
                 use_cache=True,
                 position_embeddings=pe,
+                **{cache_kwarg(type(layer)): cache},
             )
             hidden = out[0] if isinstance(out, tuple) else out
         self._set(self._layers, self._length + 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from ragkv.types import ChunkKV
 
-__all__ = ["ScatterCache", "cache_to_kv", "concat_kv", "crop_cache", "dynamic_cache"]
+__all__ = ["ScatterCache", "cache_kwarg", "cache_to_kv", "concat_kv", "crop_cache", "dynamic_cache"]
 
 
 class _ScatterLayer(CacheLayerMixin):
@@ -117,3 +118,20 @@ def concat_kv(parts: Sequence[ChunkKV]) -> ChunkKV:
         positions=torch.cat([p.positions for p in parts]),
         model_fingerprint=parts[0].model_fingerprint,
     )
+
+
+_CACHE_KWARGS: dict[type, str] = {}  # module class -> its forward's Cache keyword
+
+
+def cache_kwarg(module_type: type) -> str:
+    """The keyword a transformers module's ``forward`` takes its Cache by.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` and warns on the old name (a
+    FutureWarning on every forward of every user's run); earlier 5.x releases, which vLLM's pins
+    still require, know only ``past_key_values``.
+    """
+    kw = _CACHE_KWARGS.get(module_type)
+    if kw is None:
+        params = inspect.signature(module_type.forward).parameters  # type: ignore[attr-defined]
+        kw = _CACHE_KWARGS[module_type] = "cache" if "cache" in params else "past_key_values"
+    return kw

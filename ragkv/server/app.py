@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragkv.server import documents, openai_api
@@ -98,6 +99,8 @@ class _Limits:
 
 
 def _endpoint(path: str) -> str:
+    if path.startswith("/static/"):
+        return "/static"  # one metrics label for the page's files, not one per file
     return "/v1/documents/{id}" if path.startswith("/v1/documents/") else path
 
 
@@ -127,7 +130,7 @@ def _errors(app: FastAPI) -> None:
 
 
 def _service(app: FastAPI, state: ServerState) -> None:
-    """/health, /metrics and the web page at /."""
+    """/health, /metrics and the web page at / (its scripts and licenses under /static)."""
 
     @app.get("/health")
     async def health() -> Any:
@@ -151,3 +154,5 @@ def _service(app: FastAPI, state: ServerState) -> None:
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")  # vendored, so the page needs no CDN

@@ -22,11 +22,12 @@ from ragkv.prompt import render_chat
 from ragkv.server.state import ApiError, ServerState
 from ragkv.types import Chunk, GenerationStats
 
-__all__ = ["FOLLOW_UP_WORDS", "QUERY_MAX_CHARS", "retrieval_query", "router"]
+__all__ = ["FOLLOW_UP_WORDS", "QUERY_MAX_CHARS", "rag_question", "retrieval_query", "router"]
 
 FOLLOW_UP_WORDS = 8  # a user turn shorter than this leans on the one before ("and what does it return?")
 FOLLOW_UP_TURNS = 2  # earlier user turns a short question may pull in
 QUERY_MAX_CHARS = 2000  # the retrieval query keeps its last this many characters
+HISTORY_MAX_CHARS = 4000  # earlier turns the model reads after the chunks keep their last this many characters
 
 
 class RagkvOptions(BaseModel):
@@ -136,7 +137,8 @@ async def _prepare(
             sources = await asyncio.to_thread(engine.retrieve, question, req.ragkv.top_k)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        args = {"segments": None, "rag": ([c.text for c in sources], question)}
+        asked = rag_question([(m.role, m.text()) for m in chat]) if chat else ""
+        args = {"segments": None, "rag": ([c.text for c in sources], asked or question)}
         return {"engine": engine, "mode": mode, "generation": gen, **args}, sources, None
     if chat is not None:
         prompt = render_chat(engine.adapter.tokenizer, [{"role": m.role, "content": m.text()} for m in chat])
@@ -171,6 +173,36 @@ def retrieval_query(user_turns: list[str]) -> str:
             break
         kept.insert(0, earlier)
     return "\n".join(kept)[-QUERY_MAX_CHARS:]
+
+
+def rag_question(messages: list[tuple[str, str]]) -> str:
+    """The question the model reads after the retrieved chunks, with the conversation it belongs to.
+
+    Only the text after the chunks changes from turn to turn, so a multi-turn chat still reuses
+    every chunk cache. Returns "" for a single-turn chat (the caller keeps its retrieval query, as
+    before); otherwise the last user turn, then the earlier user and assistant turns, oldest
+    first, capped at their last ``HISTORY_MAX_CHARS`` characters, then the last user turn again:
+    with the history last, qwen2.5-0.5b answered the earlier question instead. System turns are
+    left out (the layout has its own system prompt).
+
+    >>> rag_question([("user", "Where do apples grow?")])
+    ''
+    >>> print(rag_question([("user", "Where do apples grow?"), ("assistant", "In orchards."), ("user", "When?")]))
+    When?
+    <BLANKLINE>
+    Earlier in this conversation:
+    user: Where do apples grow?
+    assistant: In orchards.
+    <BLANKLINE>
+    Answer the last question: When?
+    """
+    turns = [(role, text.strip()) for role, text in messages if role in ("user", "assistant") and text.strip()]
+    last = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=-1)
+    if last <= 0:
+        return ""
+    history = "\n".join(f"{role}: {text}" for role, text in turns[:last])[-HISTORY_MAX_CHARS:]
+    question = turns[last][1]
+    return f"{question}\n\nEarlier in this conversation:\n{history}\n\nAnswer the last question: {question}"
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -22,10 +22,12 @@ def test_stream_sizes_track_the_symbol_entropy(make_kv: KVFactory) -> None:
     for level, schedule in LEVELS.items():
         header = read_header(encoded(kv, "cachegen", level))
         coded = header.section_sizes[2:]
+        factor = torch.ones(1, 1, 399, 1)  # salient tokens' steps are 2**shift finer
+        factor[:, :, list(header.params.get("salient", [])), :] = float(1 << header.params.get("shift", 0))
         ideal = []
         for x, rel, per_layer in ((kv.keys, schedule.key_steps, True), (kv.values, schedule.value_steps, False)):
             mult = torch.tensor([rel[schedule.group(i, layers)] for i in range(layers)]).view(-1, 1, 1, 1)
-            _, _, q = _quantize(x[:, :, 1:].float(), mult, per_layer)
+            _, _, q = _quantize(x[:, :, 1:].float(), mult, per_layer, factor)
             ideal += [_entropy_bytes(q[i]) for i in range(layers)]
         for got, want in zip(coded, ideal, strict=True):
             # zstd frame + Huffman table overhead is tens of bytes; a broken table or layout

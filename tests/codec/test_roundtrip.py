@@ -92,10 +92,12 @@ def test_cachegen_error_is_half_a_step(make_kv: KVFactory, level: int) -> None:
         assert bool((_max_abs_err(x[:, :, 1:], y[:, :, 1:]) <= bound).all())
 
 
-def test_cachegen_levels_trade_bytes_for_error(make_kv: KVFactory) -> None:
+@pytest.mark.parametrize("salient", [False, True])
+def test_cachegen_levels_trade_bytes_for_error(make_kv: KVFactory, salient: bool) -> None:
+    # the plain levels 0-3 form one ladder, the salient-token levels another
     kv = make_kv(6, 2, 120, 32, dtype=torch.float32)
     sizes, errors = [], []
-    for level in sorted(LEVELS):
+    for level in sorted(k for k, s in LEVELS.items() if (s.salient_share > 0) == salient):
         enc = encode(kv, CodecSpec("cachegen", level), key=KEY)
         out = decode(enc.data, expect=expected(kv, "cachegen", level))
         sizes.append(enc.nbytes)

@@ -229,3 +229,12 @@ def test_config_nests_component_records_and_validates_tenant(tmp_path):
     with pytest.raises(ValueError, match="top_k"):
         RetrieverConfig(top_k=0)
     assert "sssss" not in repr(EngineConfig(data_dir=tmp_path, store_secret=b"s" * 32))  # never logged
+
+
+@pytest.mark.parametrize("method", ["craft", "craft_query"])
+def test_a_fusion_method_the_engine_cannot_feed_is_refused_when_the_config_is_built(method):
+    from ragkv.engine import EngineConfig
+    from ragkv.fusion import FusionConfig
+
+    with pytest.raises(ValueError, match="index time.*query_focus"):
+        EngineConfig(fusion=FusionConfig(method=method))

@@ -138,3 +138,12 @@ def test_longrope_limits_prompts_to_the_original_context(tiny_tokenizer, model_t
     assert (long.keys[1, :, :200] - short.keys[1]).abs().max() > 1e-2  # the frequencies did switch
     with pytest.raises(ContextTooLongError):
         a.prefill_kv(ids)
+    # fusion called directly (the library path) refuses such a prompt too, rather than fusing caches
+    # rotated with the short factors into a prompt the model would run with the long ones
+    pre = a.prefill_kv(ids[:10])
+    chunks = [ids[10:130], ids[130:250]]
+    inp = FusionInput(pre, [a.prefill_kv(c, past=[pre]) for c in chunks], chunks, ids[250:])
+    with pytest.raises(ContextTooLongError, match="256-token"):
+        fuse(a, inp, FusionConfig(method="full"))
+    inp_short = FusionInput(pre, inp.chunks, chunks, ids[250:252])
+    assert fuse(a, inp_short, FusionConfig(method="full")).num_tokens == 250  # 252 tokens: inside

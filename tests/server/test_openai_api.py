@@ -188,7 +188,9 @@ def test_documents_add_list_delete(server):
 def test_the_web_page_is_served(server):
     with server.client() as c:
         r = c.get("/")
-    assert r.status_code == 200 and "<script>" in r.text and "/v1/chat/completions" in r.text
+        script = c.get("/static/app.js")  # the page's script, vendored libraries beside it
+    assert r.status_code == 200 and '<script src="/static/app.js">' in r.text
+    assert script.status_code == 200 and "/v1/chat/completions" in script.text
 
 
 def test_the_openai_client_example_runs_against_the_server(server):

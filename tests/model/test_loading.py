@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from ragkv import resolver
+from ragkv.model import loading as resolver
 from tests.conftest import make_model, make_tokenizer
 
 
