@@ -18,13 +18,35 @@ try:  # typer >= 0.25 vendors click as typer._click; older ones use click itself
 except ImportError:  # pragma: no cover - depends on the installed typer
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[assignment]
 
+# rich_markup_mode=None: help texts are printed as written; rich markup would swallow "[env RAGKV_...]"
 app = typer.Typer(
     help="Precomputed, compressed, shared KV caches for RAG with local models.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(bench_app, name="bench")
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        from ragkv import __version__
+
+        typer.echo(f"ragkv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print ragkv's version and exit."),
+    ] = False,
+) -> None:
+    """Precomputed, compressed, shared KV caches for RAG with local models."""
 
 # Options default to None ("not given"): EngineConfig and its component records hold the defaults,
 # written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
@@ -355,6 +377,48 @@ def stats(
         )
     finally:
         st.close()
+
+
+@app.command("list")
+def list_documents(
+    data_dir: DataDir = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print a JSON list of {source, title, chunks, tokens, indexed_at}.")
+    ] = False,
+) -> None:
+    """List the tenant's indexed documents: name, chunks, tokens, when indexed (reads only the catalog)."""
+    from datetime import datetime, timezone
+
+    from ragkv.cache.catalog import Catalog
+
+    cfg = _config(data_dir=data_dir, catalog=catalog, tenant=tenant)
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
+        docs, url = cat.document_summaries(cfg.tenant), cat.url
+    if as_json:
+        rows = [
+            {
+                "source": d.source,
+                "title": d.title,
+                "chunks": d.num_chunks,
+                "tokens": d.num_tokens,
+                "indexed_at": datetime.fromtimestamp(d.indexed_at, timezone.utc).isoformat(timespec="seconds"),
+            }
+            for d in docs
+        ]
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    if not docs:
+        typer.echo(f"no documents for tenant {cfg.tenant!r} in {url}; add some with `ragkv index PATH ...`", err=True)
+        return
+    width = max(len("document"), *(len(d.source) for d in docs))
+    typer.echo(f"{'document':<{width}}  {'chunks':>7}  {'tokens':>9}  indexed at")
+    for d in docs:
+        when = datetime.fromtimestamp(d.indexed_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        typer.echo(f"{d.source:<{width}}  {d.num_chunks:>7}  {d.num_tokens:>9}  {when}")
+    chunks, tokens = sum(d.num_chunks for d in docs), sum(d.num_tokens for d in docs)
+    typer.echo(f"{len(docs)} documents, {chunks} chunks, {tokens} tokens (tenant {cfg.tenant!r}, {url})")
 
 
 @app.command()
