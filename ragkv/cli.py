@@ -48,6 +48,7 @@ def _root(
 ) -> None:
     """Precomputed, compressed, shared KV caches for RAG with local models."""
 
+
 # Options default to None ("not given"): EngineConfig and its component records hold the defaults,
 # written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Index and cache directory [env RAGKV_DATA_DIR].")]
@@ -389,7 +390,7 @@ def list_documents(
     ] = False,
 ) -> None:
     """List the tenant's indexed documents: name, chunks, tokens, when indexed (reads only the catalog)."""
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     from ragkv.cache.catalog import Catalog
 
@@ -403,7 +404,7 @@ def list_documents(
                 "title": d.title,
                 "chunks": d.num_chunks,
                 "tokens": d.num_tokens,
-                "indexed_at": datetime.fromtimestamp(d.indexed_at, timezone.utc).isoformat(timespec="seconds"),
+                "indexed_at": datetime.fromtimestamp(d.indexed_at, UTC).isoformat(timespec="seconds"),
             }
             for d in docs
         ]
