@@ -18,6 +18,7 @@ snippets index), with ``RAGKV_DATA_DIR`` there and the CLI of this checkout firs
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -246,6 +247,21 @@ def test_docs_index_lists_every_page():
 
 # ---- running ------------------------------------------------------------------------------------
 
+# Runs python blocks one after another in one process (torch is imported once, not per block), each
+# in a namespace and a folder of its own; prints {where: traceback or None} as JSON.
+RUNNER = """
+import json, os, sys, traceback
+results = {}
+for item in json.load(open(sys.argv[1])):
+    os.chdir(item["cwd"])
+    try:
+        exec(compile(item["code"], item["where"], "exec"), {"__name__": "__main__"})
+        results[item["where"]] = None
+    except BaseException:
+        results[item["where"]] = traceback.format_exc()
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
 
 @pytest.fixture(scope="module")
 def model_cache(tmp_path_factory) -> Path:
@@ -253,8 +269,9 @@ def model_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("model-cache")
 
 
-def run_block(block: Block, folder: Path, model_cache: Path) -> None:
-    (folder / "docs").mkdir()
+def workspace(folder: Path, model_cache: Path) -> dict[str, str]:
+    """Make ``folder`` a block's working folder; the environment to run it with."""
+    (folder / "docs").mkdir(parents=True)
     for name in ("README.md", "concepts.md"):  # what the snippets' rag.index(["docs/"]) reads
         shutil.copy(ROOT / "docs" / name, folder / "docs" / name)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")}
@@ -263,21 +280,59 @@ def run_block(block: Block, folder: Path, model_cache: Path) -> None:
         RAGKV_DATA_DIR=str(folder / "data"), RAGKV_MODEL_CACHE=str(model_cache),
         HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
     )  # fmt: skip
-    if block.lang in PYTHON:
-        (folder / "block.py").write_text(block.text)
-        cmd = [sys.executable, "block.py"]
-    else:
-        cmd = ["bash", "-euo", "pipefail", "-c", block.text]
+    return env
+
+
+def run_python(blocks: list[Block], folder: Path, model_cache: Path) -> dict[str, str | None]:
+    """Run ``blocks`` in one process; each block's traceback, or None where it ran through."""
+    items = []
+    for n, b in enumerate(blocks):
+        env = workspace(folder / str(n), model_cache)
+        items.append({"where": b.where, "code": b.text, "cwd": str(folder / str(n))})
+    (folder / "blocks.json").write_text(json.dumps(items))
+    cmd = [sys.executable, "-c", RUNNER, str(folder / "blocks.json"), str(folder / "results.json")]
+    out = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+def run_shell(block: Block, folder: Path, model_cache: Path) -> None:
+    env = workspace(folder, model_cache)
+    cmd = ["bash", "-euo", "pipefail", "-c", block.text]
     out = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, f"{block.where} exited {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
 
 
-@pytest.mark.parametrize("block", [b for b in RUNNABLE if b.marker is None], ids=block_id)
-def test_block_runs(block, tmp_path, model_cache):
-    run_block(block, tmp_path, model_cache)
+def test_run_python_reports_each_blocks_failure_apart(tmp_path, model_cache):
+    ok = Block(ROOT / "README.md", 1, "python", "import os\nassert os.path.isdir('docs')\n", None, "")
+    bad = Block(ROOT / "README.md", 2, "python", "print(retrieved_texts)\n", None, "")
+    results = run_python([bad, ok], tmp_path, model_cache)
+    assert results["README.md:1"] is None and "NameError" in results["README.md:2"]
+
+
+FAST = [b for b in RUNNABLE if b.marker is None]
+SLOW = [b for b in RUNNABLE if b.marker == "slow"]
+
+
+@pytest.fixture(scope="module")
+def fast_python_results(tmp_path_factory, model_cache) -> dict[str, str | None]:
+    return run_python([b for b in FAST if b.lang in PYTHON], tmp_path_factory.mktemp("blocks"), model_cache)
+
+
+@pytest.mark.parametrize("block", FAST, ids=block_id)
+def test_block_runs(block, tmp_path, model_cache, request):
+    if block.lang in PYTHON:
+        error = request.getfixturevalue("fast_python_results")[block.where]
+        assert error is None, f"{block.where} raised:\n{error}"
+    else:
+        run_shell(block, tmp_path, model_cache)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in RUNNABLE if b.marker == "slow"], ids=block_id)
+@pytest.mark.parametrize("block", SLOW, ids=block_id)
 def test_slow_block_runs(block, tmp_path, model_cache):
-    run_block(block, tmp_path, model_cache)
+    if block.lang in PYTHON:
+        error = run_python([block], tmp_path, model_cache)[block.where]
+        assert error is None, f"{block.where} raised:\n{error}"
+    else:
+        run_shell(block, tmp_path, model_cache)
