@@ -12,7 +12,7 @@ The convention, for whoever writes docs:
 - Relative links (``[text](path#anchor)``) must reach a file or folder of the repository, and an
   anchor must be a heading of the page it points to; a ``*.md`` file named in inline code must exist.
 
-Blocks run in a temporary folder holding a ``docs/`` with two of the real pages (what the
+Blocks run in a temporary folder holding a ``docs/`` with one small real page (what the
 snippets index), with ``RAGKV_DATA_DIR`` there and the CLI of this checkout first on ``PATH``.
 """
 
@@ -272,8 +272,8 @@ def model_cache(tmp_path_factory) -> Path:
 def workspace(folder: Path, model_cache: Path) -> dict[str, str]:
     """Make ``folder`` a block's working folder; the environment to run it with."""
     (folder / "docs").mkdir(parents=True)
-    for name in ("README.md", "concepts.md"):  # what the snippets' rag.index(["docs/"]) reads
-        shutil.copy(ROOT / "docs" / name, folder / "docs" / name)
+    # what the snippets' rag.index(["docs/"]) reads: one small page, so indexing costs a chunk or two
+    shutil.copy(ROOT / "docs" / "README.md", folder / "docs" / "README.md")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")}
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
