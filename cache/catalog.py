@@ -25,7 +25,20 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, create_engine, delete, exists, false, inspect, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    create_engine,
+    delete,
+    exists,
+    false,
+    func,
+    inspect,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
@@ -41,14 +54,14 @@ from ragkv.cache.catalog_schema import (
     meta,
     metadata,
 )
-from ragkv.cache.document_record import DocumentRecord
+from ragkv.cache.document_record import DocumentRecord, DocumentSummary
 from ragkv.cache.entry_record import EntryRecord
 from ragkv.cache.keys import key_namespace
 from ragkv.digests import Digest
 from ragkv.errors import CatalogError
 from ragkv.types import Chunk, tenant_namespace, validate_tenant
 
-__all__ = ["Catalog", "DocumentRecord", "EntryRecord"]
+__all__ = ["Catalog", "DocumentRecord", "DocumentSummary", "EntryRecord"]
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +267,22 @@ class Catalog:
         query = select(documents).where(documents.c.tenant == tenant).order_by(documents.c.source)
         with self._read() as conn:
             return [_document(r) for r in conn.execute(query).mappings()]
+
+    def document_summaries(self, tenant: str) -> list[DocumentSummary]:
+        """``tenant``'s documents, by source, with their chunk and token counts and index time."""
+        validate_tenant(tenant)
+        # token_ids is little-endian uint32 per token, so a chunk's byte length / 4 is its token count
+        token_bytes = func.coalesce(func.sum(func.length(chunks.c.token_ids)), 0)
+        query = (
+            select(documents.c.source, documents.c.title, documents.c.num_chunks, documents.c.updated_at, token_bytes)
+            .select_from(documents.outerjoin(chunks, chunks.c.document_row == documents.c.row))
+            .where(documents.c.tenant == tenant)
+            .group_by(documents.c.row)
+            .order_by(documents.c.source)
+        )
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+        return [DocumentSummary(s, t, int(n), int(b) // 4, float(at)) for s, t, n, at, b in rows]
 
     # -- stored entries -----------------------------------------------------------------------
 

@@ -7,21 +7,49 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from ragkv.cli_models import models_app
 from ragkv.errors import RagkvError
 
+try:  # typer >= 0.25 vendors click as typer._click; older ones use click itself
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - depends on the installed typer
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[assignment]
+
+# rich_markup_mode=None: help texts are printed as written; rich markup would swallow "[env RAGKV_...]"
 app = typer.Typer(
     help="Precomputed, compressed, shared KV caches for RAG with local models.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,
 )
-bench_app = typer.Typer(help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(bench_app, name="bench")
 app.add_typer(models_app, name="models")
+
+
+def _print_version(given: bool) -> None:
+    if given:
+        from ragkv import __version__
+
+        typer.echo(f"ragkv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print ragkv's version and exit."),
+    ] = False,
+) -> None:
+    """Precomputed, compressed, shared KV caches for RAG with local models."""
+
 
 # Options default to None ("not given"): EngineConfig and its component records hold the defaults,
 # written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
@@ -100,6 +128,64 @@ def _engine(**options: Any) -> Any:
     return RagKV(_config(**options))
 
 
+# ---- checks that run before any model loads: a typo must not cost a model load (30 s and more) ----
+
+
+def _fail(message: str) -> NoReturn:
+    """One line on stderr saying what to change, exit 2: the CLI's answer to every bad input."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_setup(cfg: Any) -> None:
+    """The data directory, the store URLs and the embedder's files, checked without connecting or loading."""
+    from ragkv.cache.config import TierConfig
+    from ragkv.cache.registry import tier_class
+    from ragkv.retriever.embedder import resolve_model_dir
+
+    if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
+        _fail(f"--data-dir {cfg.data_dir} is a file; pass a directory (it holds the catalog, index and caches)")
+    for url in cfg.store_urls():
+        tier_class(TierConfig.from_url(url).scheme)  # unknown scheme, bad option, missing backend package
+    resolve_model_dir(cfg.embedder)  # its package missing: the install command, before the generator loads
+
+
+def _check_indexed(cfg: Any) -> None:
+    """Refuse a question when the tenant has nothing indexed: an empty index answers from nothing."""
+    from ragkv.cache.catalog import Catalog
+
+    where = f"--data-dir {cfg.data_dir}" if cfg.catalog is None else f"--catalog {cfg.catalog}"
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
+        if not cat.documents(cfg.tenant):
+            _fail(
+                f"nothing is indexed for tenant {cfg.tenant!r} in {cat.url}: run `ragkv index PATH ...` "
+                f"first (with the same {where}{'' if cfg.tenant == 'default' else ' --tenant ' + cfg.tenant}), "
+                "or pass the --data-dir it was built in"
+            )
+
+
+def _indexed_source(cfg: Any, source: str) -> str:
+    """The catalog's name for ``source`` as typed (a name, or a path indexed under its resolved form)."""
+    from ragkv.cache.catalog import Catalog
+
+    names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
+    with Catalog(cfg.catalog_url(), create=False) as cat:
+        found = [n for n in names if n and cat.get_document(n, cfg.tenant) is not None]
+    if not found:
+        _fail(f"no document {source.strip()!r} in tenant {cfg.tenant!r}; `ragkv list` shows the indexed documents")
+    return found[0]
+
+
+def _documents(paths: list[Path]) -> list[Any]:
+    """The documents under ``paths``, read before any model loads (a missing path fails at once)."""
+    from ragkv.retriever.documents import load_documents
+
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        _fail(f"no such file or directory: {', '.join(missing)}; pass existing files or directories to index")
+    return load_documents(paths)  # an empty file or a folder without text files: ValueError, one line
+
+
 @app.command()
 def index(
     paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
@@ -126,14 +212,21 @@ def index(
     Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
     are not recorded, so running the command again retries them.
     """
-    options = {"dtype": dtype, "device": device, "offline": offline}
+    cfg = _config(
+        data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant,
+        dtype=dtype, device=device, offline=offline,
+    )  # fmt: skip
+    _check_setup(cfg)
+    docs = _documents(paths)
     run: dict[str, Any] = {}
     if ray or ray_address is not None or ray_actors is not None:
         from ragkv.retriever.ray_index import RayConfig
 
         run = {"executor": "ray", "ray": RayConfig(address=ray_address, actors=ray_actors)}
-    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant, **options) as engine:
-        r = engine.index([str(p) for p in paths], **run)
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
+        r = engine.index(docs, **run)
     typer.echo(
         f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
         f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
@@ -185,6 +278,8 @@ def ask(
         offline=offline,
         slo_ms=slo_ms,
     )
+    _check_setup(cfg)
+    _check_indexed(cfg)
     from ragkv.engine import RagKV
 
     with RagKV(cfg) as engine:
@@ -222,7 +317,11 @@ def demo(
     from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    with _engine(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio) as engine:
+    cfg = _config(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio)
+    _check_setup(cfg)
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
         docs = stdlib_corpus()
         typer.echo(f"indexing {len(docs)} stdlib modules' documentation into {engine.config.data_dir} ...")
         r = engine.index(docs)
@@ -292,6 +391,48 @@ def stats(
         st.close()
 
 
+@app.command("list")
+def list_documents(
+    data_dir: DataDir = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print a JSON list of {source, title, chunks, tokens, indexed_at}.")
+    ] = False,
+) -> None:
+    """List the tenant's indexed documents: name, chunks, tokens, when indexed (reads only the catalog)."""
+    from datetime import UTC, datetime
+
+    from ragkv.cache.catalog import Catalog
+
+    cfg = _config(data_dir=data_dir, catalog=catalog, tenant=tenant)
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
+        docs, url = cat.document_summaries(cfg.tenant), cat.url
+    if as_json:
+        rows = [
+            {
+                "source": d.source,
+                "title": d.title,
+                "chunks": d.num_chunks,
+                "tokens": d.num_tokens,
+                "indexed_at": datetime.fromtimestamp(d.indexed_at, UTC).isoformat(timespec="seconds"),
+            }
+            for d in docs
+        ]
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    if not docs:
+        typer.echo(f"no documents for tenant {cfg.tenant!r} in {url}; add some with `ragkv index PATH ...`", err=True)
+        return
+    width = max(len("document"), *(len(d.source) for d in docs))
+    typer.echo(f"{'document':<{width}}  {'chunks':>7}  {'tokens':>9}  indexed at")
+    for d in docs:
+        when = datetime.fromtimestamp(d.indexed_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        typer.echo(f"{d.source:<{width}}  {d.num_chunks:>7}  {d.num_tokens:>9}  {when}")
+    chunks, tokens = sum(d.num_chunks for d in docs), sum(d.num_tokens for d in docs)
+    typer.echo(f"{len(docs)} documents, {chunks} chunks, {tokens} tokens (tenant {cfg.tenant!r}, {url})")
+
+
 @app.command()
 def remove(
     source: Annotated[str, typer.Argument(help="The document's source (a path as indexed, or its name).")],
@@ -302,8 +443,13 @@ def remove(
     tenant: Tenant = None,
 ) -> None:
     """Remove a document: its catalog rows, FAISS entries and the cache entries no other document uses."""
-    with _engine(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant) as engine:
-        r = engine.remove(source)
+    cfg = _config(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant)
+    _check_setup(cfg)
+    found = _indexed_source(cfg, source)  # before the generator and the embedder load
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
+        r = engine.remove(found)
     typer.echo(f"removed {r.source}: {r.chunks} chunks, {r.cache_entries} cache entries")
 
 
@@ -363,6 +509,7 @@ def serve(
         offline=offline,
         slo_ms=slo_ms,
     )
+    _check_setup(cfg)
     from ragkv.engine import RagKV
 
     engine = RagKV(cfg)
@@ -681,13 +828,28 @@ def main() -> None:
     )
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        app()
+        # standalone_mode=False: click's usage errors come back here, to be said in one line too
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:  # `ragkv` or `ragkv bench` alone: the help is the answer
+        e.show()
+        sys.exit(e.exit_code)
+    except UsageError as e:
+        where = f"`{e.ctx.command_path} --help`" if e.ctx is not None else "`ragkv --help`"
+        typer.echo(f"error: {e.format_message()} (see {where})", err=True)
+        sys.exit(2)
+    except ClickException as e:
+        typer.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C
+        typer.echo("aborted", err=True)
+        sys.exit(130)
     except (RagkvError, ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     except ImportError as e:  # a missing optional package: its message carries the install hint
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n
 
 
 if __name__ == "__main__":

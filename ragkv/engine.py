@@ -575,7 +575,7 @@ class RagKV:
         names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
         found = [n for n in names if n and self.catalog.get_document(n, tenant) is not None]
         if not found:
-            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv stats)")
+            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv list)")
         source = found[0]
         with self._index_lock:
             chunks = self.catalog.document_chunks(source, tenant)

