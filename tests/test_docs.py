@@ -264,9 +264,10 @@ json.dump(results, open(sys.argv[2], "w"))
 
 
 @pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> Path:
-    """One conversion cache for the slow blocks of this module, never the user's."""
-    return tmp_path_factory.mktemp("model-cache")
+def model_cache() -> Path:
+    """The test session's conversion cache (tests/conftest.py), never the user's: the default model is
+    converted once per session, not once more here."""
+    return Path(os.environ["RAGKV_MODEL_CACHE"])
 
 
 def workspace(folder: Path, model_cache: Path) -> dict[str, str]:
