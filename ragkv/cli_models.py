@@ -11,6 +11,7 @@ import typer
 models_app = typer.Typer(
     help="Converted models in the cache (RAGKV_MODEL_CACHE, default ~/.cache/ragkv/models): list, prune.",
     invoke_without_command=True,
+    rich_markup_mode=None,  # help texts as written (rich markup would swallow "[...]")
 )
 
 
