@@ -1,0 +1,337 @@
+"""What the vLLM connector does on ragkv's side, with no vLLM import (so CI tests it without vLLM).
+
+vLLM hands a connector token ids, never text, and its API can only say "the first N prompt tokens
+are computed", in whole blocks. So chunks are found in the ids themselves: a chunk's store key is
+over the ids of its text as laid out and tokenized on its own (``layout.chunk_text``: the stripped
+text and a blank line), and a prompt tokenizes the text identically except at its end (SmolLM2's
+tokenizer writes the blank line as one token alone, as two before a word). A chunk is therefore
+found by its *core* (the ids of the stripped text, a prefix of the stored ids), and fusion takes the
+core's slice of the stored cache: the KV of a token depends only on the tokens before it, so the
+slice is the cache of exactly the ids the prompt holds. Matching on ids (not on the decoded text
+with :mod:`ragkv.matching`) is exact by construction: the ids fused are the ids vLLM sees.
+
+The steps: :class:`ChunkTokenIndex` finds chunk spans; :func:`choose_span` picks how many leading
+tokens to report (every chunk up to the first one the store cannot serve, cut to whole blocks);
+:class:`RagkvSide` checks entries (a missing, damaged or foreign one is a miss), fuses the context
+with ragkv's own model copy, and returns the K/V of the reported tokens for vLLM's paged cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from ragkv.cache.store import TieredStore
+    from ragkv.fusion import FusionConfig
+    from ragkv.model import ModelAdapter
+    from ragkv.retriever.precompute import ChunkComputer
+    from ragkv.types import ChunkKey, ChunkKV, CodecSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkSpan", "ChunkTokenIndex", "KnownChunk", "RagkvSide", "ServePlan", "choose_span", "slot_mapping"]
+
+_ANCHOR = 4  # leading ids of a chunk looked up in a dict before comparing the rest
+
+
+@dataclass(frozen=True, slots=True)
+class KnownChunk:
+    """One indexed chunk as the connector looks for it."""
+
+    stored_ids: tuple[int, ...]  # the ids its store key is over (text as laid out, tokenized alone)
+    core: int  # leading stored ids a prompt holds verbatim (the stripped text's ids)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return self.stored_ids[: self.core]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpan:
+    """A chunk found in a prompt: prompt ids ``start:end`` are its first ``end - start`` stored ids."""
+
+    start: int
+    end: int
+    chunk: KnownChunk
+
+
+@dataclass(frozen=True, slots=True)
+class ServePlan:
+    """What the connector serves for one request."""
+
+    spans: tuple[ChunkSpan, ...]  # the chunks fused, in prompt order
+    context_end: int  # prompt ids 0..context_end are fused (the last chunk's end)
+    start: int  # first token written into vLLM's cache (vLLM's own prefix hit, whole blocks)
+    end: int  # tokens reported computed: whole blocks, <= context_end, < prompt length
+
+    @property
+    def new_tokens(self) -> int:
+        return self.end - self.start
+
+
+class ChunkTokenIndex:
+    """Indexed chunks by their ids; finds them in a prompt's ids (greedy, left to right, longest first).
+
+    Args:
+        min_tokens: chunks shorter than this are never matched (too likely by chance, too short to pay).
+    """
+
+    def __init__(self, min_tokens: int = 8) -> None:
+        if min_tokens < _ANCHOR:
+            raise ValueError(f"min_tokens must be >= {_ANCHOR}")
+        self.min_tokens = min_tokens
+        self._by_anchor: dict[tuple[int, ...], list[tuple[tuple[int, ...], KnownChunk]]] = {}
+        self._stored: set[tuple[int, ...]] = set()
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def add(self, stored_ids: Sequence[int], core_ids: Sequence[int]) -> None:
+        """Index a chunk stored under ``stored_ids`` whose prompt form may be cut to ``core_ids``.
+
+        ``core_ids`` not a prefix of ``stored_ids`` (a tokenizer that merges across the text's end)
+        leaves only the whole stored form findable.
+        """
+        stored = tuple(stored_ids)
+        if stored in self._stored or len(stored) < self.min_tokens:
+            return
+        self._stored.add(stored)
+        core = len(core_ids) if stored[: len(core_ids)] == tuple(core_ids) else len(stored)
+        chunk = KnownChunk(stored, core)
+        forms = {stored} | ({chunk.ids} if core >= self.min_tokens else set())
+        for form in forms:
+            bucket = self._by_anchor.setdefault(form[:_ANCHOR], [])
+            bucket.append((form, chunk))
+            bucket.sort(key=lambda fc: -len(fc[0]))
+
+    def find(self, prompt_ids: Sequence[int]) -> list[ChunkSpan]:
+        """Non-overlapping chunk spans in ``prompt_ids``, by start.
+
+        >>> index = ChunkTokenIndex(min_tokens=4)
+        >>> index.add([5, 6, 7, 8, 9, 99], [5, 6, 7, 8, 9])
+        >>> [(s.start, s.end) for s in index.find([1, 5, 6, 7, 8, 9, 2, 2])]
+        [(1, 6)]
+        """
+        ids = tuple(prompt_ids)
+        spans: list[ChunkSpan] = []
+        i = 0
+        while i <= len(ids) - _ANCHOR:
+            hit = None
+            for form, chunk in self._by_anchor.get(ids[i : i + _ANCHOR], ()):
+                if ids[i : i + len(form)] == form:
+                    hit = ChunkSpan(i, i + len(form), chunk)
+                    break
+            if hit is None:
+                i += 1
+                continue
+            spans.append(hit)
+            i = hit.end
+        return spans
+
+
+def choose_span(
+    spans: Sequence[ChunkSpan],
+    prompt_len: int,
+    num_computed: int,
+    block_size: int,
+    servable: Callable[[KnownChunk], bool],
+) -> ServePlan | None:
+    """The leading tokens ragkv serves: every chunk up to the first unservable one, cut to whole blocks.
+
+    The text before and between chunks is fused too (computed exactly by ragkv's model), so the
+    span ends at the last servable chunk. It stays below the prompt's length (vLLM computes at least
+    one token to sample from) and starts at vLLM's own prefix hit ``num_computed``. None: nothing
+    beyond vLLM's hit to serve.
+
+    >>> chunk = KnownChunk(tuple(range(300)), 300)
+    >>> plan = choose_span([ChunkSpan(10, 310, chunk)], 330, 128, 128, lambda c: True)
+    >>> (plan.start, plan.end, plan.context_end)
+    (128, 256, 310)
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    kept: list[ChunkSpan] = []
+    for span in spans:
+        if not servable(span.chunk):
+            break
+        kept.append(span)
+    if not kept:
+        return None
+    context_end = kept[-1].end
+    end = min(context_end, prompt_len - 1) // block_size * block_size
+    start = num_computed // block_size * block_size
+    if end <= start:
+        return None
+    return ServePlan(tuple(kept), context_end, start, end)
+
+
+def slot_mapping(block_ids: Sequence[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """vLLM's slot of each token ``start..end`` of a request whose blocks are ``block_ids``: ``[end - start]`` int64.
+
+    >>> slot_mapping([7, 2], 126, 130, 128).tolist()
+    [1022, 1023, 256, 257]
+    """
+    if end > len(block_ids) * block_size:
+        raise ValueError(f"tokens up to {end} need {-(-end // block_size)} blocks; the request has {len(block_ids)}")
+    tok = torch.arange(start, end)
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
+    return blocks[tok // block_size] * block_size + tok % block_size
+
+
+class RagkvSide:
+    """ragkv's model copy, store and indexed chunks, as the connector uses them (both vLLM sides).
+
+    Args:
+        adapter: ragkv's own copy of the model (the one chunk caches were computed with).
+        computer: keys, prefix and store of the chunk caches (tenant and secret included).
+        codec: the (codec, level) chunks are read at.
+        fusion: how chunk caches are fused (selection strategy and ratio).
+        texts: a callable returning chunk texts indexed since its last call (called every ``refresh_s``).
+        system: the system prompt chunk caches were computed after (``RetrieverConfig.system``).
+        refresh_s: how often the chunk texts are re-read.
+        decoded_entries: how many decoded chunk caches are kept between the scheduler's check and
+            the worker's load (both sides run in one process on CPU).
+    """
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        computer: ChunkComputer,
+        codec: CodecSpec,
+        fusion: FusionConfig,
+        texts: Callable[[], Iterable[str]],
+        *,
+        system: str | None = None,
+        refresh_s: float = 2.0,
+        decoded_entries: int = 64,
+    ) -> None:
+        self.adapter, self.computer, self.codec, self.fusion = adapter, computer, codec, fusion
+        self.store: TieredStore = computer.store
+        self._texts, self._refresh_s, self._system = texts, refresh_s, system
+        self._index = ChunkTokenIndex()
+        self._known: set[str] = set()
+        self._refreshed = float("-inf")
+        self._decoded: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._max_decoded = decoded_entries
+        self._lock = threading.RLock()
+        self._said: set[str] = set()
+
+    def say_once(self, reason: str) -> None:
+        """Log why a request is served without ragkv, once per reason."""
+        if reason not in self._said:
+            self._said.add(reason)
+            logger.warning("ragkv vLLM connector: %s; vLLM computes the request itself", reason)
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def refresh(self, *, force: bool = False) -> None:
+        """Index chunk texts indexed since the last look (at most every ``refresh_s`` seconds)."""
+        now = time.monotonic()
+        if not force and now - self._refreshed < self._refresh_s:
+            return
+        self._refreshed = now
+        layout = self.adapter.layout(self._system)
+        new = [t for t in self._texts() if t not in self._known]
+        with self._lock:
+            for text in new:
+                self._known.add(text)
+                self._index.add(self.adapter.encode(layout.chunk_text(text)), self.adapter.encode(text.strip()))
+
+    def plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
+        """What to serve for a prompt (None: nothing; vLLM computes it). Never raises for a bad store."""
+        try:
+            self.refresh()
+            self.adapter.check_context(len(prompt_ids))
+        except Exception as e:  # catalog down, prompt longer than ragkv's model takes: not ours to serve
+            self.say_once(f"no chunk lookup ({type(e).__name__}: {e})")
+            return None
+        with self._lock:
+            spans = self._index.find(prompt_ids)
+        return choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+
+    # ---- both sides ---------------------------------------------------------------------------
+    def key(self, chunk: KnownChunk) -> ChunkKey:
+        return self.computer.chunk_key(chunk.stored_ids, self.codec)
+
+    def load(self, chunk: KnownChunk) -> ChunkKV | None:
+        """The chunk's stored cache, checked against its key and the model; None when missing or unusable."""
+        from ragkv import codec
+        from ragkv.errors import CodecError
+
+        key = self.key(chunk)
+        with self._lock:
+            kv = self._decoded.get(key.storage_key)
+            if kv is not None:
+                self._decoded.move_to_end(key.storage_key)
+                return kv
+        try:
+            blob = self.store.get(key.storage_key)
+        except Exception as e:  # a tier that is down: a miss, never a failed request
+            self.say_once(f"store unreadable ({type(e).__name__}: {e})")
+            return None
+        if blob is None:
+            return None
+        s = self.adapter.spec
+        expect = codec.Expected(
+            key=key.storage_key,
+            model_fingerprint=key.model_fingerprint,
+            spec=key.codec,
+            num_layers=s.num_layers,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            num_tokens=len(chunk.stored_ids),
+            secret=self.computer.store_secret,
+        )
+        try:
+            kv = codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
+        except CodecError as e:  # damaged, or made for another key, model or tenant
+            self.say_once(f"unusable cache entry ({e})")
+            return None
+        with self._lock:
+            self._decoded[key.storage_key] = kv
+            while len(self._decoded) > self._max_decoded:
+                self._decoded.popitem(last=False)
+        return kv
+
+    # ---- worker side --------------------------------------------------------------------------
+    @torch.no_grad()
+    def fused_kv(self, prompt_ids: Sequence[int], plan: ServePlan) -> ChunkKV:
+        """The fused K/V of prompt tokens ``plan.start..plan.end``: ``[layers, kv_heads, tokens, head_dim]``.
+
+        The text before the first chunk is prefilled exactly, the text between chunks is computed
+        in place (fusion's forced tokens), each chunk's stored cache is re-rotated to its offset,
+        and the tokens the fusion strategy selects are recomputed. A chunk whose entry vanished
+        since the scheduler checked it is computed in place too (exact, only slower).
+        """
+        from ragkv.fusion import FusionInput, fuse
+
+        ids = list(prompt_ids)
+        first = plan.spans[0].start
+        prefix = self.adapter.prefill_kv(ids[:first]) if first else self.adapter.empty_kv()
+        parts: list[ChunkKV] = []
+        part_ids: list[list[int]] = []
+        forced: list[bool] = []
+        cursor = first
+        for span in plan.spans:
+            if span.start > cursor:  # plain text between chunks
+                parts.append(self.adapter.empty_kv(span.start - cursor))
+                part_ids.append(ids[cursor : span.start])
+                forced.append(True)
+            kv = self.load(span.chunk)
+            n = span.end - span.start
+            if kv is None:
+                self.say_once("a chunk entry vanished between scheduling and loading; computing it in place")
+            parts.append(kv.slice(0, n) if kv is not None else self.adapter.empty_kv(n))
+            part_ids.append(ids[span.start : span.end])
+            forced.append(kv is None)
+            cursor = span.end
+        inp = FusionInput(prefix, parts, part_ids, ids[plan.context_end :], forced=forced)
+        fused = fuse(self.adapter, inp, self.fusion)
+        return self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
