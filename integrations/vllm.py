@@ -20,7 +20,9 @@ Worker side: before the forward pass, those tokens' K/V are fused by ragkv (its 
 see docs/vllm.md for why and what it costs) and written into vLLM's paged blocks with vLLM's own
 cache op; vLLM prefills the rest (the question) and decodes. Anything else (no chunk found, store
 down, damaged or foreign entry, prompt too long for ragkv's model) reports 0 tokens and vLLM
-computes the request as if the connector were absent; the log says why, once per reason.
+computes the request as if the connector were absent; the log says why, once per reason. A request
+opts out with ``SamplingParams(extra_args={"kv_transfer_params": {"ragkv": False}})`` (the baseline
+``ragkv bench vllm`` and the tests compare against, on the same engine).
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         COUNTS.call("get_num_new_matched_tokens")
         ids = request.prompt_token_ids
-        if not ids:
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not ids or params.get("ragkv") is False:  # the request opted out (see the module docstring)
             return 0, False
         try:
             plan = self.side.plan(ids, num_computed_tokens, self._block_size)
