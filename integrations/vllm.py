@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,7 @@ class ConnectorCounts:
     served_tokens: int = 0  # tokens reported computed
     written_tokens: int = 0  # tokens written into vLLM's cache
     failed_loads: int = 0
+    load_s: float = 0.0  # seconds spent fusing and writing (ragkv's model on its device)
 
     def call(self, hook: str) -> None:
         self.hooks[hook] = self.hooks.get(hook, 0) + 1
@@ -254,6 +256,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 COUNTS.failed_loads += 1
 
     def _load(self, load: _Load, forward_context: ForwardContext) -> None:
+        started = time.perf_counter()
         kv = self.side.fused_kv(load.prompt_ids, load.plan)  # [layers, H, tokens, D]
         slots = slot_mapping(load.block_ids, load.plan.start, load.plan.end, self._block_size)
         layers = getattr(forward_context, "no_compile_layers", {}) or {}
@@ -273,6 +276,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._kv_cache_dtype,
             )
         COUNTS.written_tokens += load.plan.new_tokens
+        COUNTS.load_s += time.perf_counter() - started
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

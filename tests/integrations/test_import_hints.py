@@ -26,6 +26,7 @@ def test_package_import_pulls_in_no_framework():
     [
         ("llamaindex", "llama_index", "llamaindex"),
         ("langchain", "langchain_core", "langchain"),
+        ("vllm", "vllm", "vllm"),
     ],
 )
 def test_missing_framework_raises_an_install_hint(module, blocked, extra):
