@@ -69,6 +69,7 @@ def main() -> None:
         kv_connector="RagkvConnector",
         kv_role="kv_both",
         kv_connector_module_path="ragkv.integrations.vllm",
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config={"data_dir": str(data_dir), "fusion_ratio": args.ratio},
     )
     llm = LLM(model=folder, max_model_len=4096, enable_prefix_caching=False, kv_transfer_config=transfer)
@@ -84,7 +85,7 @@ def main() -> None:
     warm_s, _ = run(prompts[0], True, 1)
     print(f"warm-up (loads ragkv's model copy, first fusion): {warm_s:.2f} s")
     run(prompts[0], False, 1)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i, ids in enumerate(prompts):
         load_before = COUNTS.load_s
         ttft_c, out_c = run(ids, True, 1)

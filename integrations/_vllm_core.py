@@ -335,3 +335,8 @@ class RagkvSide:
         inp = FusionInput(prefix, parts, part_ids, ids[plan.context_end :], forced=forced)
         fused = fuse(self.adapter, inp, self.fusion)
         return self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
+
+    @torch.no_grad()
+    def exact_kv(self, prompt_ids: Sequence[int], plan: ServePlan) -> ChunkKV:
+        """The K/V of prompt tokens ``plan.start..plan.end`` by a plain prefill (the fallback when fusion fails)."""
+        return self.adapter.prefill_kv(list(prompt_ids)[: plan.end]).slice(plan.start, plan.end)

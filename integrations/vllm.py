@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,8 +105,6 @@ COUNTS = ConnectorCounts()
 
 def engine_config(model: str, extra: Mapping[str, Any]) -> EngineConfig:
     """ragkv's settings from the connector's extra config (over ``RAGKV_*``), model defaulting to vLLM's."""
-    from dataclasses import replace
-
     from ragkv.engine import EngineConfig
     from ragkv.fusion import FusionConfig
 
@@ -210,7 +208,9 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         COUNTS.call("update_state_after_alloc")
         plan = self._plans.get(request.request_id)
-        if num_external_tokens > 0 and plan is not None and plan.new_tokens == num_external_tokens:
+        if num_external_tokens > 0 and plan is not None:
+            if num_external_tokens != plan.new_tokens:  # vLLM took fewer: serve exactly what it counts on
+                plan = replace(plan, end=plan.start + num_external_tokens)
             self._pending[request.request_id] = (list(request.prompt_token_ids or []), plan)
             COUNTS.served_requests += 1
             COUNTS.served_tokens += num_external_tokens
@@ -257,7 +257,11 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _load(self, load: _Load, forward_context: ForwardContext) -> None:
         started = time.perf_counter()
-        kv = self.side.fused_kv(load.prompt_ids, load.plan)  # [layers, H, tokens, D]
+        try:
+            kv = self.side.fused_kv(load.prompt_ids, load.plan)  # [layers, H, tokens, D]
+        except Exception as e:  # the tokens are promised to vLLM: compute them exactly instead
+            self.side.say_once(f"fusion failed ({type(e).__name__}: {e}); prefilling the served tokens instead")
+            kv = self.side.exact_kv(load.prompt_ids, load.plan)
         slots = slot_mapping(load.block_ids, load.plan.start, load.plan.end, self._block_size)
         layers = getattr(forward_context, "no_compile_layers", {}) or {}
         for name, cache in self._kv_caches.items():
@@ -265,6 +269,11 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if found is None:
                 raise ValueError(f"cannot tell the layer index of vLLM's cache {name!r}")
             layer = int(found.group(1))
+            if cache.shape[1] != kv.num_kv_heads:  # tensor parallelism shards the heads: not supported
+                raise ValueError(
+                    f"vLLM's cache {name!r} holds {cache.shape[1]} KV heads, the model has {kv.num_kv_heads}; "
+                    "the ragkv connector needs tensor_parallel_size=1"
+                )
             keys = kv.keys[layer].transpose(0, 1).to(cache.device, cache.dtype).contiguous()  # [T, H, D]
             values = kv.values[layer].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
             write_paged(

@@ -197,6 +197,21 @@ def test_a_bad_second_chunk_cuts_the_span_after_the_first(llama_adapter):
     assert plan is not None and len(plan.spans) == 1 and plan.context_end == plan.spans[0].end
 
 
+def test_entry_vanished_after_scheduling_is_computed_in_place(llama_adapter, caplog):
+    side = _side(llama_adapter, [CHUNK_A, CHUNK_B], ratio=1.0)
+    ids = _prompt(llama_adapter, _chunk(llama_adapter, CHUNK_A), _chunk(llama_adapter, CHUNK_B))
+    plan = side.plan(ids, 0, 16)
+    assert plan is not None
+    side.store.invalidate(_key(side, CHUNK_A))
+    side._decoded.clear()
+    with caplog.at_level(logging.WARNING):
+        fused = side.fused_kv(ids, plan)
+    assert any("vanished" in r.getMessage() for r in caplog.records)
+    full = llama_adapter.prefill_kv(ids[: plan.context_end]).slice(plan.start, plan.end)
+    torch.testing.assert_close(fused.keys, full.keys, atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(side.exact_kv(ids, plan).values, full.values, atol=2e-4, rtol=1e-3)
+
+
 def test_store_down_is_a_miss(llama_adapter, monkeypatch, caplog):
     side = _side(llama_adapter, [CHUNK_A])
 
@@ -259,6 +274,7 @@ def vllm_rig(tmp_path_factory):
         kv_connector="RagkvConnector",
         kv_role="kv_both",
         kv_connector_module_path="ragkv.integrations.vllm",
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config={"data_dir": str(data_dir)},
     )
     llm = LLM(
