@@ -211,7 +211,7 @@ class RagkvSide:
         *,
         system: str | None = None,
         refresh_s: float = 2.0,
-        decoded_entries: int = 64,
+        decoded_entries: int = 16,
     ) -> None:
         self.adapter, self.computer, self.codec, self.fusion = adapter, computer, codec, fusion
         self.store: TieredStore = computer.store
