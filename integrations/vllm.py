@@ -174,6 +174,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._block_size = int(vllm_config.cache_config.block_size)
         self._kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
         self._side_obj: RagkvSide | None = None
+        self._unavailable = False  # ragkv's side failed to open: not retried on every request
         # scheduler side
         self._plans: dict[str, ServePlan] = {}  # req_id -> plan reported by get_num_new_matched_tokens
         self._pending: dict[str, tuple[list[int], ServePlan]] = {}  # allocated, not yet sent to the worker
@@ -194,10 +195,13 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         params = getattr(request, "kv_transfer_params", None) or {}
         if not ids or params.get("ragkv") is False:  # the request opted out (see the module docstring)
             return 0, False
+        if self._unavailable:
+            return 0, False
         try:
             plan = self.side.plan(ids, num_computed_tokens, self._block_size)
-        except Exception as e:  # ragkv's model or store could not even be opened
-            logger.warning("ragkv vLLM connector unavailable (%s: %s); vLLM computes the request", type(e).__name__, e)
+        except Exception as e:  # ragkv's model, store or catalog could not even be opened: give up, once
+            self._unavailable = True
+            logger.warning("ragkv vLLM connector unavailable (%s: %s); vLLM computes all", type(e).__name__, e)
             return 0, False
         if plan is None:
             self._plans.pop(request.request_id, None)
