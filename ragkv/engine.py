@@ -82,7 +82,7 @@ class EngineConfig:
         validate_tenant(self.tenant)
         validate_placement(self.dtype, self.device)
         if self.fusion.strategy().wants_stored_scores:
-            # the engine records no index-time deviation (ragkv.craft is a bench-only recorder), so
+            # the engine records no index-time deviation (ragkv.bench.craft is a bench-only recorder), so
             # such a method would fail at the first query instead of here
             raise ValueError(
                 f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "

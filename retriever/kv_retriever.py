@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 from ragkv import codec
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.fetched import Fetched
-from ragkv.cache.prefetch import prefetch
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
 from ragkv.errors import CodecError
@@ -36,6 +35,7 @@ from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry
+from ragkv.retriever.prefetch import prefetch
 from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant
 
 logger = logging.getLogger(__name__)

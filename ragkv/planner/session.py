@@ -20,9 +20,9 @@ from typing import Any
 
 from ragkv.cache.fetched import Fetched
 from ragkv.cache.link import LinkEstimate
-from ragkv.cache.throughput import RateEstimate
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import LOCAL, TEXT, Choice, ChunkOptions, Rates, choice_name, plan_load
+from ragkv.planner.throughput import RateEstimate
 from ragkv.types import CodecSpec
 
 __all__ = ["Average", "LoadEstimates", "LoadPlanning", "LoadSession"]

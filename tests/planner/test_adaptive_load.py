@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragkv.cache.throughput import RateEstimate
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.errors import StoreUnavailableError
 from ragkv.fusion import FusionConfig
@@ -17,6 +16,7 @@ from ragkv.generation import GenerationConfig
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions, Rates, plan_seconds
 from ragkv.planner.session import LoadPlanning
+from ragkv.planner.throughput import RateEstimate
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
