@@ -169,10 +169,10 @@ def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_
         monkeypatch.setattr(tier, "_get", reading)
         monkeypatch.setattr(retriever.adapter, "prefill_kv", prefilling)
         plan = LoadPlanning(LoadConfig(slo_ms=1), estimates, time.perf_counter() + (overlap_s + level3_s) / 2)
-        loaded = retriever.load_many(segments, plan=plan)
+        loaded, report = retriever.load_planned(segments, plan)
         monkeypatch.undo()
-        assert plan.report is not None
-        choices = plan.report["choices"]
+        assert report is not None
+        choices = report["choices"]
         assert choices[0] == "local" and choices[1].startswith("cachegen:")
         assert overlapped == [True] * choices.count("local")
         first = loaded[0]
