@@ -28,7 +28,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("ragkv.selection", "ragkv.fusion", "ragkv.generation", "ragkv.matching", "ragkv.planner"),  # algorithms
     ("ragkv.retriever",),  # indexing and loading chunk caches
     ("ragkv.engine",),  # RagKV, the facade
-    ("ragkv.server", "ragkv.bench", "ragkv.cli", "ragkv.cli_models", "ragkv.integrations", "ragkv"),  # front ends
+    (
+        "ragkv.server",
+        "ragkv.bench",
+        "ragkv.cli",
+        "ragkv.cli_bench",
+        "ragkv.cli_models",
+        "ragkv.cli_options",
+        "ragkv.integrations",
+        "ragkv",
+    ),  # front ends
 ]
 LEVEL = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}
 
