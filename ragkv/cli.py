@@ -26,6 +26,7 @@ from ragkv.cli_options import (
     SloMs,
     Store,
     Tenant,
+    config_from,
     engine_config,
 )
 from ragkv.errors import RagkvError
@@ -130,6 +131,7 @@ def _documents(paths: list[Path]) -> list[Any]:
 
 @app.command()
 def index(
+    ctx: typer.Context,
     paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
     data_dir: DataDir = None,
     model: Model = None,
@@ -154,10 +156,7 @@ def index(
     Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
     are not recorded, so running the command again retries them.
     """
-    cfg = engine_config(
-        data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant,
-        dtype=dtype, device=device, offline=offline,
-    )  # fmt: skip
+    cfg = config_from(ctx)
     _check_setup(cfg)
     docs = _documents(paths)
     run: dict[str, Any] = {}
@@ -187,6 +186,7 @@ def index(
 
 @app.command()
 def ask(
+    ctx: typer.Context,
     question: Annotated[str, typer.Argument(help="The question.")],
     data_dir: DataDir = None,
     model: Model = None,
@@ -205,21 +205,7 @@ def ask(
     slo_ms: SloMs = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
-    cfg = engine_config(
-        data_dir=data_dir,
-        model=model,
-        store=store,
-        catalog=catalog,
-        tenant=tenant,
-        fusion=fusion,
-        ratio=ratio,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        dtype=dtype,
-        device=device,
-        offline=offline,
-        slo_ms=slo_ms,
-    )
+    cfg = config_from(ctx)
     _check_setup(cfg)
     _check_indexed(cfg)
     from ragkv.engine import RagKV
@@ -397,6 +383,7 @@ def remove(
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     host: Annotated[str | None, typer.Option("--host", help="Interface to bind [127.0.0.1: loopback].")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port [8000].")] = None,
     api_keys: Annotated[
@@ -436,21 +423,7 @@ def serve(
         typer.echo(
             f"warning: listening on {settings.host} without --api-keys: anyone who can reach it can use it", err=True
         )
-    cfg = engine_config(
-        data_dir=data_dir,
-        model=model,
-        store=store,
-        catalog=catalog,
-        tenant=tenant,
-        fusion=fusion,
-        ratio=ratio,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        dtype=dtype,
-        device=device,
-        offline=offline,
-        slo_ms=slo_ms,
-    )
+    cfg = config_from(ctx)
     _check_setup(cfg)
     from ragkv.engine import RagKV
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 __all__ = ["CatalogUrl", "DataDir", "Device", "Dtype", "Fusion", "MaxNewTokens", "Model", "Offline", "Ratio",
-           "SloMs", "Store", "Tenant", "engine_config"]  # fmt: skip
+           "SloMs", "Store", "Tenant", "config_from", "engine_config"]  # fmt: skip
 
 # Options default to None ("not given"): EngineConfig and its component records hold the defaults,
 # written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
@@ -79,3 +79,12 @@ def engine_config(
     if slo_ms is not None:
         cfg = replace(cfg, load=replace(cfg.load, slo_ms=slo_ms))
     return cfg
+
+
+def config_from(ctx: typer.Context) -> Any:
+    """:func:`engine_config` from the engine options a command was given (its other parameters are
+    its own): a command declares the shared options in its signature and passes them on in one call."""
+    import inspect
+
+    names = inspect.signature(engine_config).parameters
+    return engine_config(**{k: v for k, v in ctx.params.items() if k in names})
