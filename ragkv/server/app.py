@@ -136,8 +136,10 @@ def _service(app: FastAPI, state: ServerState) -> None:
     async def health() -> Any:
         waiting, decoding = state.scheduler.depth
         tiers = state.base.store.health()
-        return {
-            "status": "ok",
+        alive = state.scheduler.alive
+        body = {
+            "status": "ok" if alive else "unavailable",
+            "scheduler": "running" if alive else f"stopped: {state.scheduler.failure}",
             "model": state.base.adapter.name,
             "waiting": waiting,
             "decoding": decoding,
@@ -145,6 +147,7 @@ def _service(app: FastAPI, state: ServerState) -> None:
             "max_queue": state.settings.max_queue,
             "tiers": tiers,
         }
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

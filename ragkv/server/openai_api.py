@@ -49,7 +49,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # torch's generator takes 64-bit seeds
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -109,6 +109,8 @@ class ServerState:
             raise
         if first.kind == "error":
             err = first.error
+            if not self.scheduler.alive:
+                raise ApiError(503, str(err), "server_error")
             status = 400 if isinstance(err, ValueError | TypeError) else 500
             message = str(err) if status == 400 else "generation failed; see the server log"
             raise ApiError(status, message, "invalid_request_error" if status == 400 else "server_error")
