@@ -462,6 +462,18 @@ def serve(
     ] = None,
     max_batch: Annotated[int | None, typer.Option("--max-batch", help="Requests decoded together [8].")] = None,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Requests held before 429 [32].")] = None,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-host", help="A Host name to answer besides loopback and --host (repeatable; '*': any)."
+        ),
+    ] = None,
+    max_connections: Annotated[
+        int | None, typer.Option("--max-connections", help="Open connections at most; more get 503 [256].")
+    ] = None,
+    log_json: Annotated[
+        bool | None, typer.Option("--log-json/--log-text", help="Access log lines as JSON [text; RAGKV_LOG_JSON].")
+    ] = None,
     data_dir: DataDir = None,
     model: Model = None,
     store: Store = None,
@@ -486,7 +498,18 @@ def serve(
         raise ImportError(f"ragkv serve needs the serve extra: pip install 'ragkv[serve]' ({e})") from e
     from dataclasses import replace
 
-    given: dict[str, Any] = {"host": host, "port": port, "max_batch": max_batch, "max_queue": max_queue}
+    if log_json is None and os.environ.get("RAGKV_LOG_JSON"):
+        log_json = os.environ["RAGKV_LOG_JSON"].lower() in ("1", "true", "yes")
+    given: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "max_batch": max_batch,
+        "max_queue": max_queue,
+        "allowed_hosts": tuple(allowed_host) if allowed_host else None,
+        "max_connections": max_connections,
+        "log_json": log_json,
+        "metrics_key": os.environ.get("RAGKV_METRICS_KEY") or None,
+    }
     settings = ServerSettings(
         api_keys=load_api_keys(api_keys) if api_keys else {}, **{k: v for k, v in given.items() if v is not None}
     )
@@ -515,12 +538,17 @@ def serve(
     engine = RagKV(cfg)
     settings = replace(settings, model_name=Path(engine.adapter.name).name or "ragkv")
     typer.echo(f"ragkv serve: {engine.adapter.name} on http://{settings.host}:{settings.port}", err=True)
+    if settings.access_log:
+        logging.getLogger("ragkv.server.access").setLevel(logging.INFO)
     uvicorn.run(
         create_app(engine, settings),
         host=settings.host,
         port=settings.port,
         log_level="warning",
+        access_log=False,  # ragkv.server.access writes one line per request (route template, tenant)
         timeout_graceful_shutdown=int(settings.drain_s) + 5,
+        timeout_keep_alive=int(settings.keep_alive_s),
+        limit_concurrency=settings.max_connections,
     )
 
 

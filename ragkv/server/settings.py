@@ -19,8 +19,18 @@ class ServerSettings:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # bearer key -> tenant; {} = no auth
     max_batch: int = 8  # requests decoded together in one forward pass
     max_queue: int = 32  # requests held (waiting + decoding); past it, 429 with Retry-After
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413
+    max_body_bytes: int = 8 * 1024 * 1024  # larger /v1/documents bodies (uploads) get 413
+    max_json_bytes: int = 1024 * 1024  # larger JSON bodies on the other /v1 routes get 413
+    max_json_depth: int = 64  # JSON nested deeper gets 400 (before it is parsed)
+    max_embedding_inputs: int = 256  # texts one /v1/embeddings request may send
+    max_embedding_chars: int = 1024 * 1024  # their total characters
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and --host; "*": any
+    metrics_key: str | None = field(default=None, repr=False)  # a bearer token for /metrics only
+    access_log: bool = True  # one line per request on the ragkv.server.access logger
+    log_json: bool = False  # that line as JSON (RAGKV_LOG_JSON=1)
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long (uvicorn)
+    max_connections: int = 256  # open connections at most; past it new ones get 503 (uvicorn limit_concurrency)
     drain_s: float = 10.0  # at shutdown, how long running requests may take to finish
     model_name: str = "ragkv"  # the model id /v1/models lists (requests may name any model)
 
@@ -29,6 +39,14 @@ class ServerSettings:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_batch < 1 or self.max_queue < self.max_batch:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch (requests held, decoding included)")
+        for name in ("max_body_bytes", "max_json_bytes", "max_json_depth", "max_embedding_inputs",
+                     "max_embedding_chars"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.keep_alive_s <= 0 or self.max_connections < self.max_queue:
+            raise ValueError("need keep_alive_s > 0 and max_connections >= max_queue")
+        if self.metrics_key is not None and len(self.metrics_key) < 8:
+            raise ValueError("metrics_key must be at least 8 characters (e.g. openssl rand -hex 16)")
         for tenant in self.api_keys.values():
             validate_tenant(tenant)
 

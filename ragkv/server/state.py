@@ -46,7 +46,8 @@ class ServerState:
         """The tenant a request acts for: its bearer key's (with --api-keys), else the server's own."""
         keys = self.settings.api_keys
         if not keys:
-            return str(self.base.config.tenant)
+            request.state.tenant = str(self.base.config.tenant)
+            return request.state.tenant
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
         tenant = keys.get(key.strip()) if scheme.lower() == "bearer" else None
@@ -57,11 +58,19 @@ class ServerState:
                 f"{what}: send 'Authorization: Bearer KEY' with a key from the server's --api-keys file",
                 "authentication_error",
             )
+        request.state.tenant = tenant  # for the access log
         return tenant
 
-    def engine(self, request: Request) -> Any:
-        """The engine of the request's tenant (made on first use, sharing the loaded model)."""
+    async def engine(self, request: Request) -> Any:
+        """The engine of the request's tenant (made on first use, on a worker thread: it reads the
+        tenant's catalog and FAISS file, which must not stall the event loop)."""
         tenant = self.tenant_of(request)
+        with self._lock:
+            engine = self._engines.get(tenant)
+        return engine if engine is not None else await asyncio.to_thread(self.engine_of, tenant)
+
+    def engine_of(self, tenant: str) -> Any:
+        """``tenant``'s engine, made on first use (blocking: call it off the event loop)."""
         with self._lock:
             engine = self._engines.get(tenant)
             if engine is None:
