@@ -471,6 +471,10 @@ def serve(
     max_connections: Annotated[
         int | None, typer.Option("--max-connections", help="Open connections at most; more get 503 [256].")
     ] = None,
+    quota: Annotated[
+        list[str] | None,
+        typer.Option("--quota", help="Every tenant's quota NAME=VALUE (repeatable; see docs/serving.md)."),
+    ] = None,
     log_json: Annotated[
         bool | None, typer.Option("--log-json/--log-text", help="Access log lines as JSON [text; RAGKV_LOG_JSON].")
     ] = None,
@@ -493,7 +497,8 @@ def serve(
         import uvicorn
 
         from ragkv.server.app import create_app
-        from ragkv.server.settings import ServerSettings, load_api_keys
+        from ragkv.server.quotas import TenantQuota
+        from ragkv.server.settings import ServerSettings, load_api_keys, load_tenant_quotas
     except ImportError as e:
         raise ImportError(f"ragkv serve needs the serve extra: pip install 'ragkv[serve]' ({e})") from e
     from dataclasses import replace
@@ -510,8 +515,12 @@ def serve(
         "log_json": log_json,
         "metrics_key": os.environ.get("RAGKV_METRICS_KEY") or None,
     }
+    default_quota = TenantQuota().with_words(quota or [])
     settings = ServerSettings(
-        api_keys=load_api_keys(api_keys) if api_keys else {}, **{k: v for k, v in given.items() if v is not None}
+        api_keys=load_api_keys(api_keys) if api_keys else {},
+        quota=default_quota,
+        tenant_quotas=load_tenant_quotas(api_keys, default_quota) if api_keys else {},
+        **{k: v for k, v in given.items() if v is not None},
     )
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
         typer.echo(

@@ -39,6 +39,7 @@ def router(state: ServerState) -> APIRouter:
     async def add_document(request: Request) -> Any:
         engine = await state.engine(request)
         docs = await _read_documents(request)  # bad input is a 4xx before any stream starts
+        await asyncio.to_thread(state.check_upload, engine, sum(len(d.text.encode()) for d in docs))
         if _wants_stream(request):
             events = _index_events(state, engine, docs)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -230,7 +230,8 @@ class Scheduler:
                 self._finish(key, "cancelled")
 
     def _admit(self, job: Job) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # its client left while it waited; its last event frees its quota slot
+            job.post(Event("error", error=RuntimeError("cancelled before it started")))
             return
         # everything a request brings is set up inside the try: its bad input fails it, not the thread
         try:

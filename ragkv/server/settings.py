@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ragkv.server.quotas import TenantQuota
 from ragkv.types import validate_tenant
 
-__all__ = ["ServerSettings", "load_api_keys"]
+__all__ = ["ServerSettings", "load_api_keys", "load_tenant_quotas"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class ServerSettings:
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long (uvicorn)
     max_connections: int = 256  # open connections at most; past it new ones get 503 (uvicorn limit_concurrency)
+    quota: TenantQuota = field(default_factory=TenantQuota)  # every tenant's, unless set below
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)  # tenant -> its own (keys file)
     drain_s: float = 10.0  # at shutdown, how long running requests may take to finish
     model_name: str = "ragkv"  # the model id /v1/models lists (requests may name any model)
 
@@ -67,9 +70,13 @@ def load_api_keys(path: Path) -> dict[str, str]:
         if not line:
             continue
         parts = line.split()
-        if len(parts) != 2:
-            raise ValueError(f"{path}:{n}: expected 'KEY TENANT' (two words), got {len(parts)} words")
-        key, tenant = parts
+        if len(parts) < 2:
+            raise ValueError(f"{path}:{n}: expected 'KEY TENANT [QUOTA=VALUE ...]', got {len(parts)} words")
+        key, tenant = parts[:2]
+        try:
+            TenantQuota().with_words(parts[2:])
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from e
         if len(key) < 8:
             raise ValueError(f"{path}:{n}: API keys must be at least 8 characters (e.g. openssl rand -hex 16)")
         if key in keys:
@@ -78,3 +85,26 @@ def load_api_keys(path: Path) -> dict[str, str]:
     if not keys:
         raise ValueError(f"{path} lists no keys; write one 'KEY TENANT' pair per line")
     return keys
+
+
+def load_tenant_quotas(path: Path, default: TenantQuota) -> dict[str, TenantQuota]:
+    """The quotas a keys file sets: ``KEY TENANT requests_per_minute=60 concurrent=2 ...`` lines.
+
+    Words after the tenant override ``default`` for that tenant; two keys of one tenant must agree.
+
+    >>> import tempfile, os
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
+    ...     _ = f.write("sk-alpha-1 alpha concurrent=2\nsk-beta-22 beta\n")
+    >>> load_tenant_quotas(Path(f.name), TenantQuota())["alpha"].concurrent
+    2
+    >>> os.unlink(f.name)
+    """
+    quotas: dict[str, TenantQuota] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        parts = line.split("#", 1)[0].split()
+        if len(parts) < 3:
+            continue
+        quota = default.with_words(parts[2:])
+        if quotas.setdefault(parts[1], quota) != quota:
+            raise ValueError(f"{path}:{n}: tenant {parts[1]!r} has other quotas on an earlier line; make them agree")
+    return quotas
