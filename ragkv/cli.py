@@ -471,6 +471,9 @@ def serve(
     max_connections: Annotated[
         int | None, typer.Option("--max-connections", help="Open connections at most; more get 503 [256].")
     ] = None,
+    header_timeout: Annotated[
+        float | None, typer.Option("--header-timeout", help="Seconds a connection has to send a request head [10].")
+    ] = None,
     quota: Annotated[
         list[str] | None,
         typer.Option("--quota", help="Every tenant's quota NAME=VALUE (repeatable; see docs/serving.md)."),
@@ -497,6 +500,7 @@ def serve(
         import uvicorn
 
         from ragkv.server.app import create_app
+        from ragkv.server.protocol import header_timeout_protocol
         from ragkv.server.quotas import TenantQuota
         from ragkv.server.settings import ServerSettings, load_api_keys, load_tenant_quotas
     except ImportError as e:
@@ -512,6 +516,7 @@ def serve(
         "max_queue": max_queue,
         "allowed_hosts": tuple(allowed_host) if allowed_host else None,
         "max_connections": max_connections,
+        "header_timeout_s": header_timeout,
         "log_json": log_json,
         "metrics_key": os.environ.get("RAGKV_METRICS_KEY") or None,
     }
@@ -558,6 +563,7 @@ def serve(
         timeout_graceful_shutdown=int(settings.drain_s) + 5,
         timeout_keep_alive=int(settings.keep_alive_s),
         limit_concurrency=settings.max_connections,
+        http=header_timeout_protocol(settings.header_timeout_s),
     )
 
 

@@ -30,6 +30,7 @@ class ServerSettings:
     access_log: bool = True  # one line per request on the ragkv.server.access logger
     log_json: bool = False  # that line as JSON (RAGKV_LOG_JSON=1)
     max_tokens_limit: int = 2048  # the largest max_tokens a request may ask for
+    header_timeout_s: float = 10.0  # a connection that has not sent a whole request head by then is closed
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this long (uvicorn)
     max_connections: int = 256  # open connections at most; past it new ones get 503 (uvicorn limit_concurrency)
     quota: TenantQuota = field(default_factory=TenantQuota)  # every tenant's, unless set below
@@ -46,8 +47,8 @@ class ServerSettings:
                      "max_embedding_chars"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.keep_alive_s <= 0 or self.max_connections < self.max_queue:
-            raise ValueError("need keep_alive_s > 0 and max_connections >= max_queue")
+        if self.header_timeout_s <= 0 or self.keep_alive_s <= 0 or self.max_connections < self.max_queue:
+            raise ValueError("need header_timeout_s > 0, keep_alive_s > 0 and max_connections >= max_queue")
         if self.metrics_key is not None and len(self.metrics_key) < 8:
             raise ValueError("metrics_key must be at least 8 characters (e.g. openssl rand -hex 16)")
         for tenant in self.api_keys.values():
