@@ -493,6 +493,11 @@ class RagKV:
         return kv
 
     # ---- serving: shared model, prefill without decoding, removal ---------------------------
+    @property
+    def model_lock(self) -> threading.RLock:
+        """Held for every forward pass on the model (shared by every tenant's engine of this model)."""
+        return self._model_lock
+
     def for_tenant(self, tenant: str) -> RagKV:
         """An engine for ``tenant`` sharing this one's model, embedder, store, catalog and model lock.
 

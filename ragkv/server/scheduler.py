@@ -17,23 +17,46 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ragkv.generation import GenerationConfig, _pick, stream_text
+from ragkv.generation import GenerationConfig, pick_token, stream_text
 from ragkv.model.batch import DecodeBatch
 from ragkv.types import CachedText, GenerationStats
 
+if TYPE_CHECKING:
+    from ragkv.engine import Prefilled
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Event", "Job", "QueueFullError", "Scheduler"]
+__all__ = ["Event", "Job", "QueueFullError", "Scheduler", "ServedEngine"]
 
 _IDS = itertools.count()
 
 
 class QueueFullError(Exception):
     """The scheduler holds ``max_queue`` requests already (the server answers 429)."""
+
+
+class ServedEngine(Protocol):
+    """What the scheduler needs of a tenant's engine (``RagKV`` is one): a prefill and the model's lock."""
+
+    @property
+    def model_lock(self) -> threading.RLock:
+        """Held around every forward pass on the shared model."""
+        ...
+
+    def prefill(
+        self,
+        segments: Sequence[str | CachedText] | None = None,
+        *,
+        rag: tuple[Sequence[str], str] | None = None,
+        mode: str = "reuse",
+        max_new_tokens: int = 0,
+    ) -> Prefilled:
+        """The prompt's cache and last logits, ready for decoding."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +73,7 @@ class Event:
 class Job:
     """One request: its prompt, its engine (tenant) and where its events go."""
 
-    engine: Any  # the tenant's RagKV
+    engine: ServedEngine  # the tenant's RagKV
     segments: Sequence[str | CachedText] | None  # the whole prompt as segments, or None with ``rag``
     rag: tuple[Sequence[str], str] | None  # (chunk texts, question): ragkv's own prompt layout
     mode: str  # "reuse" or "full"
@@ -240,7 +263,7 @@ class Scheduler:
             rng = _rng(gen)
             feed = _Feed()
             row = _Row(job, pre.stats, feed, stream_text(self.adapter, iter(feed), gen.stop), rng)
-            first = _pick(pre.logits, gen, rng)
+            first = pick_token(pre.logits, gen, rng)
         except Exception as e:  # handed to the request (a 400 for bad input); the server keeps going
             logger.info("prefill of %s failed: %s", job.id, e)
             job.post(Event("error", error=e))
@@ -264,11 +287,11 @@ class Scheduler:
         self.steps += 1
         for i, key in enumerate(keys):
             row = self._rows[key]
-            self._take(key, _pick(logits[i], row.job.generation, row.rng))  # a finished row leaves the batch
+            self._take(key, pick_token(logits[i], row.job.generation, row.rng))  # a finished row leaves the batch
 
     @staticmethod
-    def _model_lock(job: Job) -> Any:
-        return job.engine._model_lock
+    def _model_lock(job: Job) -> threading.RLock:
+        return job.engine.model_lock
 
     def _take(self, key: str, token: int) -> bool:
         """Hand ``token`` to its request; False when the request is finished (and gone from the rows)."""

@@ -41,7 +41,8 @@ class ServerState:
         self.scheduler.on_finish = self._finished
         self._engines: dict[str, Any] = {engine.config.tenant: engine}
         self._registries: dict[str, ChunkRegistry] = {}  # per tenant: its indexed chunk texts, to find in prompts
-        self._lock = threading.RLock()  # engine() registers a new tenant while holding it
+        self._lock = threading.RLock()  # guards the dicts below, held only briefly
+        self._making: dict[str, threading.Lock] = {}  # per tenant: held while its engine is made
         self._register(engine)
 
     # ---- tenants ------------------------------------------------------------------------------
@@ -81,10 +82,15 @@ class ServerState:
     def engine_of(self, tenant: str) -> Any:
         """``tenant``'s engine, made on first use (blocking: call it off the event loop)."""
         with self._lock:
-            engine = self._engines.get(tenant)
+            making = self._making.setdefault(tenant, threading.Lock())
+        with making:  # one tenant's slow start holds up only that tenant's requests (_lock is held briefly)
+            with self._lock:
+                engine = self._engines.get(tenant)
             if engine is None:
-                engine = self._engines[tenant] = self.base.for_tenant(tenant)
+                engine = self.base.for_tenant(tenant)
                 self._register(engine)
+                with self._lock:
+                    self._engines[tenant] = engine
         return engine
 
     def _register(self, engine: Any) -> None:
