@@ -173,7 +173,8 @@ def _too_large(limit: int) -> JSONResponse:
 
 async def _read(receive: Receive, limit: int) -> bytes | None:
     """The whole body, or None once it passes ``limit`` bytes (reading stops there)."""
-    parts, size = [], 0
+    parts: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
