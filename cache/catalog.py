@@ -54,7 +54,8 @@ from ragkv.cache.catalog_schema import (
     meta,
     metadata,
 )
-from ragkv.cache.document_record import DocumentRecord, DocumentSummary
+from ragkv.cache.document_record import DocumentRecord
+from ragkv.cache.document_summary import DocumentSummary
 from ragkv.cache.entry_record import EntryRecord
 from ragkv.cache.keys import key_namespace
 from ragkv.digests import Digest

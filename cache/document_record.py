@@ -1,10 +1,10 @@
-"""``DocumentRecord``: one indexed document, as the catalog stores it; ``DocumentSummary``: how it is listed."""
+"""``DocumentRecord``: one indexed document, as the catalog stores it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DocumentRecord", "DocumentSummary"]
+__all__ = ["DocumentRecord"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,14 +17,3 @@ class DocumentRecord:
     content_digest: str  # digest of the content, to tell whether a re-index is needed
     title: str  # display title
     num_chunks: int  # chunks stored for it
-
-
-@dataclass(frozen=True, slots=True)
-class DocumentSummary:
-    """One line of ``ragkv list``: a document with its sizes, read from the catalog alone."""
-
-    source: str  # where it came from (path, URL or name), as indexed
-    title: str  # display title
-    num_chunks: int  # chunks stored for it
-    num_tokens: int  # generator tokens over its chunks (what its caches hold)
-    indexed_at: float  # unix time of its last (re-)index

@@ -82,7 +82,7 @@ class EngineConfig:
         validate_tenant(self.tenant)
         validate_placement(self.dtype, self.device)
         if self.fusion.strategy().wants_stored_scores:
-            # the engine records no index-time deviation (ragkv.craft is a bench-only recorder), so
+            # the engine records no index-time deviation (ragkv.bench.craft is a bench-only recorder), so
             # such a method would fail at the first query instead of here
             raise ValueError(
                 f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "
@@ -422,7 +422,8 @@ class RagKV:
         forced: list[bool] = []
         hit_tokens = 0
         plan = self._load_planning(middle, suffix, fusion, started)
-        fetched = iter(self.retriever.load_many([seg for seg, cached in middle if cached], plan=plan))
+        got_all, load_report = self.retriever.load_planned([seg for seg, cached in middle if cached], plan)
+        fetched = iter(got_all)
         for seg, cached in middle:
             if not cached:  # plain text between chunks: computed in place by fusion
                 loaded.append(self.adapter.empty_kv(len(seg)))
@@ -442,8 +443,8 @@ class RagKV:
             else:
                 stats.cache_misses += 1
                 stats.prefilled_chunk_tokens += len(seg)
-        if plan.report is not None:
-            stats.extra["load"] = {**plan.report, "deadline_ms": self.config.load.slo_ms}
+        if load_report is not None:
+            stats.extra["load"] = {**load_report, "deadline_ms": self.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
         fuse_started = time.perf_counter()
         fused = fuse(self.adapter, inp, fusion, prefill_suffix=True)

@@ -164,7 +164,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
         last_key = rag.retriever.chunk_key(ids[-1], rag.config.retriever.codec).storage_key
         first_decoded = threading.Event()
         waited: list[bool] = []
-        get, decode = rag.store.get, rag.retriever._decode
+        get, decode = rag.store.get, rag.retriever.loader._decode
 
         def slow_get(key: str) -> bytes | None:
             if key == last_key:
@@ -177,7 +177,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
             return out
 
         monkeypatch.setattr(rag.store, "get", slow_get)
-        monkeypatch.setattr(rag.retriever, "_decode", spy_decode)
+        monkeypatch.setattr(rag.retriever.loader, "_decode", spy_decode)
         loaded = rag.retriever.load_many(ids)
         assert waited == [True] and all(x.hit for x in loaded)
 

@@ -187,7 +187,15 @@ def test_a_folder_whose_config_names_an_unsupported_family_is_refused_before_wei
 
 # ---- the real default model: converted once per session, then loaded from the entry -------------------
 @pytest.mark.slow
-def test_a_second_load_reads_the_entry_and_another_dtype_converts_anew(real_adapter, monkeypatch):
+def test_a_second_load_reads_the_entry_and_another_dtype_converts_anew(real_adapter, monkeypatch, tmp_path):
+    import shutil
+
+    # a cache holding only the session's fp32 entry (other tests may have added bf16/fp16 ones)
+    session = loading.model_cache()
+    (fp32,) = [e for e in session.entries() if e.name == "smollm2-135m" and e.dtype == "float32"]
+    shutil.copytree(fp32.path, tmp_path / fp32.path.relative_to(session.root))
+    monkeypatch.setenv("RAGKV_MODEL_CACHE", str(tmp_path))
+
     def must_not_convert(*a):
         raise AssertionError("converted again")
 

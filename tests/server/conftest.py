@@ -52,14 +52,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def start_server(model_dir: Path, data_dir: Path, *args: str) -> Served:
-    """Start ``ragkv serve`` and wait until /health answers."""
+    """Start ``ragkv serve`` and wait until /health answers.
+
+    fp32, as ``load_model`` gives the tests' reference engines: ``auto`` would pick bf16 on a CPU with
+    avx512_bf16, and the reference answers of the random-weight model differ from bf16 ones."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")}
     env.update(HF_HUB_OFFLINE="1", RAGKV_LOG="INFO")
     log = data_dir / "server.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--port", str(port), "--model", str(model_dir),
-           "--data-dir", str(data_dir), "--max-new-tokens", "16", *args]  # fmt: skip
+           "--data-dir", str(data_dir), "--max-new-tokens", "16", "--dtype", "float32", *args]  # fmt: skip
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
