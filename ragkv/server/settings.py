@@ -56,13 +56,13 @@ class ServerSettings:
 
 
 def load_api_keys(path: Path) -> dict[str, str]:
-    """Read an API keys file: one ``KEY TENANT`` pair per line; blank lines and ``#`` comments skipped.
+    """Read an API keys file: one ``KEY TENANT [QUOTA=VALUE ...]`` line per key; blank lines and ``#`` comments skipped.
 
     >>> import tempfile, os
     >>> with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
-    ...     _ = f.write("# team keys\\nsk-alpha alpha\\nsk-beta beta\\n")
+    ...     _ = f.write("# team keys\\nsk-alpha alpha\\nsk-beta-1 beta\\n")
     >>> load_api_keys(Path(f.name))
-    {'sk-alpha': 'alpha', 'sk-beta': 'beta'}
+    {'sk-alpha': 'alpha', 'sk-beta-1': 'beta'}
     >>> os.unlink(f.name)
     """
     keys: dict[str, str] = {}
@@ -95,7 +95,7 @@ def load_tenant_quotas(path: Path, default: TenantQuota) -> dict[str, TenantQuot
 
     >>> import tempfile, os
     >>> with tempfile.NamedTemporaryFile("w", suffix=".keys", delete=False) as f:
-    ...     _ = f.write("sk-alpha-1 alpha concurrent=2\nsk-beta-22 beta\n")
+    ...     _ = f.write("sk-alpha-1 alpha concurrent=2\\nsk-beta-22 beta\\n")
     >>> load_tenant_quotas(Path(f.name), TenantQuota())["alpha"].concurrent
     2
     >>> os.unlink(f.name)
