@@ -141,6 +141,13 @@ def run_soak(
     return asyncio.run(_soak(url, keys, questions, minutes, concurrency, max_tokens, pid, seed))
 
 
+def _rss_row(samples: Sequence[tuple[float, int]], warmup_s: float) -> str:
+    if not samples:
+        return "n/a"
+    warm = next((rss for t, rss in samples if t >= warmup_s), samples[-1][1])
+    return " / ".join(f"{v / 2**20:,.0f}" for v in (samples[0][1], warm, samples[-1][1]))
+
+
 def format_soak(result: SoakResult, minutes: float) -> tuple[str, list[dict[str, Any]]]:
     """The soak's table, and its rows (for ``--out``)."""
     status: Counter[int] = result["status"]
