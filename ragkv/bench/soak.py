@@ -153,7 +153,7 @@ def format_soak(result: SoakResult, minutes: float) -> tuple[str, list[dict[str,
     status: Counter[int] = result["status"]
     growth = rss_growth(result["rss"], warmup_s=minutes * 60 / 5)
     rss = result["rss"]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"metric": "requests", "value": sum(status.values())},
         {"metric": "by status", "value": ", ".join(f"{s}: {n}" for s, n in sorted(status.items()))},
         {"metric": "5xx", "value": sum(n for s, n in status.items() if s >= 500)},
