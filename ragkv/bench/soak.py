@@ -161,10 +161,7 @@ def format_soak(result: SoakResult, minutes: float) -> tuple[str, list[dict[str,
         {"metric": "TTFT p50 ms (streamed)", "value": f"{_pct(result['ttft_ms'], 0.5):,.0f}"},
         {"metric": "TTFT p95 ms (streamed)", "value": f"{_pct(result['ttft_ms'], 0.95):,.0f}"},
         {"metric": "output tok/s", "value": f"{result['tokens'] / max(result['wall_s'], 1e-9):.1f}"},
-        {
-            "metric": "RSS start / end MiB",
-            "value": f"{rss[0][1] / 2**20:,.0f} / {rss[-1][1] / 2**20:,.0f}" if rss else "n/a",
-        },
+        {"metric": "RSS start / after warm-up / end MiB", "value": _rss_row(rss, minutes * 60 / 5)},
         {"metric": "RSS growth after warm-up", "value": "n/a" if growth is None else f"{growth:+.1%}"},
     ]
     return format_table(rows, COLUMNS), rows

@@ -21,6 +21,7 @@ def test_the_table_counts_5xx_and_reads_its_numbers():
     values = {r["metric"]: r["value"] for r in rows}
     assert values["requests"] == 13 and values["5xx"] == 2 and values["output tok/s"] == "2.0"
     assert values["TTFT p50 ms (streamed)"] == "20" and values["RSS growth after warm-up"] == "+6.2%"
+    assert values["RSS start / after warm-up / end MiB"] == "1,024 / 1,024 / 1,088"
     assert "| metric" in table
 
 
