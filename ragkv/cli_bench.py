@@ -296,6 +296,42 @@ def bench_serve(
     _write_rows(rows, out)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    url: Annotated[str, typer.Option("--url", help="A running ragkv serve.")] = "http://127.0.0.1:8000",
+    minutes: Annotated[float, typer.Option("--minutes", help="How long to run.", min=0.1)] = 30.0,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight.", min=1)] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer tokens per request.", min=1)] = 32,
+    api_key: Annotated[
+        list[str] | None, typer.Option("--api-key", help="A tenant's bearer key (repeat: one per tenant).")
+    ] = None,
+    pid: Annotated[int | None, typer.Option("--pid", help="The server's process id, to sample its RSS.")] = None,
+    out: JsonOut = None,
+) -> None:
+    """Steady mixed load (streamed, blocking, abandoned) over the tenants' keys: 5xx, TTFT, tokens/s, RSS growth.
+
+    Indexes the stdlib demo documents for each tenant that has none first.
+    """
+    import httpx
+
+    from ragkv.bench.soak import format_soak, run_soak
+    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
+
+    keys: list[str | None] = list(api_key) if api_key else [None]
+    for key in keys:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
+            if not client.get("/v1/documents").raise_for_status().json()["data"]:
+                typer.echo("indexing the stdlib demo documents on the server ...", err=True)
+                docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
+                _index_on_server(client, docs)
+    result = run_soak(url, keys, DEMO_QUESTIONS, minutes=minutes, concurrency=concurrency, max_tokens=max_tokens,
+                      pid=pid)  # fmt: skip
+    table, rows = format_soak(result, minutes)
+    typer.echo(table)
+    _write_rows(rows, out)
+
+
 def _index_on_server(client: Any, docs: list[dict[str, str]]) -> None:
     """POST ``docs`` to a server's /v1/documents, showing its streamed progress on stderr."""
     report: dict[str, Any] = {}

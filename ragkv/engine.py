@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +115,25 @@ class EngineConfig:
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)
 
+    def __repr__(self) -> str:
+        # the tier and catalog URLs may carry passwords (redis://:pw@host, postgresql://u:pw@host): a
+        # logged or printed config shows them redacted (dataclass keeps a __repr__ written here)
+        shown = {"store": tuple(_redact(u) for u in self.store), "catalog": _redact(self.catalog)}
+        parts = [f"{f.name}={shown.get(f.name, getattr(self, f.name))!r}" for f in fields(self) if f.repr]
+        return f"EngineConfig({', '.join(parts)})"
+
     def store_urls(self) -> list[str]:
         return list(self.store) or ["memory://?max_bytes=536870912", str(self.data_dir / "kv")]
 
     def catalog_url(self) -> str:
         return self.catalog or f"sqlite:///{self.data_dir / 'catalog.db'}"
+
+
+def _redact(url: str | None) -> str | None:
+    """``url`` without password or query (a plain path is kept as it is)."""
+    from ragkv.cache.config import redact_url
+
+    return redact_url(url) if url and "://" in url else url
 
 
 def _split_urls(value: str) -> tuple[str, ...]:
@@ -480,6 +494,11 @@ class RagKV:
         return kv
 
     # ---- serving: shared model, prefill without decoding, removal ---------------------------
+    @property
+    def model_lock(self) -> threading.RLock:
+        """Held for every forward pass on the model (shared by every tenant's engine of this model)."""
+        return self._model_lock
+
     def for_tenant(self, tenant: str) -> RagKV:
         """An engine for ``tenant`` sharing this one's model, embedder, store, catalog and model lock.
 
