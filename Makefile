@@ -29,6 +29,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python tools/typecheck.py
+	$(BIN)/python tools/layers.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .typecheck

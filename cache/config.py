@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -88,6 +88,9 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
 }
 
 
+_SECRET = re.compile(r"pass|secret|token|key|auth", re.IGNORECASE)  # backend options never shown
+
+
 def redact_url(url: str) -> str:
     """``url`` without its password and query string, safe to log."""
     parts = urlsplit(url)
@@ -114,6 +117,15 @@ class TierConfig:
     policy: str = "lru"  # eviction policy: "lru" or "cost" (see ragkv.cache.policy)
     options: tuple[tuple[str, str], ...] = ()  # the backend's query options, in URL order
     given: frozenset[str] = frozenset()  # ragkv options the URL set explicitly
+
+    def __repr__(self) -> str:
+        # location may carry a password (redis://:pw@host): shown redacted, as redact_url logs it
+        shown: dict[str, object] = {
+            "location": redact_url(self.location) if "://" in self.location else self.location,
+            "options": tuple((k, "***" if _SECRET.search(k) else v) for k, v in self.options),
+        }
+        parts = [f"{f.name}={shown.get(f.name, getattr(self, f.name))!r}" for f in fields(self)]
+        return f"TierConfig({', '.join(parts)})"
 
     @classmethod
     def from_url(cls, url: str) -> TierConfig:

@@ -15,7 +15,7 @@ class LinkEstimate:
     levels) separate the per-request latency from the bandwidth. While the reads seen are all of
     about one size the line cannot be told apart from its slope: the latency stays at its last
     value (``first_latency`` at first) and the rate takes the rest, which, averaged over seconds
-    per byte as in :class:`~ragkv.cache.throughput.RateEstimate`, shows a drop at once.
+    per byte as in :class:`~ragkv.planner.throughput.RateEstimate`, shows a drop at once.
     ``measured`` says whether anything was measured (or seeded from an earlier process, see
     :meth:`seed`; or the first guess is
     ``trusted``, a tier inside this machine). The first read replaces the first guess outright.

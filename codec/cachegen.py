@@ -51,7 +51,7 @@ LEVELS: dict[int, StepSchedule] = {
     # Salient tokens (format 3, ZipCache-style): the 10% of tokens with the most normalized
     # attention in their chunk's prefill keep a 2x finer step; the rest get level 1's (4) or level
     # 3's (5) steps x1.3. A 4x finer step cost more than it saved on held-out text; 2x finer, on
-    # SmolLM2-135M packages prompts 0-1 (bench/codec_salient.py): level 1 x1.3 is 3,976
+    # SmolLM2-135M packages prompts 0-1 (experiments/codec_salient.py): level 1 x1.3 is 3,976
     # bytes/token at KL 0.023 without, 4,206 at 0.013 with them (docs/benchmarks.md, issue 26).
     4: StepSchedule(key_steps=(0.5, 0.5, 0.5), value_steps=(1 / 3, 1.3, 1.3), salient_share=0.1, salient_shift=1),
     5: StepSchedule(key_steps=(1.3, 1.3, 1.3), value_steps=(0.5, 2.6, 2.6), salient_share=0.1, salient_shift=1),

@@ -119,8 +119,16 @@ class _RagKVModel(BaseModel):
     stop: list[str] | None = None
     reuse_chunks: bool = True  # False: prefill every prompt whole (a baseline)
 
+    def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
+        super().__init__(engine=engine, **_check_settings(type(self), kwargs))
+        self._check_model()
+
     def _engine(self) -> RagKV:
         return self.engine if self.engine is not None else _bridge.default_engine()
+
+    def _base_params(self) -> dict[str, Any]:
+        """What LangChain identifies every ragkv model by; each class adds its own settings."""
+        return {"model_name": self._name(), "max_tokens": self.max_tokens, "temperature": self.temperature}
 
     def _name(self) -> str:
         """The model that really generates (``model=`` may only repeat it)."""
@@ -208,10 +216,6 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
 
     streaming: bool = False  # stream through callbacks on invoke
 
-    def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
-        super().__init__(engine=engine, **_check_settings(type(self), kwargs))
-        self._check_model()
-
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: str | None = None, **kwargs: Any) -> Any:
         """Not supported: see ``_NO_TOOLS`` (raised as the message)."""
         raise NotImplementedError(_NO_TOOLS)
@@ -222,13 +226,7 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self._name(),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-        }
+        return {**self._base_params(), "top_p": self.top_p, "top_k": self.top_k}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls_params(stop, kwargs, "chat")
@@ -313,22 +311,13 @@ class RagKVLLM(_RagKVModel, LLM):
 
     chat_template: bool = True  # False: raw completion
 
-    def __init__(self, engine: RagKV | None = None, **kwargs: Any) -> None:
-        super().__init__(engine=engine, **_check_settings(type(self), kwargs))
-        self._check_model()
-
     @property
     def _llm_type(self) -> str:
         return "ragkv"
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self._name(),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "chat_template": self.chat_template,
-        }
+        return {**self._base_params(), "chat_template": self.chat_template}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         return self._ls_params(stop, kwargs, "llm")

@@ -1,4 +1,4 @@
-"""The ``ragkv`` command line: index, ask, demo, stats, bench."""
+"""The ``ragkv`` command line: index, ask, demo, list, stats, remove, serve (bench, models: own modules)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,24 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from ragkv.cli_bench import bench_app
 from ragkv.cli_models import models_app
+from ragkv.cli_options import (
+    CatalogUrl,
+    DataDir,
+    Device,
+    Dtype,
+    Fusion,
+    MaxNewTokens,
+    Model,
+    Offline,
+    Ratio,
+    SloMs,
+    Store,
+    Tenant,
+    config_from,
+    engine_config,
+)
 from ragkv.errors import RagkvError
 
 try:  # typer >= 0.25 vendors click as typer._click; older ones use click itself
@@ -25,9 +42,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode=None,
-)
-bench_app = typer.Typer(
-    help="Benchmarks (print a table; --json writes rows).", no_args_is_help=True, rich_markup_mode=None
 )
 app.add_typer(bench_app, name="bench")
 app.add_typer(models_app, name="models")
@@ -51,81 +65,10 @@ def _root(
     """Precomputed, compressed, shared KV caches for RAG with local models."""
 
 
-# Options default to None ("not given"): EngineConfig and its component records hold the defaults,
-# written once; the CLI only overrides what the user typed (or what RAGKV_* variables set).
-DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Index and cache directory [env RAGKV_DATA_DIR].")]
-Model = Annotated[
-    str | None,
-    typer.Option("--model", help="Model alias, local path, .gguf file or hub name [env RAGKV_MODEL; smollm2-135m]."),
-]
-Store = Annotated[str | None, typer.Option("--store", help="Tier URLs, comma-separated [env RAGKV_STORE].")]
-CatalogUrl = Annotated[str | None, typer.Option("--catalog", help="SQLAlchemy URL [env RAGKV_CATALOG].")]
-Tenant = Annotated[
-    str | None, typer.Option("--tenant", help="Namespace of index and cache entries [env RAGKV_TENANT; default].")
-]
-Fusion = Annotated[
-    str | None, typer.Option("--fusion", help="Fusion method (naive, blend, query_focus, ...; see docs/concepts.md).")
-]
-Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
-Dtype = Annotated[
-    str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16 [env RAGKV_DTYPE; auto].")
-]
-Device = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda[:N] or mps [env RAGKV_DEVICE; auto].")]
-Offline = Annotated[bool | None, typer.Option("--offline", help="Never download a hub model (like HF_HUB_OFFLINE=1).")]
-MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Cap on answer tokens [128].")]
-SloMs = Annotated[
-    float | None,
-    typer.Option("--slo-ms", help="TTFT deadline in ms: chunk caches load at cheaper levels or as text to meet it."),
-]
-
-
-def _config(
-    data_dir: Path | None = None,
-    model: str | None = None,
-    store: str | None = None,
-    catalog: str | None = None,
-    tenant: str | None = None,
-    fusion: str | None = None,
-    ratio: float | None = None,
-    top_k: int | None = None,
-    max_new_tokens: int | None = None,
-    dtype: str | None = None,
-    device: str | None = None,
-    offline: bool | None = None,
-    slo_ms: float | None = None,
-) -> Any:
-    """EngineConfig from its defaults, then RAGKV_* variables, then the options the user gave."""
-    from dataclasses import replace
-
-    from ragkv.engine import EngineConfig
-
-    cfg = EngineConfig.from_env(
-        data_dir=data_dir,
-        model=model,
-        store=None if store is None else tuple(u.strip() for u in store.split(",") if u.strip()),
-        catalog=catalog,
-        tenant=tenant,
-        dtype=dtype,
-        device=device,
-        offline=offline or None,
-    )
-    if fusion is not None:
-        cfg = replace(cfg, fusion=replace(cfg.fusion, method=fusion))
-    if ratio is not None:
-        cfg = replace(cfg, fusion=replace(cfg.fusion, ratio=ratio))
-    if top_k is not None:
-        cfg = replace(cfg, retriever=replace(cfg.retriever, top_k=top_k))
-    if max_new_tokens is not None:
-        cfg = replace(cfg, generation=replace(cfg.generation, max_new_tokens=max_new_tokens))
-    if slo_ms is not None:
-        cfg = replace(cfg, load=replace(cfg.load, slo_ms=slo_ms))
-    return cfg
-
-
 def _engine(**options: Any) -> Any:
     from ragkv.engine import RagKV
 
-    return RagKV(_config(**options))
+    return RagKV(engine_config(**options))
 
 
 # ---- checks that run before any model loads: a typo must not cost a model load (30 s and more) ----
@@ -188,6 +131,7 @@ def _documents(paths: list[Path]) -> list[Any]:
 
 @app.command()
 def index(
+    ctx: typer.Context,
     paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
     data_dir: DataDir = None,
     model: Model = None,
@@ -212,10 +156,7 @@ def index(
     Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
     are not recorded, so running the command again retries them.
     """
-    cfg = _config(
-        data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant,
-        dtype=dtype, device=device, offline=offline,
-    )  # fmt: skip
+    cfg = config_from(ctx)
     _check_setup(cfg)
     docs = _documents(paths)
     run: dict[str, Any] = {}
@@ -245,6 +186,7 @@ def index(
 
 @app.command()
 def ask(
+    ctx: typer.Context,
     question: Annotated[str, typer.Argument(help="The question.")],
     data_dir: DataDir = None,
     model: Model = None,
@@ -263,21 +205,7 @@ def ask(
     slo_ms: SloMs = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
-    cfg = _config(
-        data_dir=data_dir,
-        model=model,
-        store=store,
-        catalog=catalog,
-        tenant=tenant,
-        fusion=fusion,
-        ratio=ratio,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        dtype=dtype,
-        device=device,
-        offline=offline,
-        slo_ms=slo_ms,
-    )
+    cfg = config_from(ctx)
     _check_setup(cfg)
     _check_indexed(cfg)
     from ragkv.engine import RagKV
@@ -317,7 +245,7 @@ def demo(
     from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
 
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    cfg = _config(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio)
+    cfg = engine_config(data_dir=data_dir, model=model, fusion=fusion, ratio=ratio)
     _check_setup(cfg)
     from ragkv.engine import RagKV
 
@@ -363,7 +291,7 @@ def stats(
     from ragkv.cache.store import open_store
     from ragkv.types import tenant_namespace
 
-    cfg = _config(data_dir=data_dir, store=store, catalog=catalog, tenant=tenant)
+    cfg = engine_config(data_dir=data_dir, store=store, catalog=catalog, tenant=tenant)
     with Catalog(cfg.catalog_url(), create=False) as cat:  # a missing catalog is an error, not a new one
         docs, entries = cat.documents(cfg.tenant), cat.entries(cfg.tenant)
         typer.echo(
@@ -405,7 +333,7 @@ def list_documents(
 
     from ragkv.cache.catalog import Catalog
 
-    cfg = _config(data_dir=data_dir, catalog=catalog, tenant=tenant)
+    cfg = engine_config(data_dir=data_dir, catalog=catalog, tenant=tenant)
     with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
         docs, url = cat.document_summaries(cfg.tenant), cat.url
     if as_json:
@@ -443,7 +371,7 @@ def remove(
     tenant: Tenant = None,
 ) -> None:
     """Remove a document: its catalog rows, FAISS entries and the cache entries no other document uses."""
-    cfg = _config(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant)
+    cfg = engine_config(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant)
     _check_setup(cfg)
     found = _indexed_source(cfg, source)  # before the generator and the embedder load
     from ragkv.engine import RagKV
@@ -455,6 +383,7 @@ def remove(
 
 @app.command()
 def serve(
+    ctx: typer.Context,
     host: Annotated[str | None, typer.Option("--host", help="Interface to bind [127.0.0.1: loopback].")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port [8000].")] = None,
     api_keys: Annotated[
@@ -462,6 +391,25 @@ def serve(
     ] = None,
     max_batch: Annotated[int | None, typer.Option("--max-batch", help="Requests decoded together [8].")] = None,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Requests held before 429 [32].")] = None,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-host", help="A Host name to answer besides loopback and --host (repeatable; '*': any)."
+        ),
+    ] = None,
+    max_connections: Annotated[
+        int | None, typer.Option("--max-connections", help="Open connections at most; more get 503 [256].")
+    ] = None,
+    header_timeout: Annotated[
+        float | None, typer.Option("--header-timeout", help="Seconds a connection has to send a request head [10].")
+    ] = None,
+    quota: Annotated[
+        list[str] | None,
+        typer.Option("--quota", help="Every tenant's quota NAME=VALUE (repeatable; see docs/serving.md)."),
+    ] = None,
+    log_json: Annotated[
+        bool | None, typer.Option("--log-json/--log-text", help="Access log lines as JSON [text; RAGKV_LOG_JSON].")
+    ] = None,
     data_dir: DataDir = None,
     model: Model = None,
     store: Store = None,
@@ -481,344 +429,57 @@ def serve(
         import uvicorn
 
         from ragkv.server.app import create_app
-        from ragkv.server.settings import ServerSettings, load_api_keys
+        from ragkv.server.protocol import header_timeout_protocol
+        from ragkv.server.quotas import TenantQuota
+        from ragkv.server.settings import ServerSettings, load_api_keys, load_tenant_quotas
     except ImportError as e:
         raise ImportError(f"ragkv serve needs the serve extra: pip install 'ragkv[serve]' ({e})") from e
     from dataclasses import replace
 
-    given: dict[str, Any] = {"host": host, "port": port, "max_batch": max_batch, "max_queue": max_queue}
+    if log_json is None and os.environ.get("RAGKV_LOG_JSON"):
+        log_json = os.environ["RAGKV_LOG_JSON"].lower() in ("1", "true", "yes")
+    given: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "max_batch": max_batch,
+        "max_queue": max_queue,
+        "allowed_hosts": tuple(allowed_host) if allowed_host else None,
+        "max_connections": max_connections,
+        "header_timeout_s": header_timeout,
+        "log_json": log_json,
+        "metrics_key": os.environ.get("RAGKV_METRICS_KEY") or None,
+    }
+    default_quota = TenantQuota().with_words(quota or [])
     settings = ServerSettings(
-        api_keys=load_api_keys(api_keys) if api_keys else {}, **{k: v for k, v in given.items() if v is not None}
+        api_keys=load_api_keys(api_keys) if api_keys else {},
+        quota=default_quota,
+        tenant_quotas=load_tenant_quotas(api_keys, default_quota) if api_keys else {},
+        **{k: v for k, v in given.items() if v is not None},
     )
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
         typer.echo(
             f"warning: listening on {settings.host} without --api-keys: anyone who can reach it can use it", err=True
         )
-    cfg = _config(
-        data_dir=data_dir,
-        model=model,
-        store=store,
-        catalog=catalog,
-        tenant=tenant,
-        fusion=fusion,
-        ratio=ratio,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        dtype=dtype,
-        device=device,
-        offline=offline,
-        slo_ms=slo_ms,
-    )
+    cfg = config_from(ctx)
     _check_setup(cfg)
     from ragkv.engine import RagKV
 
     engine = RagKV(cfg)
     settings = replace(settings, model_name=Path(engine.adapter.name).name or "ragkv")
     typer.echo(f"ragkv serve: {engine.adapter.name} on http://{settings.host}:{settings.port}", err=True)
+    if settings.access_log:
+        logging.getLogger("ragkv.server.access").setLevel(logging.INFO)
     uvicorn.run(
         create_app(engine, settings),
         host=settings.host,
         port=settings.port,
         log_level="warning",
+        access_log=False,  # ragkv.server.access writes one line per request (route template, tenant)
         timeout_graceful_shutdown=int(settings.drain_s) + 5,
+        timeout_keep_alive=int(settings.keep_alive_s),
+        limit_concurrency=settings.max_connections,
+        http=header_timeout_protocol(settings.header_timeout_s),
     )
-
-
-def _load_model(model: str | None, dtype: str | None = None, device: str | None = None) -> Any:
-    """The model the options name, placed as EngineConfig would place it (its defaults, RAGKV_* variables)."""
-    from ragkv.bench.table import machine_note
-    from ragkv.model import load_model
-    from ragkv.model.placement import dtype_name
-
-    cfg = _config(model=model, dtype=dtype, device=device)
-    adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
-    typer.echo(machine_note(adapter.name, dtype_name(adapter.dtype), adapter.dtype_reason))
-    return adapter
-
-
-def _bench_prompts(spec: str, adapter: Any, limit: int, max_tokens: int) -> list[dict[str, Any]]:
-    """``--prompts``: a prompt set's name (``builtin``, ``packages``) or a JSONL file's path."""
-    from ragkv.bench.prompt_sets import PROMPT_SETS, prompt_set
-
-    if spec in PROMPT_SETS:
-        try:
-            return prompt_set(spec, adapter, n=limit, max_tokens=max_tokens)
-        except ValueError as e:  # the set's sources are missing on this machine
-            raise typer.BadParameter(str(e), param_hint="--prompts") from e
-    path = Path(spec)
-    if not path.is_file():
-        raise typer.BadParameter(
-            f"{spec!r} is neither a prompt set ({', '.join(sorted(PROMPT_SETS))}) nor a JSONL file",
-            param_hint="--prompts",
-        )
-    return _load_prompts(path)[:limit]
-
-
-def _load_prompts(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise typer.BadParameter(f"{path}:{n}: not JSON ({e})") from e
-        if not isinstance(row.get("chunks"), list) or not isinstance(row.get("question"), str):
-            raise typer.BadParameter(f"{path}:{n}: needs 'chunks' (list of str) and 'question' (str)")
-        rows.append({"system": row.get("system") or None, "chunks": row["chunks"], "question": row["question"]})
-    return rows
-
-
-def _write_rows(rows: list[dict[str, Any]], out: Path | None) -> None:
-    if out is not None:
-        out.write_text(json.dumps(rows, indent=1))
-        typer.echo(f"wrote {len(rows)} rows to {out}")
-
-
-Prompts = Annotated[
-    str,
-    typer.Option(
-        "--prompts",
-        help="Prompt set: builtin (stdlib docs), packages (PyPI package descriptions), "
-        "or a JSONL file with {system, chunks, question} per line.",
-    ),
-]
-JsonOut = Annotated[Path | None, typer.Option("--json", help="Write result rows to this file.")]
-
-
-@bench_app.command("fusion")
-def bench_fusion(
-    prompts: Prompts = "builtin",
-    model: Model = None,
-    out: JsonOut = None,
-    limit: Annotated[int, typer.Option("--limit", help="Use at most this many prompts.")] = 12,
-    methods: Annotated[str | None, typer.Option("--methods", help="method:ratio,... to run")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Save a KL vs TTFT plot here.")] = None,
-    dtype: Dtype = None,
-    device: Device = None,
-) -> None:
-    """Fidelity and TTFT of fusion methods against full prefill (in the model's dtype)."""
-    from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
-
-    adapter = _load_model(model, dtype, device)
-    rows = run_fusion_bench(
-        adapter,
-        _bench_prompts(prompts, adapter, limit, max_tokens=2800),
-        parse_grid(methods) if methods else DEFAULT_GRID,
-        limit=limit,
-    )
-    typer.echo(format_table(rows))
-    _write_rows(rows, out)
-    if plot:
-        plot_rows(rows, plot)
-
-
-@bench_app.command("qa")
-def bench_qa(
-    model: Model = None,
-    out: JsonOut = None,
-    limit: Annotated[int | None, typer.Option("--limit", help="Use at most this many questions [all].")] = None,
-    only: Annotated[str | None, typer.Option("--only", help="Question ids to run, comma-separated [all].")] = None,
-    methods: Annotated[
-        str, typer.Option("--methods", help="method[:ratio],...; 'default' = the engine's default fusion.")
-    ] = "full,naive,blend,query_focus,default",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Answer tokens (greedy).")] = 24,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the distractor documents and their order.")] = 0,
-    dtype: Dtype = None,
-    device: Device = None,
-) -> None:
-    """Answers scored against gold on an invented multi-document QA set, per fusion method."""
-    from ragkv.bench.qa import format_qa_table, parse_methods, run_qa_bench
-
-    try:
-        grid = parse_methods(methods)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--methods") from e
-    partial = None if out is None else out.with_name(out.name + ".partial.jsonl")  # a long run's answers so far
-    if partial is not None:
-        partial.write_text("")
-
-    def progress(record: dict[str, Any]) -> None:
-        if partial is not None:
-            with partial.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    adapter = _load_model(model, dtype, device)
-    ids = [i.strip() for i in (only or "").split(",") if i.strip()]
-    result = run_qa_bench(
-        adapter, methods=grid, limit=limit, only=ids, max_tokens=max_tokens, seed=seed, on_question=progress
-    )
-    typer.echo(format_qa_table(result))
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1))
-        typer.echo(f"wrote {len(result['rows'])} rows and {len(result['questions'])} answers to {out}")
-
-
-@bench_app.command("load")
-def bench_load(
-    model: Model = None,
-    dtype: Dtype = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Later loads to time after the first.")] = 2,
-) -> None:
-    """Time a fresh process's model load: the first converts (empty cache), later ones read the entry."""
-    from ragkv.bench.load import run_load_bench
-    from ragkv.bench.table import Column, format_table
-
-    cfg = _config(model=model, dtype=dtype)
-    rows = run_load_bench(cfg.model, cfg.dtype, repeats=repeats)
-    columns = (
-        "model",
-        "load",
-        Column("seconds", "seconds", "{:.1f}"),
-        Column("peak_rss_mb", "peak RSS MB", "{:,.0f}"),
-        "dtype",
-        "dtype_reason",
-    )
-    typer.echo(format_table(rows, columns))
-
-
-@bench_app.command("codec")
-def bench_codec(
-    prompts: Prompts = "builtin",
-    model: Model = None,
-    out: JsonOut = None,
-    limit: Annotated[int, typer.Option("--limit")] = 6,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Save a size vs KL plot here.")] = None,
-) -> None:
-    """Size, fidelity and speed of every codec and level."""
-    from ragkv.bench.codec import format_table, plot_rows, run_codec_bench
-
-    adapter = _load_model(model)
-    rows = run_codec_bench(adapter, _bench_prompts(prompts, adapter, limit, max_tokens=2000))
-    typer.echo(format_table(rows))
-    _write_rows(rows, out)
-    if plot:
-        plot_rows(rows, plot)
-
-
-@bench_app.command("store")
-def bench_store(
-    store: Annotated[str, typer.Option("--store", help="Tier URLs, comma-separated.")] = "memory://",
-    out: JsonOut = None,
-    model: Annotated[
-        str | None,
-        typer.Option("--model", help="Also time assembling k chunks' caches from each tier against prefilling them."),
-    ] = None,
-    k: Annotated[int, typer.Option("--k", help="Chunks to assemble.")] = 4,
-    codec_name: Annotated[str, typer.Option("--codec")] = "raw",
-    level: Annotated[int, typer.Option("--level")] = 0,
-) -> None:
-    """Put/get throughput and latency per tier for chunk-sized blobs (and assembly vs prefill)."""
-    from ragkv.bench.store import format_table, run_store_bench
-
-    urls = [u for u in store.split(",") if u]
-    rows = run_store_bench(urls)
-    typer.echo(format_table(rows))
-    if model:
-        from ragkv.bench.assemble import format_assemble_table, run_assemble_bench
-
-        assembled = run_assemble_bench(_load_model(model), urls, k=k, codec_name=codec_name, level=level)
-        typer.echo("\n" + format_assemble_table(assembled))
-        rows = rows + assembled
-    _write_rows(rows, out)
-
-
-@bench_app.command("stream")
-def bench_stream(
-    model: Model = None,
-    out: JsonOut = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Save a TTFT vs bandwidth plot here.")] = None,
-    levels: Annotated[str, typer.Option("--levels", help="cachegen levels stored, best first.")] = "0,1,2,3",
-    chunks: Annotated[int, typer.Option("--chunks", help="Chunks in the prompt.", min=1)] = 4,
-    repeats: Annotated[int, typer.Option("--repeats", help="Runs per (scenario, policy); the best is kept.")] = 3,
-    slo_ms: SloMs = None,
-    scenarios: Annotated[
-        str | None,
-        typer.Option(
-            "--scenarios",
-            help="Comma-separated subset of 10mbit,100mbit,1gbit,unlimited,drop-1gbit-20mbit (default: all).",
-        ),
-    ] = None,
-) -> None:
-    """TTFT and KL of fixed levels, text and the load planner over a kernel-limited link to Redis.
-
-    Runs in a network namespace it creates (unshare -n, tbf on loopback; needs root).
-    """
-    from ragkv.bench import netns
-
-    if not netns.inside():
-        try:
-            code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
-        except RuntimeError as e:  # no namespace here: say why, in one line
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        raise typer.Exit(code)
-    from ragkv.bench.stream import SCENARIOS, format_table, plot_rows, run_stream_bench, summary
-
-    wanted = [int(x) for x in levels.split(",") if x.strip()]
-    names = None if scenarios is None else [x.strip() for x in scenarios.split(",") if x.strip()]
-    known = [name for name, *_ in SCENARIOS]
-    if names is not None and (unknown := sorted(set(names) - set(known))):
-        typer.echo(f"error: unknown scenario(s) {unknown}; choose from {','.join(known)}", err=True)
-        raise typer.Exit(2)
-    rows = run_stream_bench(_load_model(model), wanted, chunks=chunks, repeats=repeats, slo_ms=slo_ms, scenarios=names)
-    typer.echo(format_table(rows))
-    typer.echo("\n" + summary(rows))
-    _write_rows(rows, out)
-    if plot:
-        plot_rows(rows, plot)
-
-
-@bench_app.command("serve")
-def bench_serve(
-    url: Annotated[str, typer.Option("--url", help="A running ragkv serve.")] = "http://127.0.0.1:8000",
-    concurrency: Annotated[str, typer.Option("--concurrency", help="Levels, comma-separated.")] = "1,2,4,8",
-    requests: Annotated[int, typer.Option("--requests", help="Requests per level and mode.", min=1)] = 16,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer tokens per request.", min=1)] = 32,
-    api_key: Annotated[str | None, typer.Option("--api-key", help="Bearer key (servers with --api-keys).")] = None,
-    out: JsonOut = None,
-) -> None:
-    """Requests/s, tokens/s, TTFT and latency of a live server, with chunk cache reuse and with --full.
-
-    Indexes the stdlib demo documents through POST /v1/documents first when the server has none.
-    """
-    import httpx
-
-    from ragkv.bench.serve import format_serve_table, run_serve_bench
-    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
-
-    levels = [int(c) for c in concurrency.split(",") if c.strip()]
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
-        if not client.get("/v1/documents").raise_for_status().json()["data"]:
-            typer.echo("indexing the stdlib demo documents on the server ...", err=True)
-            docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
-            _index_on_server(client, docs)
-    rows = run_serve_bench(url, levels, requests, questions=DEMO_QUESTIONS, api_key=api_key, max_tokens=max_tokens)
-    typer.echo(format_serve_table(rows))
-    _write_rows(rows, out)
-
-
-def _index_on_server(client: Any, docs: list[dict[str, str]]) -> None:
-    """POST ``docs`` to a server's /v1/documents, showing its streamed progress on stderr."""
-    report: dict[str, Any] = {}
-    with client.stream("POST", "/v1/documents?stream=true", json=docs) as r:
-        if r.status_code != 200:
-            r.read()
-            typer.echo(f"error: the server refused the documents: HTTP {r.status_code}: {r.text[:300]}", err=True)
-            raise typer.Exit(2)
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("object") == "document.progress":
-                typer.echo(f"\r  {event['phase']} {event['done']}/{event['total']}    ", err=True, nl=False)
-            else:
-                report = event
-    typer.echo("", err=True)
-    if "error" in report or report.get("status") != 201:
-        typer.echo(f"error: indexing the demo documents on the server failed: {report}", err=True)
-        raise typer.Exit(2)
 
 
 def main() -> None:

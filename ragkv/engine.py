@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +82,7 @@ class EngineConfig:
         validate_tenant(self.tenant)
         validate_placement(self.dtype, self.device)
         if self.fusion.strategy().wants_stored_scores:
-            # the engine records no index-time deviation (ragkv.craft is a bench-only recorder), so
+            # the engine records no index-time deviation (ragkv.bench.craft is a bench-only recorder), so
             # such a method would fail at the first query instead of here
             raise ValueError(
                 f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "
@@ -115,11 +115,25 @@ class EngineConfig:
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)
 
+    def __repr__(self) -> str:
+        # the tier and catalog URLs may carry passwords (redis://:pw@host, postgresql://u:pw@host): a
+        # logged or printed config shows them redacted (dataclass keeps a __repr__ written here)
+        shown = {"store": tuple(_redact(u) for u in self.store), "catalog": _redact(self.catalog)}
+        parts = [f"{f.name}={shown.get(f.name, getattr(self, f.name))!r}" for f in fields(self) if f.repr]
+        return f"EngineConfig({', '.join(parts)})"
+
     def store_urls(self) -> list[str]:
         return list(self.store) or ["memory://?max_bytes=536870912", str(self.data_dir / "kv")]
 
     def catalog_url(self) -> str:
         return self.catalog or f"sqlite:///{self.data_dir / 'catalog.db'}"
+
+
+def _redact(url: str | None) -> str | None:
+    """``url`` without password or query (a plain path is kept as it is)."""
+    from ragkv.cache.config import redact_url
+
+    return redact_url(url) if url and "://" in url else url
 
 
 def _split_urls(value: str) -> tuple[str, ...]:
@@ -408,7 +422,8 @@ class RagKV:
         forced: list[bool] = []
         hit_tokens = 0
         plan = self._load_planning(middle, suffix, fusion, started)
-        fetched = iter(self.retriever.load_many([seg for seg, cached in middle if cached], plan=plan))
+        got_all, load_report = self.retriever.load_planned([seg for seg, cached in middle if cached], plan)
+        fetched = iter(got_all)
         for seg, cached in middle:
             if not cached:  # plain text between chunks: computed in place by fusion
                 loaded.append(self.adapter.empty_kv(len(seg)))
@@ -428,8 +443,8 @@ class RagKV:
             else:
                 stats.cache_misses += 1
                 stats.prefilled_chunk_tokens += len(seg)
-        if plan.report is not None:
-            stats.extra["load"] = {**plan.report, "deadline_ms": self.config.load.slo_ms}
+        if load_report is not None:
+            stats.extra["load"] = {**load_report, "deadline_ms": self.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
         fuse_started = time.perf_counter()
         fused = fuse(self.adapter, inp, fusion, prefill_suffix=True)
@@ -479,6 +494,11 @@ class RagKV:
         return kv
 
     # ---- serving: shared model, prefill without decoding, removal ---------------------------
+    @property
+    def model_lock(self) -> threading.RLock:
+        """Held for every forward pass on the model (shared by every tenant's engine of this model)."""
+        return self._model_lock
+
     def for_tenant(self, tenant: str) -> RagKV:
         """An engine for ``tenant`` sharing this one's model, embedder, store, catalog and model lock.
 

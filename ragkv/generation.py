@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from ragkv.types import ChunkKV
 
-__all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "stream_text"]
+__all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "pick_token", "stream_text"]
 
 
 class Decoder(Protocol):
@@ -67,6 +67,14 @@ def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | No
         keep = torch.cumsum(sorted_p, 0) - sorted_p < cfg.top_p  # always keeps the top token
         probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
+
+
+def pick_token(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None) -> int:
+    """The next token from ``[vocab]`` logits: argmax when greedy, else sampled with ``cfg`` and ``gen``.
+
+    The one sampling rule, shared by :func:`decode_loop` and the server's batching scheduler.
+    """
+    return _pick(logits, cfg, gen)
 
 
 def decode_loop(

@@ -156,7 +156,7 @@ class QueryAttnParams(CheckParams, SinkParams, ExactFirstParams):
 
 @dataclass(frozen=True, kw_only=True)
 class CraftParams(SinkParams, ExactFirstParams):
-    """``craft``: the tokens with the highest deviation recorded at index time (``ragkv.craft``).
+    """``craft``: the tokens with the highest deviation recorded at index time (``ragkv.bench.craft``).
 
     Its benches cache every chunk after the shared prefix, uncompressed, so ``first_chunk_exact``
     defaults to True here (False: rank the first chunk's tokens like the others)."""
@@ -247,7 +247,7 @@ class Strategy:
     name: ClassVar[str]
     Params: ClassVar[type[StrategyParams]] = NoParams  # the record this strategy takes
     wants_query_attention: ClassVar[bool] = False  # fusion runs the question probe for it
-    wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time (ragkv.craft)
+    wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time (ragkv.bench.craft)
 
     def __init__(self, ratio: float, params: StrategyParams | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
@@ -531,7 +531,7 @@ class Craft(Strategy):
     """Cache-Craft: recompute the ``ratio`` of tokens whose deviation, recorded at index time, is highest.
 
     No question probe and no check layer: the ranking comes with the chunks
-    (``FusionInput.stored_scores``, from :func:`ragkv.craft.record_deviation`), so selecting costs
+    (``FusionInput.stored_scores``, from :func:`ragkv.bench.craft.record_deviation`), so selecting costs
     nothing at query time. Every chunk's first ``sink_tokens`` come first within the budget.
     """
 
@@ -592,7 +592,7 @@ def _stored(state: SelectionState, method: str) -> torch.Tensor:
     if state.stored_scores is None:
         raise ValueError(
             f"fusion method {method!r} ranks tokens by the deviation recorded when each chunk was indexed; "
-            "pass FusionInput(stored_scores=[ragkv.craft.record_deviation(...) for each chunk]) or choose "
+            "pass FusionInput(stored_scores=[ragkv.bench.craft.record_deviation(...) for each chunk]) or choose "
             "a method that measures at query time (query_focus, query_attn)"
         )
     if state.stored_scores.shape != (state.num_chunk_tokens,):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,10 @@ from ragkv.cache.store import TieredStore
 from ragkv.codec.saliency import normalized_attention
 from ragkv.digests import tokens_digest
 from ragkv.model import ModelAdapter
+
+if TYPE_CHECKING:
+    from ragkv.cache.catalog import Catalog
+
 from ragkv.types import ChunkKey, ChunkKV, CodecSpec, ModelFingerprint, TokenizerFingerprint, validate_tenant
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,20 @@ class StoredEntry:
     level: int
     nbytes: int  # encoded bytes
     num_tokens: int  # chunk tokens the cache covers
+
+
+def record_stored(catalog: Catalog, entry: StoredEntry, *, tenant: str) -> None:
+    """Record a stored cache in the catalog (after its bytes are in the store): indexing and the
+    query path's recomputed misses both do."""
+    catalog.record_entry(
+        entry.storage_key,
+        tenant=tenant,
+        tokens_digest=entry.tokens_digest,
+        codec=entry.codec,
+        level=entry.level,
+        nbytes=entry.nbytes,
+        num_tokens=entry.num_tokens,
+    )
 
 
 @dataclass(frozen=True, slots=True)

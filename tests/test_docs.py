@@ -163,13 +163,13 @@ def test_every_marker_gives_a_reason_and_sits_on_a_block_that_could_run():
             assert b.lang in SHELL + PYTHON, f"{b.where}: a ```{b.lang} block never runs; drop the marker"
 
 
-
 def test_benchmark_page_blocks_never_run_in_the_tests():
     """docs/benchmarks.md holds the commands behind its figures: minutes to hours each, often on a
     real model. A new one must say so with a marker, or the fast tests would run the benchmark."""
     page = ROOT / "docs" / "benchmarks.md"
     unmarked = [b.where for b in ALL_BLOCKS if b.page == page and b.lang in SHELL + PYTHON and b.marker is None]
     assert not unmarked, f"add <!-- no-run: a benchmark ... --> (or slow:) before: {unmarked}"
+
 
 # ---- static checks on every block -------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TREE = ".typecheck"  # pyproject.toml's [tool.mypy] mypy_path names the same folder
 # Checked besides the package: scripts that import it (each a top-level module to mypy).
-EXTRA_TARGETS = ("bench", "examples", "tools")
+EXTRA_TARGETS = ("experiments", "examples", "tools")
 _SKIP = {"__pycache__"}
 
 

@@ -18,12 +18,12 @@ import torch
 from ragkv import codec
 from ragkv.bench import table
 from ragkv.bench.table import Column
-from ragkv.cache.prefetch import prefetch
 from ragkv.cache.registry import open_tier
 from ragkv.cache.tier import Tier
 from ragkv.digests import tokens_digest
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.model import ModelAdapter
+from ragkv.retriever.prefetch import prefetch
 from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
 __all__ = ["TABLE", "run_assemble_bench", "format_assemble_table"]

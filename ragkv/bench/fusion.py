@@ -7,7 +7,7 @@ memory); then its logits at the positions predicting the reference answer give K
 and top-1 agreement, and its own greedy answer gives exact match and token F1 against full's.
 
 Methods that rank by deviation recorded at index time (``craft``, ``craft_query``) get it
-recorded per chunk, untimed, with :func:`ragkv.craft.record_deviation` after a few chunks drawn
+recorded per chunk, untimed, with :func:`ragkv.bench.craft.record_deviation` after a few chunks drawn
 from the other prompts of the run (:func:`craft_contexts`), never the prompt's own chunks.
 """
 
@@ -25,8 +25,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ragkv.bench import table
+from ragkv.bench.craft import record_deviation
 from ragkv.bench.table import Column
-from ragkv.craft import record_deviation
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter

@@ -20,9 +20,9 @@ from typing import Any
 
 from ragkv.cache.fetched import Fetched
 from ragkv.cache.link import LinkEstimate
-from ragkv.cache.throughput import RateEstimate
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import LOCAL, TEXT, Choice, ChunkOptions, Rates, choice_name, plan_load
+from ragkv.planner.throughput import RateEstimate
 from ragkv.types import CodecSpec
 
 __all__ = ["Average", "LoadEstimates", "LoadPlanning", "LoadSession"]
@@ -99,14 +99,13 @@ class LoadEstimates:
 
 @dataclass(slots=True)
 class LoadPlanning:
-    """What the engine hands the loader for one answer; the loader fills ``report``."""
+    """What the engine hands the loader for one answer (the loader returns its report beside the chunks)."""
 
     config: LoadConfig
     estimates: LoadEstimates
     deadline: float | None = None  # time.perf_counter() value by which loading must be done
     reserve_s: float = 0.0  # estimated seconds the fusion pass needs after loading
     fusion_ratio: float = 0.0  # share of a loaded chunk's tokens the fusion pass recomputes
-    report: dict[str, Any] | None = None  # LoadSession.report() once loaded
 
 
 class LoadSession:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragkv.server import documents, openai_api
+from ragkv.server.guard import Guard
 from ragkv.server.settings import ServerSettings
 from ragkv.server.state import ApiError, ServerState
 
@@ -24,8 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["create_app"]
 
 STATIC = Path(__file__).parent / "static"
-Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+_TIER_WORDS = {"closed": "reachable", "half-open": "unreachable (retrying)", "open": "unreachable"}
 
 
 def create_app(engine_or_config: Any, settings: ServerSettings | None = None) -> FastAPI:
@@ -53,55 +54,8 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
     app.include_router(openai_api.router(state))
     app.include_router(documents.router(state))
     _service(app, state)
-    app.add_middleware(_Limits, state=state)  # type: ignore[arg-type]
+    app.add_middleware(Guard, state=state)  # type: ignore[arg-type]
     return app
-
-
-class _Limits:
-    """Refuses bodies over the limit (413) and counts every request by route and status."""
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        limit = self.state.settings.max_body_bytes
-        headers = dict(scope.get("headers") or [])
-        status = {"code": 500}
-        if int(headers.get(b"content-length", b"0") or 0) > limit:
-            return await self._too_large(scope, receive, send, limit)
-        seen = {"bytes": 0}
-
-        async def counted_receive() -> Any:
-            message = await receive()
-            seen["bytes"] += len(message.get("body", b""))
-            if seen["bytes"] > limit:
-                raise ApiError(413, f"request body over {limit} bytes")
-            return message
-
-        async def recorded_send(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, recorded_send)
-        finally:
-            self.state.metrics.count_request(_endpoint(scope["path"]), status["code"])
-
-    async def _too_large(self, scope: Scope, receive: Any, send: Any, limit: int) -> None:
-        body = _error_body(
-            f"request body over this server's limit of {limit} bytes; send less", "invalid_request_error"
-        )
-        await JSONResponse(body, status_code=413)(scope, receive, send)
-        self.state.metrics.count_request(_endpoint(scope["path"]), 413)
-
-
-def _endpoint(path: str) -> str:
-    if path.startswith("/static/"):
-        return "/static"  # one metrics label for the page's files, not one per file
-    return "/v1/documents/{id}" if path.startswith("/v1/documents/") else path
 
 
 def _error_body(message: str, kind: str) -> dict[str, Any]:
@@ -129,15 +83,32 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(_error_body("internal error; see the server log", "server_error"), status_code=500)
 
 
+def _metrics_auth(state: ServerState, request: Request) -> None:
+    """With API keys (or a metrics key) configured, /metrics needs one of them as its bearer key."""
+    s = state.settings
+    if not s.api_keys and s.metrics_key is None:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    key = key.strip()
+    known = [*s.api_keys, *([s.metrics_key] if s.metrics_key else [])]
+    if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.encode(), k.encode()) for k in known):
+        raise ApiError(
+            401, "/metrics needs 'Authorization: Bearer KEY' (an API key or the --metrics-key)", "authentication_error"
+        )
+
+
 def _service(app: FastAPI, state: ServerState) -> None:
     """/health, /metrics and the web page at / (its scripts and licenses under /static)."""
 
     @app.get("/health")
     async def health() -> Any:
         waiting, decoding = state.scheduler.depth
-        tiers = state.base.store.health()
-        return {
-            "status": "ok",
+        # the store's circuit states ("closed" = in use) in plain words
+        tiers = {name: _TIER_WORDS.get(how, how) for name, how in state.base.store.health().items()}
+        alive = state.scheduler.alive
+        body = {
+            "status": "ok" if alive else "unavailable",
+            "scheduler": "running" if alive else f"stopped: {state.scheduler.failure}",
             "model": state.base.adapter.name,
             "waiting": waiting,
             "decoding": decoding,
@@ -145,9 +116,11 @@ def _service(app: FastAPI, state: ServerState) -> None:
             "max_queue": state.settings.max_queue,
             "tiers": tiers,
         }
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        _metrics_auth(state, request)
         text = state.metrics.render(state.scheduler.depth, state.tier_counts(), state.scheduler.steps)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -37,8 +37,9 @@ def router(state: ServerState) -> APIRouter:
 
     @api.post("")
     async def add_document(request: Request) -> Any:
-        engine = state.engine(request)
+        engine = await state.engine(request)
         docs = await _read_documents(request)  # bad input is a 4xx before any stream starts
+        await asyncio.to_thread(state.check_upload, engine, sum(len(d.text.encode()) for d in docs))
         if _wants_stream(request):
             events = _index_events(state, engine, docs)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -50,14 +51,14 @@ def router(state: ServerState) -> APIRouter:
 
     @api.get("")
     async def list_documents(request: Request) -> Any:
-        engine = state.engine(request)
+        engine = await state.engine(request)
         docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
         data = [{"id": d.doc_id, "source": d.source, "title": d.title, "chunks": d.num_chunks} for d in docs]
         return {"object": "list", "data": data}
 
     @api.delete("/{doc_id}")
     async def delete_document(doc_id: str, request: Request) -> Any:
-        engine = state.engine(request)
+        engine = await state.engine(request)
         docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
         match = [d for d in docs if doc_id in (d.doc_id, d.source)]
         if not match:
@@ -134,6 +135,7 @@ async def _read_documents(request: Request) -> list[Any]:
             except UnicodeDecodeError as e:
                 raise ApiError(400, f"{value.filename}: not UTF-8 text; upload plain text or Markdown") from e
             name = value.filename or "upload.txt"
+            _no_nul(name, "a file name")
             docs.append(Document(source=f"upload:{name}", text=text.replace("\r\n", "\n"), title=name))
         if not docs:
             raise ApiError(400, "no file in the upload; send multipart field 'file'")
@@ -147,10 +149,24 @@ async def _read_documents(request: Request) -> list[Any]:
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("text"), str) or not item["text"].strip():
             raise ApiError(400, "each document needs a non-empty 'text' (and a 'source' naming it)")
-        source = str(item.get("source") or "").strip()
+        source = item.get("source") or ""
+        if not isinstance(source, str):
+            raise ApiError(400, "a document's 'source' must be a string (a name such as 'wiki:Paris')")
+        source = source.strip()
         if not source:
             raise ApiError(
                 400, "each document needs a 'source' (a name such as 'wiki:Paris'); re-posting it replaces it"
             )
-        docs.append(Document(source=source, text=item["text"], title=str(item.get("title") or source)))
+        title = item.get("title") or source
+        if not isinstance(title, str):
+            raise ApiError(400, "a document's 'title' must be a string")
+        _no_nul(source, "a document's 'source'")
+        _no_nul(title, "a document's 'title'")
+        docs.append(Document(source=source, text=item["text"], title=title))
     return docs
+
+
+def _no_nul(value: str, what: str) -> None:
+    """Names end up in paths, SQL rows and logs, where a NUL byte truncates or breaks them."""
+    if "\x00" in value:
+        raise ApiError(400, f"{what} holds a NUL byte (\\u0000); remove it")

@@ -6,6 +6,7 @@ A blocking answer is the sum of its stream (one code path computes text, usage a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -14,11 +15,12 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.generation import GenerationConfig
 from ragkv.prompt import render_chat
+from ragkv.server.scheduler import Event
 from ragkv.server.state import ApiError, ServerState
 from ragkv.types import Chunk, GenerationStats
 
@@ -49,7 +51,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)  # torch's generator takes 64-bit seeds
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -126,7 +128,7 @@ async def _prepare(
     max_tokens: int | None,
 ) -> tuple[dict[str, Any], list[Chunk], int | None]:
     """The job's arguments, the retrieved sources and how many cached chunks the client's prompt held."""
-    engine = state.engine(request)
+    engine = await state.engine(request)
     gen = _generation(state, engine, req, max_tokens)
     mode = "full" if req.ragkv.full else "reuse"
     if req.ragkv.retrieve:
@@ -205,6 +207,15 @@ def rag_question(messages: list[tuple[str, str]]) -> str:
     return f"{question}\n\nEarlier in this conversation:\n{history}\n\nAnswer the last question: {question}"
 
 
+def _embedding_body(engine: Any, texts: list[str], model: str) -> bytes:
+    """The /v1/embeddings answer, encoded (on a worker thread: a large one took seconds to build)."""
+    vectors = engine.embedder.embed(texts)
+    data = [{"object": "embedding", "index": i, "embedding": [float(x) for x in v]} for i, v in enumerate(vectors)]
+    tokens = sum(len(t.split()) for t in texts)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    return json.dumps({"object": "list", "data": data, "model": model, "usage": usage}).encode()
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
@@ -246,6 +257,7 @@ async def _respond(
             if ev.kind == "delta":
                 yield _sse(piece(ev.text, None))
             elif ev.kind == "done" and ev.stats is not None:
+                request.state.cached_tokens = ev.stats.reused_tokens
                 last = piece(None, _finish(ev.stats))
                 last["ragkv"] = _ragkv_info(ev.stats, sources, found)
                 yield _sse(last)
@@ -258,14 +270,11 @@ async def _respond(
 
     if req.stream:
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    parts: list[str] = []
-    final: GenerationStats | None = None
-    async for ev in events:
-        parts.append(ev.text)
-        final = ev.stats if ev.kind == "done" else final
-    if final is None:
-        raise ApiError(500, "generation failed; see the server log", "server_error")
-    text = "".join(parts)
+    collected = await _collect_unless_gone(request, events)
+    if collected is None:  # the client left: its slot is free already; nobody reads this answer
+        return Response(status_code=499)
+    text, final = collected
+    request.state.cached_tokens = final.reused_tokens
     if kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
@@ -285,6 +294,40 @@ async def _respond(
         "ragkv": _ragkv_info(final, sources, found),
     }
     return JSONResponse(body)
+
+
+async def _collect_unless_gone(request: Request, events: AsyncIterator[Event]) -> tuple[str, GenerationStats] | None:
+    """A blocking answer's text and stats; None when the client disconnected first.
+
+    The request's body has been read, so the next ASGI message is the client's disconnect: waiting
+    for it beside the generation lets a client that leaves free its slot now, not at max_tokens.
+    """
+
+    async def collect() -> tuple[str, GenerationStats]:
+        parts: list[str] = []
+        final: GenerationStats | None = None
+        async for ev in events:
+            parts.append(ev.text)
+            final = ev.stats if ev.kind == "done" else final
+        if final is None:
+            raise ApiError(500, "generation failed; see the server log", "server_error")
+        return "".join(parts), final
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # closes the events iterator, which cancels the job
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            await events.aclose()  # type: ignore[attr-defined]
+    return work.result() if not work.cancelled() else None
 
 
 def _finish(stats: GenerationStats) -> str:
@@ -315,18 +358,19 @@ def router(state: ServerState) -> APIRouter:
 
     @api.post("/embeddings")
     async def embeddings(req: EmbeddingRequest, request: Request) -> Any:
-        engine = state.engine(request)
+        engine = await state.engine(request)
         texts = [req.input] if isinstance(req.input, str) else list(req.input)
         if not texts or any(not isinstance(t, str) or not t for t in texts):
             raise ApiError(400, "input must be a non-empty string or a list of non-empty strings")
-        vectors = await asyncio.to_thread(engine.embedder.embed, texts)
-        data = [{"object": "embedding", "index": i, "embedding": [float(x) for x in v]} for i, v in enumerate(vectors)]
-        tokens = sum(len(t.split()) for t in texts)
-        return {
-            "object": "list",
-            "data": data,
-            "model": req.model or "ragkv-embedder",
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+        limits = state.settings
+        if len(texts) > limits.max_embedding_inputs:
+            raise ApiError(413, f"{len(texts)} inputs; this server embeds at most {limits.max_embedding_inputs} "
+                           "per request (max_embedding_inputs): send them in batches")  # fmt: skip
+        chars = sum(len(t) for t in texts)
+        if chars > limits.max_embedding_chars:
+            raise ApiError(413, f"inputs of {chars} characters in all; this server takes at most "
+                           f"{limits.max_embedding_chars} per request (max_embedding_chars): send fewer")  # fmt: skip
+        body = await asyncio.to_thread(_embedding_body, engine, texts, req.model or "ragkv-embedder")
+        return Response(body, media_type="application/json")
 
     return api

@@ -17,23 +17,46 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ragkv.generation import GenerationConfig, _pick, stream_text
+from ragkv.generation import GenerationConfig, pick_token, stream_text
 from ragkv.model.batch import DecodeBatch
 from ragkv.types import CachedText, GenerationStats
 
+if TYPE_CHECKING:
+    from ragkv.engine import Prefilled
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Event", "Job", "QueueFullError", "Scheduler"]
+__all__ = ["Event", "Job", "QueueFullError", "Scheduler", "ServedEngine"]
 
 _IDS = itertools.count()
 
 
 class QueueFullError(Exception):
     """The scheduler holds ``max_queue`` requests already (the server answers 429)."""
+
+
+class ServedEngine(Protocol):
+    """What the scheduler needs of a tenant's engine (``RagKV`` is one): a prefill and the model's lock."""
+
+    @property
+    def model_lock(self) -> threading.RLock:
+        """Held around every forward pass on the shared model."""
+        ...
+
+    def prefill(
+        self,
+        segments: Sequence[str | CachedText] | None = None,
+        *,
+        rag: tuple[Sequence[str], str] | None = None,
+        mode: str = "reuse",
+        max_new_tokens: int = 0,
+    ) -> Prefilled:
+        """The prompt's cache and last logits, ready for decoding."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +73,7 @@ class Event:
 class Job:
     """One request: its prompt, its engine (tenant) and where its events go."""
 
-    engine: Any  # the tenant's RagKV
+    engine: ServedEngine  # the tenant's RagKV
     segments: Sequence[str | CachedText] | None  # the whole prompt as segments, or None with ``rag``
     rag: tuple[Sequence[str], str] | None  # (chunk texts, question): ragkv's own prompt layout
     mode: str  # "reuse" or "full"
@@ -63,6 +86,20 @@ class Job:
     def cancel(self) -> None:
         """Stop generating for this request (its client left); the scheduler frees the slot next turn."""
         self.cancelled.set()
+
+
+def _rng(gen: GenerationConfig) -> torch.Generator | None:
+    """The request's sampling generator (None when greedy); a seed outside 0..2**64-1 raises ValueError."""
+    if gen.temperature == 0:
+        return None
+    rng = torch.Generator()
+    if gen.seed is None:
+        rng.seed()
+    elif not 0 <= gen.seed < 2**64:
+        raise ValueError(f"seed must be in 0..2**64-1, got {gen.seed}")
+    else:
+        rng.manual_seed(gen.seed)
+    return rng
 
 
 class _Feed:
@@ -117,6 +154,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._admitting: Job | None = None  # the job taken off the queue this turn
+        self.failure: str | None = None  # why the thread died (a bug); None while it runs or never ran
         self.steps = 0  # batched decode steps taken
         self.on_finish: Callable[[Job, GenerationStats | None, str], None] = lambda job, stats, how: None
 
@@ -127,11 +166,19 @@ class Scheduler:
         with self._cond:
             return len(self._waiting), len(self._rows)
 
+    @property
+    def alive(self) -> bool:
+        """False once the thread has died: requests would wait forever, so /health and submit say so."""
+        return self.failure is None and (self._thread is None or self._thread.is_alive() or self._stopping)
+
     def submit(self, job: Job) -> None:
-        """Queue ``job``; raises :class:`QueueFullError` past ``max_queue`` and RuntimeError once stopping."""
+        """Queue ``job``; raises :class:`QueueFullError` past ``max_queue`` and RuntimeError once stopping
+        or when the scheduler thread has died."""
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
+            if not self.alive:
+                raise RuntimeError(f"the generation scheduler stopped ({self.failure}); restart the server")
             if len(self._waiting) + len(self._rows) >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are queued already")
             self._waiting.append(job)
@@ -159,19 +206,46 @@ class Scheduler:
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cond:
-                    while not self._waiting and not self._rows and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping and not self._rows:
-                        return
-                    job = self._waiting.popleft() if self._waiting and len(self._rows) < self.max_batch else None
-                self._drop_cancelled()
-                if job is not None:
-                    self._admit(job)
-                if self._rows:
-                    self._step()
+        try:
+            with torch.inference_mode():
+                while self._turn():
+                    pass
+        except BaseException as e:  # a bug: say so everywhere instead of letting requests hang
+            logger.exception("the scheduler thread died")
+            self._fail_all(f"{type(e).__name__}: {e}")  # logged; the thread ends here
+
+    def _turn(self) -> bool:
+        """One loop turn: drop, admit, step. False once stopped with nothing left to finish."""
+        with self._cond:
+            while not self._waiting and not self._rows and not self._stopping:
+                self._cond.wait()
+            if self._stopping and not self._rows:
+                return False
+            job = self._waiting.popleft() if self._waiting and len(self._rows) < self.max_batch else None
+            self._admitting = job  # neither waiting nor a row yet: _fail_all must still find it
+        self._drop_cancelled()
+        if job is not None:
+            self._admit(job)
+        self._admitting = None
+        if self._rows:
+            try:
+                self._step()
+            except Exception as e:  # one bad step fails the rows decoding now, not the server
+                logger.exception("a decode step failed")
+                for key in list(self._rows):
+                    self._finish(key, "error", e)
+        return True
+
+    def _fail_all(self, why: str) -> None:
+        with self._cond:
+            self.failure = why
+            jobs = list(self._waiting) + [row.job for row in self._rows.values()]
+            if self._admitting is not None and self._admitting.id not in self._rows:
+                jobs.append(self._admitting)
+            self._waiting.clear()
+            self._rows.clear()
+        for job in jobs:
+            job.post(Event("error", error=RuntimeError(f"the generation scheduler stopped ({why})")))
 
     def _drop_cancelled(self) -> None:
         for key, row in list(self._rows.items()):
@@ -179,29 +253,32 @@ class Scheduler:
                 self._finish(key, "cancelled")
 
     def _admit(self, job: Job) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # its client left while it waited; its last event frees its quota slot
+            job.post(Event("error", error=RuntimeError("cancelled before it started")))
             return
-        gen = job.generation
+        # everything a request brings is set up inside the try: its bad input fails it, not the thread
         try:
+            gen = job.generation
             pre = job.engine.prefill(job.segments, rag=job.rag, mode=job.mode, max_new_tokens=gen.max_new_tokens)
+            rng = _rng(gen)
+            feed = _Feed()
+            row = _Row(job, pre.stats, feed, stream_text(self.adapter, iter(feed), gen.stop), rng)
+            first = pick_token(pre.logits, gen, rng)
         except Exception as e:  # handed to the request (a 400 for bad input); the server keeps going
             logger.info("prefill of %s failed: %s", job.id, e)
             job.post(Event("error", error=e))
             self.on_finish(job, None, "error")
             return
-        rng = None
-        if gen.temperature > 0:
-            rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else torch.Generator()
-            if gen.seed is None:
-                rng.seed()
-        feed = _Feed()
-        row = _Row(job, pre.stats, feed, stream_text(self.adapter, iter(feed), gen.stop), rng)
         with self._cond:
             self._rows[job.id] = row
         job.post(Event("started", stats=pre.stats))
-        if self._take(job.id, _pick(pre.logits, gen, rng)):
-            with self._model_lock(job):
-                self._batch.add(job.id, pre.cache, pre.num_tokens)
+        if self._take(job.id, first):
+            try:
+                with self._model_lock(job):
+                    self._batch.add(job.id, pre.cache, pre.num_tokens)
+            except Exception as e:
+                logger.exception("adding %s to the decode batch failed", job.id)
+                self._finish(job.id, "error", e)
 
     def _step(self) -> None:
         keys = list(self._batch.keys)
@@ -210,11 +287,11 @@ class Scheduler:
         self.steps += 1
         for i, key in enumerate(keys):
             row = self._rows[key]
-            self._take(key, _pick(logits[i], row.job.generation, row.rng))  # a finished row leaves the batch
+            self._take(key, pick_token(logits[i], row.job.generation, row.rng))  # a finished row leaves the batch
 
     @staticmethod
-    def _model_lock(job: Job) -> Any:
-        return job.engine._model_lock
+    def _model_lock(job: Job) -> threading.RLock:
+        return job.engine.model_lock
 
     def _take(self, key: str, token: int) -> bool:
         """Hand ``token`` to its request; False when the request is finished (and gone from the rows)."""
@@ -238,12 +315,16 @@ class Scheduler:
             return False
         return True
 
-    def _finish(self, key: str, how: str) -> None:
-        """End a request: flush its held-back text, post ``done``, drop its row (and batch row)."""
+    def _finish(self, key: str, how: str, error: BaseException | None = None) -> None:
+        """End a request: flush its held-back text, post ``done`` (or ``error``), drop its row (and batch row)."""
         with self._cond:
             row = self._rows.pop(key)
         if key in self._batch.keys:
             self._batch.remove(key)
+        if error is not None:
+            row.job.post(Event("error", error=error))
+            self.on_finish(row.job, None, "error")
+            return
         if how != "cancelled":
             row.feed.done = True
             for delta, _ in row.text:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import HTTPException, Request
 
 from ragkv.matching import ChunkRegistry
 from ragkv.server.metrics import Metrics
+from ragkv.server.quotas import QuotaError, Quotas
 from ragkv.server.scheduler import Event, Job, QueueFullError, Scheduler, queued_post
 from ragkv.server.settings import ServerSettings
 
@@ -34,11 +35,14 @@ class ServerState:
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         self.base, self.settings = engine, settings
         self.metrics = Metrics()
+        self.quotas = Quotas(settings.quota, settings.tenant_quotas)
+        self._text_bytes: dict[str, int] = {}  # per tenant: UTF-8 bytes of its indexed chunk texts
         self.scheduler = Scheduler(engine.adapter, max_batch=settings.max_batch, max_queue=settings.max_queue)
         self.scheduler.on_finish = self._finished
         self._engines: dict[str, Any] = {engine.config.tenant: engine}
         self._registries: dict[str, ChunkRegistry] = {}  # per tenant: its indexed chunk texts, to find in prompts
-        self._lock = threading.RLock()  # engine() registers a new tenant while holding it
+        self._lock = threading.RLock()  # guards the dicts below, held only briefly
+        self._making: dict[str, threading.Lock] = {}  # per tenant: held while its engine is made
         self._register(engine)
 
     # ---- tenants ------------------------------------------------------------------------------
@@ -46,7 +50,7 @@ class ServerState:
         """The tenant a request acts for: its bearer key's (with --api-keys), else the server's own."""
         keys = self.settings.api_keys
         if not keys:
-            return str(self.base.config.tenant)
+            return self._admit_request(request, str(self.base.config.tenant))
         auth = request.headers.get("authorization", "")
         scheme, _, key = auth.partition(" ")
         tenant = keys.get(key.strip()) if scheme.lower() == "bearer" else None
@@ -57,16 +61,36 @@ class ServerState:
                 f"{what}: send 'Authorization: Bearer KEY' with a key from the server's --api-keys file",
                 "authentication_error",
             )
+        return self._admit_request(request, tenant)
+
+    def _admit_request(self, request: Request, tenant: str) -> str:
+        request.state.tenant = tenant  # for the access log
+        try:
+            self.quotas.count_request(tenant)
+        except QuotaError as e:
+            raise ApiError(e.status, str(e), "rate_limit_error", **{"Retry-After": "60"}) from e
         return tenant
 
-    def engine(self, request: Request) -> Any:
-        """The engine of the request's tenant (made on first use, sharing the loaded model)."""
+    async def engine(self, request: Request) -> Any:
+        """The engine of the request's tenant (made on first use, on a worker thread: it reads the
+        tenant's catalog and FAISS file, which must not stall the event loop)."""
         tenant = self.tenant_of(request)
         with self._lock:
             engine = self._engines.get(tenant)
+        return engine if engine is not None else await asyncio.to_thread(self.engine_of, tenant)
+
+    def engine_of(self, tenant: str) -> Any:
+        """``tenant``'s engine, made on first use (blocking: call it off the event loop)."""
+        with self._lock:
+            making = self._making.setdefault(tenant, threading.Lock())
+        with making:  # one tenant's slow start holds up only that tenant's requests (_lock is held briefly)
+            with self._lock:
+                engine = self._engines.get(tenant)
             if engine is None:
-                engine = self._engines[tenant] = self.base.for_tenant(tenant)
+                engine = self.base.for_tenant(tenant)
                 self._register(engine)
+                with self._lock:
+                    self._engines[tenant] = engine
         return engine
 
     def _register(self, engine: Any) -> None:
@@ -78,6 +102,20 @@ class ServerState:
             registry.add(texts[-registry.capacity :])
         with self._lock:
             self._registries[tenant] = registry  # swapped whole: a request never sees a half-filled one
+            self._text_bytes[tenant] = sum(len(t.encode()) for t in texts)
+
+    def check_upload(self, engine: Any, adding_text: int) -> None:
+        """Raises ApiError 413 when ``engine``'s tenant may not add ``adding_text`` bytes of documents."""
+        from ragkv.types import tenant_namespace
+
+        tenant = engine.config.tenant
+        with self._lock:
+            stored = self._text_bytes.get(tenant, 0)
+        known = [u[1] for u in engine.store.usage(tenant_namespace(tenant)).values() if u is not None]
+        try:
+            self.quotas.check_upload(tenant, stored, adding_text, max(known) if known else None)
+        except QuotaError as e:
+            raise ApiError(e.status, str(e)) from e
 
     def registry(self, engine: Any) -> ChunkRegistry:
         """The chunk texts of ``engine``'s tenant, for finding them in client-sent prompts."""
@@ -95,12 +133,19 @@ class ServerState:
         Raises ApiError: 429 when the queue is full, 400 for a prompt the model cannot take.
         """
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(post=queued_post(asyncio.get_running_loop(), queue), **job_args)
+        tenant = job_args["engine"].config.tenant
+        try:
+            self.quotas.start_generation(tenant)
+        except QuotaError as e:
+            raise ApiError(e.status, str(e), "rate_limit_error", **{"Retry-After": "1"}) from e
+        job = Job(post=_releasing(queued_post(asyncio.get_running_loop(), queue), self.quotas, tenant), **job_args)
         try:
             self.scheduler.submit(job)
         except QueueFullError as e:
+            self.quotas.end_generation(tenant)
             raise ApiError(429, f"{e}; retry shortly", "rate_limit_error", **{"Retry-After": "1"}) from e
         except RuntimeError as e:
+            self.quotas.end_generation(tenant)
             raise ApiError(503, str(e), "server_error") from e
         try:
             first = await queue.get()
@@ -109,6 +154,8 @@ class ServerState:
             raise
         if first.kind == "error":
             err = first.error
+            if not self.scheduler.alive:
+                raise ApiError(503, str(err), "server_error")
             status = 400 if isinstance(err, ValueError | TypeError) else 500
             message = str(err) if status == 400 else "generation failed; see the server log"
             raise ApiError(status, message, "invalid_request_error" if status == 400 else "server_error")
@@ -135,3 +182,16 @@ class ServerState:
     def close(self) -> None:
         self.scheduler.stop(self.settings.drain_s)
         self.base.close()
+
+
+def _releasing(post: Callable[[Event], None], quotas: Quotas, tenant: str) -> Callable[[Event], None]:
+    """``post`` that frees the tenant's generation slot with the job's last event (done or error)."""
+    released = threading.Event()
+
+    def wrapped(event: Event) -> None:
+        if event.kind in ("done", "error") and not released.is_set():
+            released.set()
+            quotas.end_generation(tenant)
+        post(event)
+
+    return wrapped

@@ -1,4 +1,4 @@
-"""bench/gpu_llama8b.py: the same code on a tiny config on the CPU, and its refusal without CUDA.
+"""experiments/gpu_llama8b.py: the same code on a tiny config on the CPU, and its refusal without CUDA.
 
 No timing is asserted (speed goes to docs/benchmarks.md): only that every measurement runs and
 lands in the table.
@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_llama8b.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "gpu_llama8b.py"
 
 
 @pytest.fixture(scope="module")

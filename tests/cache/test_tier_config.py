@@ -69,3 +69,11 @@ def test_passwords_never_reach_names() -> None:
 def test_empty_url_is_refused() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         TierConfig.from_url("  ")
+
+
+def test_repr_never_shows_a_password() -> None:
+    cfg = TierConfig.from_url("redis://user:s3cret-pw@cache.example:6379/0?ttl=5&password=s3cret-pw&ssl=1")
+    shown = repr(cfg)
+    assert "s3cret-pw" not in shown
+    assert "cache.example" in shown and "ttl=5.0" in shown and "('ssl', '1')" in shown
+    assert "location='/tmp/kv'" in repr(TierConfig.from_url("/tmp/kv"))

@@ -164,7 +164,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
         last_key = rag.retriever.chunk_key(ids[-1], rag.config.retriever.codec).storage_key
         first_decoded = threading.Event()
         waited: list[bool] = []
-        get, decode = rag.store.get, rag.retriever._decode
+        get, decode = rag.store.get, rag.retriever.loader._decode
 
         def slow_get(key: str) -> bytes | None:
             if key == last_key:
@@ -177,7 +177,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
             return out
 
         monkeypatch.setattr(rag.store, "get", slow_get)
-        monkeypatch.setattr(rag.retriever, "_decode", spy_decode)
+        monkeypatch.setattr(rag.retriever.loader, "_decode", spy_decode)
         loaded = rag.retriever.load_many(ids)
         assert waited == [True] and all(x.hit for x in loaded)
 
@@ -238,3 +238,17 @@ def test_a_fusion_method_the_engine_cannot_feed_is_refused_when_the_config_is_bu
 
     with pytest.raises(ValueError, match="index time.*query_focus"):
         EngineConfig(fusion=FusionConfig(method=method))
+
+
+def test_engine_config_repr_never_shows_a_password(tmp_path):
+    cfg = EngineConfig(
+        data_dir=tmp_path,
+        store=("memory://", "redis://:redis-pw-1@cache:6379/0?timeout=2", str(tmp_path / "kv")),
+        catalog="postgresql+psycopg://ragkv:pg-pw-2@db:5432/ragkv",
+        store_secret=b"mac-secret-0123456789",
+    )
+    shown = repr(cfg)
+    for secret in ("redis-pw-1", "pg-pw-2", "mac-secret"):
+        assert secret not in shown
+    assert "redis://:***@cache:6379/0" in shown and "postgresql+psycopg://ragkv:***@db:5432/ragkv" in shown
+    assert str(tmp_path / "kv") in shown and "tenant='default'" in shown

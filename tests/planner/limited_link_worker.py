@@ -9,12 +9,12 @@ import tempfile
 from pathlib import Path
 
 from ragkv.bench import netns
-from ragkv.cache.throughput import RateEstimate
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
 from ragkv.model import ModelAdapter
 from ragkv.planner.config import LoadConfig
+from ragkv.planner.throughput import RateEstimate
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.embedder import HashingEmbedder
 from ragkv.retriever.kv_retriever import RetrieverConfig

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragkv.cache.throughput import RateEstimate
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.errors import StoreUnavailableError
 from ragkv.fusion import FusionConfig
@@ -17,6 +16,7 @@ from ragkv.generation import GenerationConfig
 from ragkv.planner.config import LoadConfig
 from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions, Rates, plan_seconds
 from ragkv.planner.session import LoadPlanning
+from ragkv.planner.throughput import RateEstimate
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
@@ -169,10 +169,10 @@ def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_
         monkeypatch.setattr(tier, "_get", reading)
         monkeypatch.setattr(retriever.adapter, "prefill_kv", prefilling)
         plan = LoadPlanning(LoadConfig(slo_ms=1), estimates, time.perf_counter() + (overlap_s + level3_s) / 2)
-        loaded = retriever.load_many(segments, plan=plan)
+        loaded, report = retriever.load_planned(segments, plan)
         monkeypatch.undo()
-        assert plan.report is not None
-        choices = plan.report["choices"]
+        assert report is not None
+        choices = report["choices"]
         assert choices[0] == "local" and choices[1].startswith("cachegen:")
         assert overlapped == [True] * choices.count("local")
         first = loaded[0]

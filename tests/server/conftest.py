@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -107,3 +108,35 @@ def keyed_server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
     served = start_server(tiny_model_dir, data / "d", "--api-keys", str(keys), "--max-batch", "1", "--max-queue", "1")
     yield served
     stop_server(served)
+
+
+@pytest.fixture
+def make_client(llama_adapter, tmp_path) -> Iterator[Any]:
+    """``make_client(**settings)``: a TestClient on an in-process app (tiny llama, hashing embedder).
+
+    The app runs its lifespan (so its scheduler thread) while the client is open; every client made
+    is closed at the end of the test. ``base_url`` is a loopback name, as a local client sends.
+    """
+    from fastapi.testclient import TestClient
+
+    from ragkv.engine import EngineConfig, RagKV
+    from ragkv.generation import GenerationConfig
+    from ragkv.retriever.embedder import HashingEmbedder
+    from ragkv.server.app import create_app
+    from ragkv.server.settings import ServerSettings
+
+    opened: list[Any] = []
+
+    def make(**settings: Any) -> Any:
+        data = tmp_path / f"engine-{len(opened)}"
+        cfg = EngineConfig(
+            data_dir=data, store=("memory://", str(data / "kv")), generation=GenerationConfig(max_new_tokens=8)
+        )
+        engine = RagKV(cfg, adapter=llama_adapter, embedder=HashingEmbedder(dim=64))
+        client = TestClient(create_app(engine, ServerSettings(**settings)), base_url="http://127.0.0.1")
+        opened.append(client.__enter__())
+        return client
+
+    yield make
+    for client in opened:
+        client.__exit__(None, None, None)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ragkv.cache.prefetch import prefetch
+from ragkv.retriever.prefetch import prefetch
 
 
 def test_values_come_in_order_and_equal_fetching_one_by_one() -> None:

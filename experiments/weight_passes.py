@@ -1,6 +1,6 @@
 """What one pass over the weights costs on this machine: the floor under every fusion method.
 
-    python bench/weight_passes.py
+    python experiments/weight_passes.py
 
 Times (best of 3) on the second built-in fusion prompt: the full prompt's prefill, its question
 (suffix) prefilled on top of the cached context, and a single token on top of it. A pass for a

@@ -1,7 +1,7 @@
 """Fast fusion tuning: KL, top-1 and a rough TTFT ratio (no greedy answers per method).
 
-    python bench/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query", "ratio": 0.15}'
-    python bench/tune_fusion.py --prompts packages 4 '{"method": "query_focus", "ratio": 0.15}'
+    python experiments/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query", "ratio": 0.15}'
+    python experiments/tune_fusion.py --prompts packages 4 '{"method": "query_focus", "ratio": 0.15}'
 
 Uses the first N prompts of a set of ``ragkv bench fusion`` (``--prompts builtin``, the default,
 or ``packages``: ragkv.bench.prompt_sets); each argument after N is a JSON

@@ -1,9 +1,9 @@
 """LlamaIndex answers with reuse vs full prefill of the same prompt, per fusion ratio (deterministic).
 
-    python bench/frameworks_answers.py [--modes tree_summarize,compact] [--ratios 0.15,0.3,0.5,1.0]
+    python experiments/frameworks_answers.py [--modes tree_summarize,compact] [--ratios 0.15,0.3,0.5,1.0]
                                        [--questions 3] [--max-tokens 16] [--json rows.json]
 
-The corpus and query engine of ``bench/frameworks.py``. Per question and response mode, the prompt
+The corpus and query engine of ``experiments/frameworks.py``. Per question and response mode, the prompt
 the synthesizer sends (its last LLM call) is captured, cut into segments as ``RagKVLLM`` cuts it,
 and prefilled twice: whole, from scratch (``RagKV.prefill([prompt], mode="full")``, the plain
 model), and fused from the stored chunk caches at each ratio. Reported: KL(full || fused) of the
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import frameworks as fw  # bench/frameworks.py: the same corpus and question
+import frameworks as fw  # experiments/frameworks.py: the same corpus and question
 
 from ragkv.bench.table import Column, format_table
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ragkv.fusion
-from ragkv.craft import record_deviation
+from ragkv.bench.craft import record_deviation
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.selection import CraftParams
 from tests.core.test_fusion import _prompt, _suffix_logits_from

@@ -1,11 +1,11 @@
 """Codec ideas measured and not adopted (docs/benchmarks.md, codec section): bytes and KL only.
 
-    python bench/codec_experiments.py prerope      # keys coded before RoPE (re-rotated to position 0)
-    python bench/codec_experiments.py entropy      # zstd frames vs order-0 entropy of the symbols
-    python bench/codec_experiments.py outliers     # the worst-coded 1-3% of tokens stored exactly
-    python bench/codec_experiments.py sensitivity  # level 2 with one layer's step doubled at a time
-    python bench/codec_experiments.py klt --prompts packages  # PCA per layer/head, calibrated on builtin
-    python bench/codec_experiments.py klt_cost     # timed: decode speed with the inverse transform
+    python experiments/codec_experiments.py prerope      # keys coded before RoPE (re-rotated to position 0)
+    python experiments/codec_experiments.py entropy      # zstd frames vs order-0 entropy of the symbols
+    python experiments/codec_experiments.py outliers     # the worst-coded 1-3% of tokens stored exactly
+    python experiments/codec_experiments.py sensitivity  # level 2 with one layer's step doubled at a time
+    python experiments/codec_experiments.py klt --prompts packages  # PCA per layer/head, calibrated on builtin
+    python experiments/codec_experiments.py klt_cost     # timed: decode speed with the inverse transform
 
 All use the first built-in prompts of ``ragkv bench codec`` on the default model and score the
 question and the exact cache's greedy answer (KL(exact || decoded), as the codec bench does).
@@ -324,7 +324,7 @@ def main(argv: list[str]) -> None:
         name, argv = argv[2], argv[:1]
     if len(argv) != 1 or argv[0] not in EXPERIMENTS:
         raise SystemExit(
-            f"usage: python bench/codec_experiments.py {{{','.join(EXPERIMENTS)}}} [--prompts builtin|packages]"
+            f"usage: python experiments/codec_experiments.py {{{','.join(EXPERIMENTS)}}} [--prompts builtin|packages]"
         )
     run, prompts = EXPERIMENTS[argv[0]]
     adapter = load_model("smollm2-135m")

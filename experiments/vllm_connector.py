@@ -1,6 +1,6 @@
 """vLLM alone vs vLLM with ragkv's KV connector: TTFT and end-to-end time on the same RAG prompts.
 
-    .vllm-venv/bin/python bench/vllm_connector.py [--questions 4] [--max-tokens 32] [--ratio 0.15]
+    .vllm-venv/bin/python experiments/vllm_connector.py [--questions 4] [--max-tokens 32] [--ratio 0.15]
                                                   [--docs 10] [--json rows.json]
 
 Runs in vLLM's own venv (``bash tools/vllm_env.sh --no-test`` builds it). ragkv indexes the

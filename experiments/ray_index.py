@@ -2,7 +2,7 @@
 
     RAGKV_BENCH_REDIS=redis://127.0.0.1:6379/14 \
     RAGKV_BENCH_CATALOG=postgresql+psycopg://ragkv:ragkv@127.0.0.1:5432/ragkv_test_w4 \
-    python bench/ray_index.py [--docs 6] [--chars 6000]
+    python experiments/ray_index.py [--docs 6] [--chars 6000]
 
 Same corpus (stdlib pydoc text), same run, default model, a Redis store and a PostgreSQL catalog;
 each executor indexes into a tenant of its own, so every chunk is prefilled. A local Ray with 2

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ragkv.cache.store import TieredStore, open_store
-from ragkv.cache.throughput import RateEstimate
 from ragkv.cache.tier import Tier
 from ragkv.errors import StoreUnavailableError
+from ragkv.planner.throughput import RateEstimate
 
 KEY = "0123456789abcdef/" + "b" * 64
 

@@ -1,6 +1,6 @@
 """Decode speed of every cachegen level on one synthetic chunk of Qwen2.5-0.5B's shape (issue 26).
 
-    python bench/codec_decode_speed.py
+    python experiments/codec_decode_speed.py
 
 24 layers, 2 KV heads, 500 tokens, 64 dims of Gaussian KV with a random saliency; each level is
 encoded once and decoded 15 times to fp32 on the CPU, the fastest counts; the levels run twice,

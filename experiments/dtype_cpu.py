@@ -1,6 +1,6 @@
 """fp32 against bf16 on this machine: full prefill and fused TTFT, and fusion fidelity in each dtype.
 
-    python bench/dtype_cpu.py [--tokens 1024] [--repeats 3]
+    python experiments/dtype_cpu.py [--tokens 1024] [--repeats 3]
 
 The default model is loaded in both dtypes. On the first built-in fusion prompt (cut to about
 ``--tokens`` context tokens) each dtype times (best of ``--repeats``, the two dtypes interleaved so

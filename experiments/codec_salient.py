@@ -1,6 +1,6 @@
 """Salient-token precision sweep (issue 26): bytes and KL of cachegen variants, no timing.
 
-    python bench/codec_salient.py --model smollm2-135m --prompts builtin --limit 4
+    python experiments/codec_salient.py --model smollm2-135m --prompts builtin --limit 4
 
 Each variant is a StepSchedule put in ``cachegen.LEVELS`` under a spare level number for the
 run; prompts, slices, saliency and scoring are the codec bench's (``ragkv.bench.codec``).

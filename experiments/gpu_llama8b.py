@@ -1,8 +1,8 @@
 """The GPU path at Llama-3.1-8B's shape: full prefill against fused TTFT, peak memory, codec decode rate.
 
-    python bench/gpu_llama8b.py [--contexts 4096,16384,32768] [--chunk 512] [--codec cachegen:0]
+    python experiments/gpu_llama8b.py [--contexts 4096,16384,32768] [--chunk 512] [--codec cachegen:0]
                                 [--method query_focus] [--ratio 0.15] [--repeats 3]
-    python bench/gpu_llama8b.py --tiny          # a CPU smoke run of the same code on a tiny config
+    python experiments/gpu_llama8b.py --tiny          # a CPU smoke run of the same code on a tiny config
 
 A random-weight model of Llama-3.1-8B's shape (32 layers, 32 query and 8 KV heads of 128 dims,
 llama3 RoPE scaling, a 128K vocabulary) is built on the GPU in bf16: no download; the weights do
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if not torch.cuda.is_available() and not args.tiny:
         sys.exit(
-            "bench/gpu_llama8b.py needs a CUDA device and torch sees none; "
+            "experiments/gpu_llama8b.py needs a CUDA device and torch sees none; "
             "run it where a GPU is lent, or pass --tiny for a CPU smoke run of the same code"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

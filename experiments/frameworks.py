@@ -1,6 +1,6 @@
 """LlamaIndex response modes: first and repeated query, ragkv reuse vs the plain model, in one run.
 
-    python bench/frameworks.py [--modes compact,refine | --quick] [--max-tokens 16] [--ratio 0.15]
+    python experiments/frameworks.py [--modes compact,refine | --quick] [--max-tokens 16] [--ratio 0.15]
                                [--answers] [--json rows.json]
 
 Documents are the docstrings of a few stdlib modules (heapq, bisect, functools, textwrap), split

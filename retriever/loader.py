@@ -1,0 +1,259 @@
+"""ChunkLoader: the query path's side of the store: chunk caches loaded, checked and decoded.
+
+Indexing (:class:`~ragkv.retriever.kv_retriever.KVRetriever`) writes chunk caches through a
+:class:`~ragkv.retriever.precompute.ChunkComputer`; the loader reads them back through the same
+computer (its keys, its prefix cache, its ``put`` for a miss) and the catalog (stored sizes for the
+planner, hits touched, recomputed entries recorded). That is the whole interface between the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ragkv import codec
+from ragkv.cache.catalog import Catalog
+from ragkv.cache.fetched import Fetched
+from ragkv.errors import CodecError
+from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions
+from ragkv.planner.session import LoadPlanning, LoadSession
+from ragkv.retriever.precompute import ChunkComputer, record_stored
+from ragkv.retriever.prefetch import prefetch
+from ragkv.types import ChunkKey, ChunkKV, CodecSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChunkLoader", "LoadedChunk"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedChunk:
+    """A chunk's cache as the query path gets it."""
+
+    kv: ChunkKV
+    hit: bool  # True: loaded from the store; False: computed now (and stored)
+    nbytes: int  # encoded bytes read (hits) or written (misses)
+    recompute: bool = False  # True: not loaded (planned as text, or its tier failed); kv is a placeholder
+    local: bool = False  # True: stored, but prefilled here while other chunks were fetched (planned LOCAL)
+
+
+
+class ChunkLoader:
+    """Loads chunk caches for the query path; a missing, damaged or foreign entry is recomputed and stored.
+
+    Args:
+        computer: keys, the prefix cache, the model and the store (shared with indexing).
+        catalog: the catalog the entries are recorded in.
+        codec: the primary (codec, level) loaded without a plan.
+        stored_codecs: every (codec, level) stored per chunk, best quality first (what a plan picks from).
+        store_secret: MAC key material the entries were signed with (None: unauthenticated).
+    """
+
+    def __init__(
+        self,
+        computer: ChunkComputer,
+        catalog: Catalog,
+        *,
+        codec: CodecSpec,
+        stored_codecs: Sequence[CodecSpec],
+        store_secret: bytes | None = None,
+    ) -> None:
+        self.computer, self.catalog = computer, catalog
+        self.adapter, self.store = computer.adapter, computer.store
+        self.codec, self.stored_codecs = codec, tuple(stored_codecs)
+        self.store_secret = store_secret
+
+    def load(self, token_ids: Sequence[int]) -> LoadedChunk:
+        """The chunk's cache: from the store, or computed now (and stored) on a miss."""
+        return self.load_many([token_ids])[0]
+
+    def load_many(self, segments: Sequence[Sequence[int]]) -> list[LoadedChunk]:
+        """Several chunks' caches at the primary codec, in order (see :meth:`load_planned`)."""
+        return self._load(segments, None)[0]
+
+    def load_planned(
+        self, segments: Sequence[Sequence[int]], plan: LoadPlanning
+    ) -> tuple[list[LoadedChunk], dict[str, Any] | None]:
+        """Like :meth:`load_many`, each chunk's (codec, level) chosen by ``plan``; with the load
+        session's report (what was chosen and why; None when nothing was planned)."""
+        return self._load(segments, plan)
+
+    def _load(
+        self, segments: Sequence[Sequence[int]], plan: LoadPlanning | None
+    ) -> tuple[list[LoadedChunk], dict[str, Any] | None]:
+        """Several chunks' caches, in order; misses and unusable entries are computed and stored.
+
+        With more than one chunk, blobs are fetched on a background thread, in order, while the
+        main thread decodes the ones already fetched: chunk i+1 loads from its tier while chunk i
+        decodes, so a remote tier's latency hides behind decoding. Only the fetch thread touches
+        the store until every fetch is done; the misses are then computed and stored, and the
+        hits' catalog entries touched in one write. A chunk that occurs twice is fetched once; its
+        repeat counts as a hit of 0 bytes (its cache was loaded or computed for the first occurrence).
+
+        With ``plan``, each chunk's (codec, level) is chosen just before it is fetched, on the speeds
+        measured so far (see ``ragkv.planner``); a chunk planned as text, or whose tier fails
+        mid-load (and every chunk after it), comes back with ``recompute=True`` and no bytes read:
+        fusion computes it from its tokens. A chunk planned as ``LOCAL`` (under a deadline the
+        link cannot meet) is prefilled on this thread when its turn comes, while the fetch thread
+        reads the next chunks, and comes back with ``local=True`` (not stored again: the store has
+        it). Without ``plan``, every chunk loads at ``config.codec``.
+        """
+        keys = [self.computer.chunk_key(t, self.codec) for t in segments]
+        first: dict[str, int] = {}  # storage key -> index of its first occurrence
+        primary = [key.storage_key for key in keys]  # identifies the chunk (keys[i] may move to another level)
+        for i, storage_key in enumerate(primary):
+            first.setdefault(storage_key, i)
+        unique = list(first.values())  # a chunk repeated in one prompt is fetched and decoded once
+        session = None if plan is None else self._session([segments[i] for i in unique], plan)
+        fixed = self.codec if plan is None or plan.config.fixed is None else plan.config.fixed
+
+        planning = session is not None and plan is not None and plan.config.fixed is None
+
+        def fetch(n: int) -> tuple[ChunkKey | None, Fetched | None]:
+            """(key, bytes) read; (None, None): recompute in fusion; (key, None): prefill here."""
+            i = unique[n]
+            spec = fixed
+            if planning and session is not None and session.chunks[n].sizes:  # chunks never stored: a miss
+                chosen = session.choose(n)
+                if chosen is TEXT:
+                    return None, None
+                if chosen == LOCAL:
+                    return keys[i], None
+                assert isinstance(chosen, CodecSpec)
+                spec = chosen
+            if spec != keys[i].codec:
+                keys[i] = self.computer.chunk_key(segments[i], spec)
+            if session is None:  # no tier bookkeeping needed: the plain read
+                return keys[i], Fetched(self.store.get(keys[i].storage_key), None, 0.0, False)
+            got = self.store.fetch(keys[i].storage_key)
+            if not session.fetched(n, keys[i].codec, got):
+                return None, None
+            return keys[i], got
+
+        sizes: dict[int, int | None] = {}  # bytes of each stored blob (None: not stored)
+        decoded: dict[int, ChunkKV | None] = {}
+        text: set[int] = set()  # chunks fusion recomputes from their tokens
+        local: set[int] = set()  # chunks prefilled here while the next ones were fetched
+        # up to 3 ahead: a run of chunks prefilled here leaves room for the read after them to start
+        with contextlib.closing(prefetch(range(len(unique)), fetch, ahead=3)) as fetched:
+            for n, (key, got) in enumerate(fetched):
+                # the next chunks keep loading while this one decodes; its bytes are dropped after
+                i = unique[n]
+                if key is not None and got is None and session is not None:  # planned LOCAL
+                    started = time.perf_counter()
+                    decoded[i] = self.adapter.prefill_kv(segments[i], past=[self.computer.prefix_kv()])
+                    session.prefilled_here(n, len(segments[i]), time.perf_counter() - started)
+                    local.add(i)
+                    continue
+                if key is None or got is None:
+                    text.add(i)
+                    if session is not None:
+                        session.recomputed(n)
+                    continue
+                blob = got.value
+                sizes[i] = None if blob is None else len(blob)
+                started = time.perf_counter()
+                decoded[i] = None if blob is None else self._decode(key, len(segments[i]), blob)
+                if session is not None and blob is not None and decoded[i] is not None:
+                    session.decoded(key.codec, len(blob), time.perf_counter() - started)
+        done = self._finish_loads(segments, keys, unique, decoded, sizes, text, local)
+        out = []
+        for i, storage_key in enumerate(primary):
+            j = first[storage_key]
+            # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill,
+            # nothing read (or, when its first occurrence is recomputed from text, it is too)
+            out.append(done[j] if i == j else replace(done[j], hit=not done[j].recompute, nbytes=0))
+        return out, (session.report() if session is not None else None)
+
+    def _session(self, segments: Sequence[Sequence[int]], plan: LoadPlanning) -> LoadSession:
+        """A load session over ``segments``, with each one's stored sizes from the catalog."""
+        order = self.stored_codecs
+        keyed = [{spec: self.computer.chunk_key(seg, spec).storage_key for spec in order} for seg in segments]
+        known = self.catalog.entry_sizes([k for per in keyed for k in per.values()])
+        chunks = [
+            ChunkOptions(len(seg), {spec: known[k] for spec, k in per.items() if k in known})
+            for seg, per in zip(segments, keyed, strict=True)
+        ]
+        return LoadSession(
+            chunks,
+            order,
+            plan.estimates,
+            self.store.read_estimates,
+            deadline=plan.deadline,
+            reserve_s=plan.reserve_s,
+            fusion_ratio=plan.fusion_ratio,
+            slack=plan.config.ttft_slack,
+        )
+
+    def _finish_loads(
+        self,
+        segments: Sequence[Sequence[int]],
+        keys: list[ChunkKey],
+        unique: list[int],
+        decoded: dict[int, ChunkKV | None],
+        sizes: dict[int, int | None],
+        text: set[int],
+        local: set[int],
+    ) -> dict[int, LoadedChunk]:
+        """Hits as loaded; text chunks as placeholders; local ones as prefilled; misses computed and
+        stored; hits touched."""
+        done: dict[int, LoadedChunk] = {}
+        for i in unique:
+            if i in text:
+                done[i] = LoadedChunk(self.adapter.empty_kv(len(segments[i])), False, 0, recompute=True)
+                continue
+            kv = decoded[i]
+            if i in local and kv is not None:
+                done[i] = LoadedChunk(kv, False, 0, local=True)
+                continue
+            size = sizes[i]
+            if kv is not None and size is not None:
+                done[i] = LoadedChunk(kv, True, size)
+                continue
+            if size is not None:  # present but unusable: drop it everywhere, then recompute
+                self.store.invalidate(keys[i].storage_key)
+            kv = self.adapter.prefill_kv(segments[i], past=[self.computer.prefix_kv()])
+            done[i] = LoadedChunk(kv, False, self._put(kv, keys[i]))
+        hits = [keys[i].storage_key for i in unique if done[i].hit]
+        if hits:
+            self.catalog.touch_entries(hits)
+        return done
+
+    def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:
+        """The stored cache in ``blob``, or None (with a warning) if it is not what ``key`` asks for.
+
+        None for a damaged, truncated or unauthenticated blob, and for an intact one made for
+        another key (a swapped or moved entry), model, codec, level or shape; the caller then
+        invalidates the entry and recomputes the chunk.
+        """
+        arch = self.adapter.spec
+        # Everything expected comes from the key asked for and the loaded model, never from the
+        # stored bytes: a blob made for another chunk, tenant, codec or shape is refused before
+        # its payload is read.
+        expect = codec.Expected(
+            key=key.storage_key,
+            model_fingerprint=key.model_fingerprint,
+            spec=key.codec,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            num_tokens=num_tokens,
+            secret=self.store_secret,
+        )
+        try:
+            return codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
+        except CodecError as e:
+            logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
+            return None
+
+    def _put(self, kv: ChunkKV, key: ChunkKey) -> int:
+        """Encode and store a recomputed cache; record it in the catalog; bytes stored (0: no tier took it)."""
+        entry = self.computer.put(kv, key)
+        if entry is None:
+            return 0
+        record_stored(self.catalog, entry, tenant=self.computer.tenant)
+        return entry.nbytes
