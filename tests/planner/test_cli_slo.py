@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ragkv import cli
+from ragkv.cli_options import engine_config
 from tests.core.test_cli import one_line_error, run
 
 
 def test_slo_ms_overrides_only_when_given():
-    assert cli._config().load.slo_ms is None
-    assert cli._config(slo_ms=250.0).load.slo_ms == 250.0
+    assert engine_config().load.slo_ms is None
+    assert engine_config(slo_ms=250.0).load.slo_ms == 250.0
 
 
 def test_a_non_positive_deadline_is_refused(monkeypatch, capsys, tmp_path):
