@@ -350,7 +350,7 @@ class RagKV:
                 if mode == "full":
                     cache = self.adapter.build_cache([])
                     started = time.perf_counter()
-                    logits = self.adapter.forward(ids, cache, 0)
+                    logits = self.adapter.forward(ids, cache, 0, logits="last")
                     self.load_estimates.recompute.observe(len(ids), time.perf_counter() - started)
                     self._rate_book.save_soon()
                     stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
@@ -441,7 +441,7 @@ class RagKV:
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
         logits = fused.suffix_logits
         if logits is None:  # empty suffix
-            logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
+            logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens, logits="last")
         return fused.cache, logits
 
     def _load_planning(
@@ -535,7 +535,7 @@ class RagKV:
         with torch.inference_mode(), self._model_lock:
             if mode == "full":
                 cache = self.adapter.build_cache([])
-                logits = self.adapter.forward(ids, cache, 0)
+                logits = self.adapter.forward(ids, cache, 0, logits="last")
                 stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
             else:
                 cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -11,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
-    from ragkv.types import ChunkKV
+    from ragkv.types import ChunkKV, LogitsWanted
 
 __all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "stream_text"]
 
@@ -20,11 +21,13 @@ class Decoder(Protocol):
     """What generation runs on (``ragkv.model.ModelAdapter`` is one): no import of the model adapter here."""
 
     @property
-    def eos_token_ids(self) -> set[int]: ...
+    def eos_token_ids(self) -> AbstractSet[int]: ...
 
     def build_cache(self, context: Sequence[ChunkKV]) -> Cache: ...
 
-    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int) -> torch.Tensor: ...
+    def forward(
+        self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int, logits: LogitsWanted = "all"
+    ) -> torch.Tensor: ...
 
 
 class TextDecoder(Protocol):
@@ -94,7 +97,7 @@ def decode_loop(
             return
         yield tok
         if i + 1 < cfg.max_new_tokens:
-            logits = adapter.forward([tok], cache, start + i)[-1]
+            logits = adapter.forward([tok], cache, start + i, logits="last")[-1]
 
 
 def generate_ids(
@@ -103,7 +106,7 @@ def generate_ids(
     """Greedy answer ids of ``suffix_ids`` on top of ``context`` (stops at EOS): a reference answer."""
     start = sum(p.num_tokens for p in context)
     cache = adapter.build_cache(context)
-    logits = adapter.forward(suffix_ids, cache, start)[-1]  # [vocab]
+    logits = adapter.forward(suffix_ids, cache, start, logits="last")[-1]  # [vocab]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     return list(decode_loop(adapter, cache, logits, start + len(suffix_ids), cfg))
 

@@ -7,7 +7,7 @@ its key records.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, Literal, NewType
 
 from ragkv.digests import Digest, fields_digest, sha256_hex
 
@@ -30,6 +30,7 @@ __all__ = [
     "MAX_TENANT_LENGTH",
     "validate_tenant",
     "CachedText",
+    "LogitsWanted",
 ]
 
 DEFAULT_TENANT = "default"
@@ -40,6 +41,8 @@ ModelFingerprint = NewType("ModelFingerprint", str)
 """``ModelAdapter.fingerprint``: digest of a generator's architecture and weights."""
 TokenizerFingerprint = NewType("TokenizerFingerprint", str)
 """``ModelAdapter.tokenizer_fingerprint``: digest of a vocabulary and its special tokens."""
+LogitsWanted = Literal["all", "last", "none"]
+"""Where a forward pass computes logits: every position, the last one, or none (see ``ModelAdapter.forward``)."""
 
 
 @dataclass(frozen=True, slots=True)
