@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -73,16 +73,24 @@ def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | No
 
 
 def decode_loop(
-    adapter: Decoder, cache: Cache, first_logits: torch.Tensor, start: int, cfg: GenerationConfig
+    adapter: Decoder,
+    cache: Cache,
+    first_logits: torch.Tensor,
+    start: int,
+    cfg: GenerationConfig,
+    *,
+    step: Callable[[int], torch.Tensor] | None = None,
 ) -> Iterator[int]:
     """Yield answer token ids one at a time (stops at EOS or ``max_new_tokens``).
 
     Args:
         adapter: the model.
-        cache: the prompt's cache, appended to as tokens are generated.
+        cache: the prompt's cache, appended to as tokens are generated (unless ``step`` is given).
         first_logits: ``[vocab]`` logits of the prompt's last position.
         start: position of the first generated token.
         cfg: sampling settings.
+        step: feeds one token and returns the next ``[vocab]`` logits (a
+            ``ragkv.model.decode.DecodeSession.step``); None runs ``adapter.forward`` on ``cache``.
     """
     gen = None
     if cfg.temperature > 0:
@@ -97,7 +105,7 @@ def decode_loop(
             return
         yield tok
         if i + 1 < cfg.max_new_tokens:
-            logits = adapter.forward([tok], cache, start + i, logits="last")[-1]
+            logits = step(tok) if step is not None else adapter.forward([tok], cache, start + i, logits="last")[-1]
 
 
 def generate_ids(
