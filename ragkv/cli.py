@@ -677,6 +677,68 @@ def bench_load(
     typer.echo(format_table(rows, columns))
 
 
+@bench_app.command("peer")
+def bench_peer(
+    model: Model = None,
+    prompts: Prompts = "packages",
+    limit: Annotated[int, typer.Option("--limit", help="RAG prompts (about 2K tokens each).")] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", help="Interleaved rounds over the prompts.")] = 3,
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Tokens timed per answer.")] = 32,
+    threads: Annotated[int | None, typer.Option("--threads", help="Threads for both sides [torch's].")] = None,
+    dtype: Dtype = None,
+    out: JsonOut = None,
+) -> None:
+    """ragkv (fused, full, int8 decode) against llama.cpp on the same GGUF and prompt token ids."""
+    import tempfile
+
+    import torch
+
+    from ragkv.bench.peer import (
+        ANATOMY_COLUMNS,
+        PeerMissingError,
+        bench_engine,
+        decode_anatomy,
+        format_peer_table,
+        gguf_path,
+        load_llama,
+        machine_load,
+        peer_prompts,
+        run_peer_bench,
+    )
+    from ragkv.bench.table import format_table
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        gguf = gguf_path(model or _config().model)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from e
+    adapter = _load_model(str(gguf), dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="ragkv-peer-") as tmp:
+        engines = {name: bench_engine(adapter, w, Path(tmp) / w) for name, w in (("model", "model"), ("int8", "int8"))}
+        peers = peer_prompts(engines["model"], _bench_prompts(prompts, adapter, limit, max_tokens=2800))
+        llm = None
+        try:
+            llm = load_llama(gguf, torch.get_num_threads(), n_ctx=max(len(p.ids) for p in peers) + decode_tokens + 8)
+        except PeerMissingError as e:
+            typer.echo(f"{e}; running the ragkv rows alone", err=True)
+        systems = {
+            "ragkv fused": (engines["model"], "reuse"),
+            "ragkv full": (engines["model"], "full"),
+            "ragkv fused, int8 decode": (engines["int8"], "reuse"),
+        }
+        rows = run_peer_bench(systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens)
+        for engine in engines.values():
+            engine.close()
+    tokens = sorted(len(p.ids) for p in peers)
+    typer.echo(format_peer_table(rows))
+    typer.echo(f"{len(peers)} prompts of {tokens[0]}-{tokens[-1]} tokens, {repeats} rounds; {machine_load()}")
+    anatomy = decode_anatomy(adapter, list(peers[0].ids), steps=decode_tokens)
+    typer.echo(format_table(anatomy, ANATOMY_COLUMNS))
+    _write_rows(rows + anatomy, out)
+
+
 @bench_app.command("codec")
 def bench_codec(
     prompts: Prompts = "builtin",
