@@ -688,7 +688,7 @@ def bench_peer(
     dtype: Dtype = None,
     out: JsonOut = None,
 ) -> None:
-    """ragkv (fused, full, int8 decode) against llama.cpp on the same GGUF and prompt token ids."""
+    """ragkv (fused, full, int8/int4 decode) against llama.cpp on the same GGUF and prompt token ids."""
     import tempfile
 
     import torch
@@ -716,7 +716,7 @@ def bench_peer(
         raise typer.BadParameter(str(e), param_hint="--model") from e
     adapter = _load_model(str(gguf), dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="ragkv-peer-") as tmp:
-        engines = {name: bench_engine(adapter, w, Path(tmp) / w) for name, w in (("model", "model"), ("int8", "int8"))}
+        engines = {w: bench_engine(adapter, w, Path(tmp) / w) for w in ("model", "int8", "int4")}
         peers = peer_prompts(engines["model"], _bench_prompts(prompts, adapter, limit, max_tokens=2800))
         llm = None
         try:
@@ -727,6 +727,7 @@ def bench_peer(
             "ragkv fused": (engines["model"], "reuse"),
             "ragkv full": (engines["model"], "full"),
             "ragkv fused, int8 decode": (engines["int8"], "reuse"),
+            "ragkv fused, int4 decode": (engines["int4"], "reuse"),
         }
         rows = run_peer_bench(systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens)
         for engine in engines.values():

@@ -77,7 +77,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N] | mps (RAGKV_DEVICE)
     offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
     load: LoadConfig = field(default_factory=LoadConfig)  # TTFT deadline and load planning (ragkv.planner)
-    decode_weights: str = "model"  # model | int8: weights decode steps read (RAGKV_DECODE_WEIGHTS); int8 is lossy
+    decode_weights: str = "model"  # model | int8 | int4 (lossy): weights decode steps read (RAGKV_DECODE_WEIGHTS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
@@ -86,7 +86,7 @@ class EngineConfig:
         if self.decode_weights not in DECODE_WEIGHTS:
             raise ValueError(
                 f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r} "
-                "(int8: weight-only int8 copies for decode steps, lossy; model: the loaded weights)"
+                "(int8/int4: weight-only copies for decode steps on the CPU, lossy; model: the loaded weights)"
             )
         if self.fusion.strategy().wants_stored_scores:
             # the engine records no index-time deviation (ragkv.craft is a bench-only recorder), so

@@ -247,7 +247,7 @@ class GenerationStats:
     fusion: str = "naive"  # how chunk caches were fused
     dtype: str = ""  # the weights' dtype the answer was computed in ("bfloat16", "float32", ...)
     dtype_reason: str = ""  # why that dtype ("asked for", "auto: this CPU has native bf16 matmuls", ...)
-    decode_weights: str = "model"  # weights the decode steps read: "model", or "int8" (lossy; EngineConfig)
+    decode_weights: str = "model"  # weights the decode steps read: "model", or "int8"/"int4" (lossy; EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -1,95 +1,35 @@
-"""The decode step at the memory limit: a static KV cache, fp32 one-query attention, optional int8 weights.
+"""The decode step at the memory limit: a static KV cache, fp32 one-query attention, optional int8/int4 weights.
 
 gpt-fast's recipe on the model's own layers: the prompt's K/V are copied once into buffers sized
 for the whole answer, so a step writes one column in place (a ``DynamicCache`` concatenates, a
 copy of every layer per token); a step calls the decoder layers directly (no mask to build: one
 query sees every slot written so far) with rotary tables computed once per answer; attention of
 the single query runs in fp32 (see ``ragkv.model.attention.decode_step``). With
-``weights="int8"`` the linear layers and the LM head read per-channel int8 copies of their
-weights during decode steps (prefill and fusion keep the model's weights), halving the bytes a
-bf16 step streams: a lossy setting, named in the stats, never a default.
+``weights="int8"`` (or ``"int4"``) the linear layers and the LM head read weight-only copies
+during decode steps (prefill and fusion keep the model's weights; ``ragkv.model.quant``), halving
+(quartering) the bytes a bf16 step streams: a lossy setting, named in the stats, never a default.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
 import torch
-from torch import nn
 from transformers.cache_utils import Cache
 
 from ragkv.model.attention import decode_step
 from ragkv.model.batch import _SlotCache, _SlotLayer
 from ragkv.model.caches import _layer_tensors, cache_kwarg
+from ragkv.model.quant import install, step_weights
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DECODE_WEIGHTS", "DecodeSession", "DecodeWeights", "StaticDecoder", "quantize_int8"]
+__all__ = ["DECODE_WEIGHTS", "DecodeSession", "DecodeWeights", "StaticDecoder"]
 
-DecodeWeights = Literal["model", "int8"]
+DecodeWeights = Literal["model", "int8", "int4"]
 DECODE_WEIGHTS: tuple[str, ...] = get_args(DecodeWeights)
-# set inside the steps of an int8 decoder only: a model-weights decoder on the same model reads the model's weights
-_INT8_STEP: ContextVar[bool] = ContextVar("ragkv_int8_step", default=False)
-_INT8_ALIGN = 16  # in_features the int8 kernel handles: multiples of 16 (24 gave wrong sums, 13 a segfault)
-
-
-def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 of ``weight`` ``[out, in]``: ``(int8 [out, in], scales [out])``.
-
-    ``weight[o] ~= q[o] * scales[o]``, with ``scales[o] = max|weight[o]| / 127`` (a zero row gets 1).
-    """
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
-    scales = torch.where(w.abs().amax(dim=1) > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales.unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scales.to(scale_dtype)
-
-
-def _int8_forward(module: nn.Linear, q: torch.Tensor, scales: torch.Tensor, act: torch.dtype) -> Callable[..., Any]:
-    """``module.forward``, reading the int8 copy ``q`` ``[out, in]`` inside an int8 decoder's steps."""
-    plain = module.forward
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _INT8_STEP.get():
-            return plain(x)
-        flat = x.reshape(-1, x.shape[-1]).to(act)  # [rows, in]: the kernel takes 2-D activations
-        out = torch._weight_int8pack_mm(flat, q, scales).to(x.dtype)  # [rows, out]
-        if module.bias is not None:
-            out = out + module.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    return forward
-
-
-_INT8_INSTALLED: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # module -> bytes added
-
-
-def _install_int8(model: Any) -> int:
-    """Give every linear layer of the decoder and the LM head an int8 copy (once); return the bytes added.
-
-    The modules stay where they are (state dict, fingerprint and prefill untouched): only their
-    ``forward`` changes, to read the copy inside int8 decode steps. On the CPU the kernel is fast for
-    bf16 activations and slow for fp32 ones, so an fp32 model's activations go through it in bf16.
-    """
-    act = torch.bfloat16 if model.dtype == torch.float32 else model.dtype
-    added = 0
-    for module in [*model.model.layers.modules(), model.lm_head]:
-        if not isinstance(module, nn.Linear) or module in _INT8_INSTALLED:
-            continue
-        if module.in_features % _INT8_ALIGN:  # torch 2.13's CPU kernel misreads (or crashes on) other widths
-            logger.warning(
-                "int8 decode: %s keeps its weights (in_features %d)", type(module).__name__, module.in_features
-            )
-            continue
-        q, scales = quantize_int8(module.weight, act)
-        module.forward = _int8_forward(module, q, scales, act)  # type: ignore[method-assign]
-        _INT8_INSTALLED[module] = q.numel() + scales.numel() * scales.element_size()
-        added += _INT8_INSTALLED[module]
-    return added
 
 
 class StaticDecoder:
@@ -97,8 +37,8 @@ class StaticDecoder:
 
     Args:
         adapter: the model (a ``ModelAdapter``).
-        weights: ``"model"`` (the loaded weights) or ``"int8"`` (weight-only int8 copies, per
-            output channel, used by decode steps only).
+        weights: ``"model"`` (the loaded weights), ``"int8"`` or ``"int4"`` (weight-only copies
+            read by decode steps only, on the CPU; see ``ragkv.model.quant``).
     """
 
     def __init__(self, adapter: Any, weights: DecodeWeights = "model") -> None:
@@ -109,9 +49,11 @@ class StaticDecoder:
         inner = adapter.model.model
         self._layers = list(inner.layers)
         self._cache_kw = cache_kwarg(type(self._layers[0]))
-        if weights == "int8":
-            added = _install_int8(adapter.model)
-            logger.info("int8 decode weights for %s: %.0f MB added", adapter.name, added / 1e6)
+        if weights != "model":
+            if adapter.device.type != "cpu":
+                raise ValueError(f"{weights} decode weights use torch's CPU kernels; on {adapter.device} use 'model'")
+            added = install(adapter.model, weights)
+            logger.info("%s decode weights for %s: %.0f MB added", weights, adapter.name, added / 1e6)
 
     def session(self, cache: Cache, num_tokens: int, max_new_tokens: int) -> DecodeSession:
         """A session continuing the prompt held in ``cache``'s first ``num_tokens`` slots.
@@ -163,14 +105,10 @@ class DecodeSession:
         if n >= self.capacity:
             raise ValueError(f"the session holds {self.capacity} tokens; open it with a larger max_new_tokens")
         i = n - self._start
-        int8 = _INT8_STEP.set(self._decoder.weights == "int8")
-        try:
-            with decode_step():
-                logits = self._layers_and_head(
-                    token, self._pos[:, i : i + 1], self._cos[:, i : i + 1], self._sin[:, i : i + 1]
-                )
-        finally:
-            _INT8_STEP.reset(int8)
+        with step_weights(self._decoder.weights), decode_step():
+            logits = self._layers_and_head(
+                token, self._pos[:, i : i + 1], self._cos[:, i : i + 1], self._sin[:, i : i + 1]
+            )
         self._set_length(n + 1)
         return logits
 

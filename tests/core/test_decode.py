@@ -8,7 +8,8 @@ import torch
 from ragkv.generation import GenerationConfig, decode_loop, generate_ids
 from ragkv.model import ModelAdapter
 from ragkv.model.attention import _one_query_fp32, decode_step
-from ragkv.model.decode import StaticDecoder, quantize_int8
+from ragkv.model.decode import StaticDecoder
+from ragkv.model.quant import quantize_int4, quantize_int8
 from tests.conftest import make_model
 
 
@@ -67,7 +68,7 @@ def test_a_session_leaves_the_given_cache_alone_and_refuses_to_overflow(llama_ad
     with pytest.raises(ValueError, match="fewer than the prompt"):
         StaticDecoder(a).session(cache, 11, 2)
     with pytest.raises(ValueError, match="decode weights must be one of"):
-        StaticDecoder(a, weights="int4")  # type: ignore[arg-type]
+        StaticDecoder(a, weights="int2")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -172,3 +173,38 @@ def test_the_default_model_decodes_greedily_as_the_reference_and_stays_tied(real
     session = StaticDecoder(a).session(cache, len(prompt), 48)
     got = list(decode_loop(a, cache, first, len(prompt), GenerationConfig(max_new_tokens=48), step=session.step))
     assert len(want) > 10 and got == want
+
+
+def test_int4_weights_round_trip_within_half_a_step_per_group():
+    w = torch.randn(16, 96) * torch.linspace(0.01, 3, 96)  # groups of 32 columns with different ranges
+    q, sz = quantize_int4(w)
+    assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15 and sz.shape == (3, 16, 2)
+    scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()  # [out, groups]
+    deq = (q.float().reshape(16, 3, 32) - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+    # half a step, plus the bf16 rounding of the scale and offset
+    assert torch.all((deq.reshape(16, 96) - w).abs() <= scale.repeat_interleave(32, 1) * 0.5 + 0.02 * w.abs().max())
+
+
+def test_int4_decode_kernel_equals_the_dequantized_weights(tiny_tokenizer):
+    a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
+    prompt, answer = _ids(24, 13), _ids(5, 14)
+    cache = a.build_cache([])
+    a.forward(prompt, cache, 0, logits="none")
+    exact = StaticDecoder(a).session(cache, len(prompt), len(answer))
+    want = torch.stack([exact.step(t) for t in answer])
+    int4 = StaticDecoder(a, weights="int4").session(cache, len(prompt), len(answer))
+    got = torch.stack([int4.step(t) for t in answer])
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+    assert 0 < float(kl.sum(-1).max()) < 0.2
+    # the kernel computes x @ dequantized(W).T: one layer checked against its own dequantized copy
+    linear = a.model.model.layers[0].mlp.down_proj
+    q, sz = quantize_int4(linear.weight)
+    groups = linear.in_features // 32
+    scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()
+    deq = ((q.float().reshape(-1, groups, 32) - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).reshape(q.shape)
+    x = torch.randn(3, linear.in_features)
+    from ragkv.model.quant import step_weights
+
+    with step_weights("int4"), torch.no_grad():
+        fast = linear(x)
+    torch.testing.assert_close(fast, x.to(torch.bfloat16).float() @ deq.t(), atol=0.05, rtol=0.02)

@@ -257,7 +257,7 @@ def test_int8_decode_is_a_setting_the_stats_name(tmp_path, tiny_tokenizer, monke
     from tests.conftest import make_model
 
     with pytest.raises(ValueError, match="decode_weights must be one of"):
-        EngineConfig(data_dir=tmp_path, decode_weights="int4")
+        EngineConfig(data_dir=tmp_path, decode_weights="int2")
     monkeypatch.setenv("RAGKV_DECODE_WEIGHTS", "int8")
     assert EngineConfig.from_env(data_dir=tmp_path).decode_weights == "int8"
     adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
