@@ -716,22 +716,27 @@ def bench_peer(
         raise typer.BadParameter(str(e), param_hint="--model") from e
     adapter = _load_model(str(gguf), dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="ragkv-peer-") as tmp:
-        engines = {w: bench_engine(adapter, w, Path(tmp) / w) for w in ("model", "int8", "int4")}
-        peers = peer_prompts(engines["model"], _bench_prompts(prompts, adapter, limit, max_tokens=2800))
+        engine = bench_engine(adapter, "model", Path(tmp))
+        peers = peer_prompts(engine, _bench_prompts(prompts, adapter, limit, max_tokens=2800))
         llm = None
         try:
             llm = load_llama(gguf, torch.get_num_threads(), n_ctx=max(len(p.ids) for p in peers) + decode_tokens + 8)
         except PeerMissingError as e:
             typer.echo(f"{e}; running the ragkv rows alone", err=True)
         systems = {
-            "ragkv fused": (engines["model"], "reuse"),
-            "ragkv full": (engines["model"], "full"),
-            "ragkv fused, int8 decode": (engines["int8"], "reuse"),
-            "ragkv fused, int4 decode": (engines["int4"], "reuse"),
+            "ragkv fused": ("reuse", "model"),
+            "ragkv full": ("full", "model"),
+            "ragkv fused, int8 decode": ("reuse", "int8"),
+            "ragkv fused, int4 decode": ("reuse", "int4"),
         }
-        rows = run_peer_bench(systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens)
-        for engine in engines.values():
-            engine.close()
+
+        def progress(name: str, run: Any) -> None:
+            typer.echo(f"  {name}: TTFT {run.ttft_s:.2f} s, {run.per_token_s * 1000:.0f} ms/token", err=True)
+
+        rows = run_peer_bench(
+            engine, systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens, on_run=progress
+        )
+        engine.close()
     tokens = sorted(len(p.ids) for p in peers)
     typer.echo(format_peer_table(rows))
     typer.echo(f"{len(peers)} prompts of {tokens[0]}-{tokens[-1]} tokens, {repeats} rounds; {machine_load()}")

@@ -115,14 +115,23 @@ def llama_run(llm: Any, prompt: PeerPrompt, decode_tokens: int, warm: bool) -> R
     return Run(first - t0, end - first, n - 1)
 
 
-def ragkv_run(engine: Any, prompt: PeerPrompt, mode: str, decode_tokens: int) -> Run:
-    """One engine answer (``mode`` reuse or full) of at most ``decode_tokens`` + 1 tokens."""
+def ragkv_run(engine: Any, prompt: PeerPrompt, mode: str, decode_tokens: int, decoder: Any = None) -> Run:
+    """One engine answer (``mode`` reuse or full) of at most ``decode_tokens`` + 1 tokens.
+
+    ``decoder``: a ``StaticDecoder`` to decode with instead of the engine's own (another weight
+    format on the same engine, so every format reuses the same stored chunk caches).
+    """
     from ragkv.generation import GenerationConfig
 
     stats = None
     gen = GenerationConfig(max_new_tokens=decode_tokens + 1)
-    for _, s in engine.generate_stream(list(prompt.chunks), prompt.question, mode=mode, generation=gen):
-        stats = s if s is not None else stats
+    own = engine.decoder
+    engine.decoder = decoder or own
+    try:
+        for _, s in engine.generate_stream(list(prompt.chunks), prompt.question, mode=mode, generation=gen):
+            stats = s if s is not None else stats
+    finally:
+        engine.decoder = own
     if stats is None:  # pragma: no cover - the stream always ends with its stats
         raise RuntimeError("the answer stream ended without stats")
     return Run(stats.ttft_ms / 1000, (stats.total_ms - stats.ttft_ms) / 1000, max(0, stats.generated_tokens - 1))
@@ -152,38 +161,48 @@ def _summary(system: str, runs: Sequence[Run]) -> dict[str, Any]:
 
 
 def run_peer_bench(
-    engines: dict[str, tuple[Any, str]],
+    engine: Any,
+    systems_wanted: dict[str, tuple[str, str]],
     prompts: Sequence[PeerPrompt],
     *,
     llm: Any | None,
     repeats: int = 3,
     decode_tokens: int = 32,
+    on_run: Callable[[str, Run], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Interleaved runs of every system on every prompt, ``repeats`` times; one median row per system.
 
     Args:
-        engines: row name -> (engine, mode) for the ragkv rows (mode ``reuse`` or ``full``).
+        engine: the ragkv engine (its store keeps the chunk caches every ragkv row reuses).
+        systems_wanted: row name -> (mode, decode weights) for the ragkv rows (mode ``reuse`` or
+            ``full``; weights ``model``, ``int8`` or ``int4``).
         prompts: the prompts (see :func:`peer_prompts`).
         llm: a llama.cpp model (:func:`load_llama`), or None to run ragkv alone.
         repeats: rounds over all prompts.
         decode_tokens: tokens decoded after the first per run (the rate's sample).
+        on_run: hears each run as it ends (system name, timing): progress for a long bench.
     """
 
-    def ragkv_system(engine: Any, mode: str) -> Callable[[PeerPrompt], Run]:
-        return lambda p: ragkv_run(engine, p, mode, decode_tokens)
+    from ragkv.model.decode import StaticDecoder
 
-    systems = {name: ragkv_system(engine, mode) for name, (engine, mode) in engines.items()}
+    decoders = {w: StaticDecoder(engine.adapter, weights=w) for _, w in systems_wanted.values()}  # type: ignore[arg-type]
+
+    def ragkv_system(mode: str, weights: str) -> Callable[[PeerPrompt], Run]:
+        return lambda p: ragkv_run(engine, p, mode, decode_tokens, decoders[weights])
+
+    systems = {name: ragkv_system(mode, w) for name, (mode, w) in systems_wanted.items()}
     if llm is not None:
         systems["llama.cpp full"] = lambda p: llama_run(llm, p, decode_tokens, warm=False)
         systems["llama.cpp warm prefix"] = lambda p: llama_run(llm, p, decode_tokens, warm=True)
-    for engine, _ in engines.values():  # untimed: stores the chunk caches, warms allocators
-        for p in prompts:
-            ragkv_run(engine, p, "reuse", 2)
+    for p in prompts:  # untimed: stores the chunk caches, warms allocators
+        ragkv_run(engine, p, "reuse", 2)
     runs: dict[str, list[Run]] = {name: [] for name in systems}
     for _ in range(repeats):
         for p in prompts:
             for name, run in systems.items():
                 runs[name].append(run(p))
+                if on_run is not None:
+                    on_run(name, runs[name][-1])
     rows = [_summary(name, r) for name, r in runs.items()]
     base = next((r for r in rows if r["system"] == "llama.cpp full"), None)
     for row in rows:
