@@ -46,6 +46,7 @@ class GenerationConfig:
     top_k: int = 0  # keep the k most likely tokens (0 = all; sampling only)
     stop: tuple[str, ...] = ()  # stop before any of these strings appears in the answer
     seed: int | None = None  # sampling seed, for reproducible answers
+    ignore_eos: bool = False  # decode exactly max_new_tokens, end tokens included (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -97,7 +98,7 @@ def decode_loop(
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else torch.Generator()
         if cfg.seed is None:
             gen.seed()
-    eos = adapter.eos_token_ids
+    eos = frozenset() if cfg.ignore_eos else adapter.eos_token_ids
     logits = first_logits
     for i in range(cfg.max_new_tokens):
         tok = _pick(logits, cfg, gen)

@@ -124,7 +124,7 @@ def ragkv_run(engine: Any, prompt: PeerPrompt, mode: str, decode_tokens: int, de
     from ragkv.generation import GenerationConfig
 
     stats = None
-    gen = GenerationConfig(max_new_tokens=decode_tokens + 1)
+    gen = GenerationConfig(max_new_tokens=decode_tokens + 1, ignore_eos=True)  # as llama.cpp's loop
     own = engine.decoder
     engine.decoder = decoder or own
     try:
