@@ -33,7 +33,7 @@ def _run(
 ) -> tuple[float, float, torch.Tensor, float]:
     """(full prefill ms, fused TTFT ms, full last-position logits, KL fused vs full)."""
     t0 = time.perf_counter()
-    full = a.forward(prefix + sum(chunks, []) + suffix, a.build_cache([]), 0)[-1]
+    full = a.forward(prefix + sum(chunks, []) + suffix, a.build_cache([]), 0, logits="last")[-1]
     full_ms = (time.perf_counter() - t0) * 1000
     pre = a.prefill_kv(prefix)
     inp = FusionInput(pre, [a.prefill_kv(c, past=[pre]) for c in chunks], chunks, suffix)

@@ -30,7 +30,7 @@ def main() -> None:
         for _ in range(3):
             cache = adapter.build_cache(past)
             t0 = time.perf_counter()
-            int(adapter.forward(ids, cache, len(context) if past else 0)[-1].argmax())
+            int(adapter.forward(ids, cache, len(context) if past else 0, logits="last")[-1].argmax())
             times.append((time.perf_counter() - t0) * 1000)
         return min(times)
 

@@ -6,6 +6,7 @@ Experiments that are not commands live in ``experiments/`` at the repository roo
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -172,6 +173,74 @@ def bench_load(
         "dtype_reason",
     )
     typer.echo(format_table(rows, columns))
+
+
+@bench_app.command("peer")
+def bench_peer(
+    model: Model = None,
+    prompts: Prompts = "packages",
+    limit: Annotated[int, typer.Option("--limit", help="RAG prompts (about 2K tokens each).")] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", help="Interleaved rounds over the prompts.")] = 3,
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Tokens timed per answer.")] = 32,
+    threads: Annotated[int | None, typer.Option("--threads", help="Threads for both sides [torch's].")] = None,
+    dtype: Dtype = None,
+    out: JsonOut = None,
+) -> None:
+    """ragkv (fused, full, int8/int4 decode) against llama.cpp on the same GGUF and prompt token ids."""
+    import tempfile
+
+    import torch
+
+    from ragkv.bench.peer import (
+        ANATOMY_COLUMNS,
+        PeerMissingError,
+        bench_engine,
+        decode_anatomy,
+        format_peer_table,
+        gguf_path,
+        load_llama,
+        machine_load,
+        peer_prompts,
+        run_peer_bench,
+    )
+    from ragkv.bench.table import format_table
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        gguf = gguf_path(model or engine_config().model)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from e
+    adapter = _load_model(str(gguf), dtype=dtype)
+    with tempfile.TemporaryDirectory(prefix="ragkv-peer-") as tmp:
+        engine = bench_engine(adapter, "model", Path(tmp))
+        peers = peer_prompts(engine, _bench_prompts(prompts, adapter, limit, max_tokens=2800))
+        llm = None
+        try:
+            llm = load_llama(gguf, torch.get_num_threads(), n_ctx=max(len(p.ids) for p in peers) + decode_tokens + 8)
+        except PeerMissingError as e:
+            typer.echo(f"{e}; running the ragkv rows alone", err=True)
+        systems = {
+            "ragkv fused": ("reuse", "model"),
+            "ragkv full": ("full", "model"),
+            "ragkv fused, int8 decode": ("reuse", "int8"),
+            "ragkv fused, int4 decode": ("reuse", "int4"),
+        }
+
+        def progress(name: str, run: Any) -> None:
+            typer.echo(f"  {name}: TTFT {run.ttft_s:.2f} s, {run.per_token_s * 1000:.0f} ms/token", err=True)
+
+        rows = run_peer_bench(
+            engine, systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens, on_run=progress
+        )
+        engine.close()
+    tokens = sorted(len(p.ids) for p in peers)
+    typer.echo(format_peer_table(rows))
+    typer.echo(f"{len(peers)} prompts of {tokens[0]}-{tokens[-1]} tokens, {repeats} rounds; {machine_load()}")
+    anatomy = decode_anatomy(adapter, list(peers[0].ids), steps=decode_tokens)
+    typer.echo(format_table(anatomy, ANATOMY_COLUMNS))
+    _write_rows(rows + anatomy, out)
 
 
 @bench_app.command("codec")

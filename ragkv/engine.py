@@ -24,6 +24,7 @@ from ragkv.errors import DocumentNotFoundError
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model import ModelAdapter, load_model
+from ragkv.model.decode import DECODE_WEIGHTS, StaticDecoder
 from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
 from ragkv.planner.config import LoadConfig
@@ -76,11 +77,17 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N] | mps (RAGKV_DEVICE)
     offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
     load: LoadConfig = field(default_factory=LoadConfig)  # TTFT deadline and load planning (ragkv.planner)
+    decode_weights: str = "model"  # model | int8 | int4 (lossy): weights decode steps read (RAGKV_DECODE_WEIGHTS)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         validate_tenant(self.tenant)
         validate_placement(self.dtype, self.device)
+        if self.decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(
+                f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r} "
+                "(int8/int4: weight-only copies for decode steps on the CPU, lossy; model: the loaded weights)"
+            )
         if self.fusion.strategy().wants_stored_scores:
             # the engine records no index-time deviation (ragkv.bench.craft is a bench-only recorder), so
             # such a method would fail at the first query instead of here
@@ -98,7 +105,8 @@ class EngineConfig:
         """The defaults, then ``RAGKV_*`` environment variables, then ``overrides`` (None = not given).
 
         Reads ``RAGKV_DATA_DIR``, ``RAGKV_STORE`` (comma-separated tier URLs), ``RAGKV_CATALOG``,
-        ``RAGKV_TENANT``, ``RAGKV_STORE_SECRET``, ``RAGKV_MODEL``, ``RAGKV_DTYPE`` and ``RAGKV_DEVICE``.
+        ``RAGKV_TENANT``, ``RAGKV_STORE_SECRET``, ``RAGKV_MODEL``, ``RAGKV_DTYPE``, ``RAGKV_DEVICE`` and
+        ``RAGKV_DECODE_WEIGHTS``.
         """
         env: dict[str, Any] = {}
         if os.environ.get("RAGKV_STORE"):
@@ -109,7 +117,7 @@ class EngineConfig:
             env["tenant"] = os.environ["RAGKV_TENANT"]
         if os.environ.get("RAGKV_STORE_SECRET"):
             env["store_secret"] = os.environ["RAGKV_STORE_SECRET"].encode("utf-8")
-        for name in ("model", "dtype", "device"):
+        for name in ("model", "dtype", "device", "decode_weights"):
             if os.environ.get(f"RAGKV_{name.upper()}"):
                 env[name] = os.environ[f"RAGKV_{name.upper()}"]
         env.update({k: v for k, v in overrides.items() if v is not None})
@@ -178,6 +186,7 @@ class RagKV:
         self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
         self.catalog = Catalog(self.config.catalog_url())
         self.retriever = self._retriever(self.config.tenant)
+        self.decoder = StaticDecoder(self.adapter, weights=self.config.decode_weights)  # type: ignore[arg-type]
 
     def _retriever(self, tenant: str) -> KVRetriever:
         """``tenant``'s retriever over this engine's model, embedder, store and catalog."""
@@ -364,13 +373,15 @@ class RagKV:
                 if mode == "full":
                     cache = self.adapter.build_cache([])
                     started = time.perf_counter()
-                    logits = self.adapter.forward(ids, cache, 0)
+                    logits = self.adapter.forward(ids, cache, 0, logits="last")
                     self.load_estimates.recompute.observe(len(ids), time.perf_counter() - started)
                     self._rate_book.save_soon()
                     stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
                 else:
                     cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats, started=t0)
-            tokens = self._serialized(decode_loop(self.adapter, cache, logits[-1], len(ids), gen))
+                session = self.decoder.session(cache, len(ids), gen.max_new_tokens)
+            steps = decode_loop(self.adapter, cache, logits[-1], len(ids), gen, step=session.step)
+            tokens = self._serialized(steps)
             first = True
             for delta, tok in stream_text(self.adapter, tokens, gen.stop):
                 if first:
@@ -396,6 +407,7 @@ class RagKV:
             fusion=fusion,
             dtype=dtype_name(self.adapter.dtype),
             dtype_reason=self.adapter.dtype_reason,
+            decode_weights=self.decoder.weights,
         )
 
     def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
@@ -456,7 +468,7 @@ class RagKV:
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
         logits = fused.suffix_logits
         if logits is None:  # empty suffix
-            logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens)
+            logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens, logits="last")
         return fused.cache, logits
 
     def _load_planning(
@@ -513,7 +525,7 @@ class RagKV:
         other._model_lock, other._index_lock = self._model_lock, threading.RLock()
         other.load_estimates = self.load_estimates  # the same model on the same device: the same speeds
         other._rate_book = self._rate_book
-        other.adapter, other.embedder = self.adapter, self.embedder
+        other.adapter, other.embedder, other.decoder = self.adapter, self.embedder, self.decoder
         other.store, other.catalog = self.store, self.catalog
         other.retriever = self._retriever(other.config.tenant)
         other.close = lambda: None  # type: ignore[method-assign]  # the shared parts belong to self
@@ -555,7 +567,7 @@ class RagKV:
         with torch.inference_mode(), self._model_lock:
             if mode == "full":
                 cache = self.adapter.build_cache([])
-                logits = self.adapter.forward(ids, cache, 0)
+                logits = self.adapter.forward(ids, cache, 0, logits="last")
                 stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
             else:
                 cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)

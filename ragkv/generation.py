@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -11,7 +12,7 @@ import torch
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
-    from ragkv.types import ChunkKV
+    from ragkv.types import ChunkKV, LogitsWanted
 
 __all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "pick_token", "stream_text"]
 
@@ -20,11 +21,13 @@ class Decoder(Protocol):
     """What generation runs on (``ragkv.model.ModelAdapter`` is one): no import of the model adapter here."""
 
     @property
-    def eos_token_ids(self) -> set[int]: ...
+    def eos_token_ids(self) -> AbstractSet[int]: ...
 
     def build_cache(self, context: Sequence[ChunkKV]) -> Cache: ...
 
-    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int) -> torch.Tensor: ...
+    def forward(
+        self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int, logits: LogitsWanted = "all"
+    ) -> torch.Tensor: ...
 
 
 class TextDecoder(Protocol):
@@ -43,6 +46,7 @@ class GenerationConfig:
     top_k: int = 0  # keep the k most likely tokens (0 = all; sampling only)
     stop: tuple[str, ...] = ()  # stop before any of these strings appears in the answer
     seed: int | None = None  # sampling seed, for reproducible answers
+    ignore_eos: bool = False  # decode exactly max_new_tokens, end tokens included (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -78,23 +82,31 @@ def pick_token(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator
 
 
 def decode_loop(
-    adapter: Decoder, cache: Cache, first_logits: torch.Tensor, start: int, cfg: GenerationConfig
+    adapter: Decoder,
+    cache: Cache,
+    first_logits: torch.Tensor,
+    start: int,
+    cfg: GenerationConfig,
+    *,
+    step: Callable[[int], torch.Tensor] | None = None,
 ) -> Iterator[int]:
     """Yield answer token ids one at a time (stops at EOS or ``max_new_tokens``).
 
     Args:
         adapter: the model.
-        cache: the prompt's cache, appended to as tokens are generated.
+        cache: the prompt's cache, appended to as tokens are generated (unless ``step`` is given).
         first_logits: ``[vocab]`` logits of the prompt's last position.
         start: position of the first generated token.
         cfg: sampling settings.
+        step: feeds one token and returns the next ``[vocab]`` logits (a
+            ``ragkv.model.decode.DecodeSession.step``); None runs ``adapter.forward`` on ``cache``.
     """
     gen = None
     if cfg.temperature > 0:
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else torch.Generator()
         if cfg.seed is None:
             gen.seed()
-    eos = adapter.eos_token_ids
+    eos = frozenset() if cfg.ignore_eos else adapter.eos_token_ids
     logits = first_logits
     for i in range(cfg.max_new_tokens):
         tok = _pick(logits, cfg, gen)
@@ -102,7 +114,7 @@ def decode_loop(
             return
         yield tok
         if i + 1 < cfg.max_new_tokens:
-            logits = adapter.forward([tok], cache, start + i)[-1]
+            logits = step(tok) if step is not None else adapter.forward([tok], cache, start + i, logits="last")[-1]
 
 
 def generate_ids(
@@ -111,7 +123,7 @@ def generate_ids(
     """Greedy answer ids of ``suffix_ids`` on top of ``context`` (stops at EOS): a reference answer."""
     start = sum(p.num_tokens for p in context)
     cache = adapter.build_cache(context)
-    logits = adapter.forward(suffix_ids, cache, start)[-1]  # [vocab]
+    logits = adapter.forward(suffix_ids, cache, start, logits="last")[-1]  # [vocab]
     cfg = GenerationConfig(max_new_tokens=max_new_tokens)
     return list(decode_loop(adapter, cache, logits, start + len(suffix_ids), cfg))
 

@@ -7,7 +7,7 @@ its key records.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, Any, Literal, NewType
 
 from ragkv.digests import Digest, fields_digest, sha256_hex
 
@@ -30,6 +30,7 @@ __all__ = [
     "MAX_TENANT_LENGTH",
     "validate_tenant",
     "CachedText",
+    "LogitsWanted",
 ]
 
 DEFAULT_TENANT = "default"
@@ -40,6 +41,8 @@ ModelFingerprint = NewType("ModelFingerprint", str)
 """``ModelAdapter.fingerprint``: digest of a generator's architecture and weights."""
 TokenizerFingerprint = NewType("TokenizerFingerprint", str)
 """``ModelAdapter.tokenizer_fingerprint``: digest of a vocabulary and its special tokens."""
+LogitsWanted = Literal["all", "last", "none"]
+"""Where a forward pass computes logits: every position, the last one, or none (see ``ModelAdapter.forward``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +247,7 @@ class GenerationStats:
     fusion: str = "naive"  # how chunk caches were fused
     dtype: str = ""  # the weights' dtype the answer was computed in ("bfloat16", "float32", ...)
     dtype_reason: str = ""  # why that dtype ("asked for", "auto: this CPU has native bf16 matmuls", ...)
+    decode_weights: str = "model"  # weights the decode steps read: "model", or "int8"/"int4" (lossy; EngineConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -261,6 +265,7 @@ class GenerationStats:
             "fusion": self.fusion,
             "dtype": self.dtype,
             "dtype_reason": self.dtype_reason,
+            "decode_weights": self.decode_weights,
         }
         d.update(self.extra)
         return d

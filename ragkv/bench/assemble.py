@@ -90,7 +90,7 @@ def run_assemble_bench(
 
     def prefill() -> float:
         t0 = time.perf_counter()
-        adapter.forward(prefix + [t for c in chunks for t in c], adapter.build_cache([]), 0)
+        adapter.forward(prefix + [t for c in chunks for t in c], adapter.build_cache([]), 0, logits="last")
         return (time.perf_counter() - t0) * 1000
 
     base = statistics.median(prefill() for _ in range(repeats))

@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -22,12 +22,13 @@ from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
 from ragkv.prompt import DEFAULT_SYSTEM, PromptLayout
-from ragkv.types import ChunkKV
+from ragkv.types import ChunkKV, LogitsWanted
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelAdapter", "load_model"]
 
+_LOGITS_WANTED = get_args(LogitsWanted)
 _MASK_ALIGN = 16  # elements per mask row, rounded up to this: see ModelAdapter.causal_mask
 
 
@@ -61,6 +62,7 @@ class ModelAdapter:
         self._fingerprint: str | None = None
         self.dtype_reason = "given"  # why the weights run in their dtype (load_model says, e.g. "auto: ...")
         self._tok_fingerprint: str | None = None
+        self._eos: frozenset[int] | None = None
         self._layouts: dict[str, PromptLayout] = {}
         self._rotary_fn: RotaryFn | None = model_rotary_fn(model)
         # [layers] bool: layers that apply RoPE; the probe refuses models whose caches cannot be moved
@@ -110,15 +112,18 @@ class ModelAdapter:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     @property
-    def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.model.generation_config, self.model.config, self.tokenizer):
-            e = getattr(src, "eos_token_id", None)
-            ids.update(e if isinstance(e, list | tuple | set) else ([] if e is None else [e]))
-        end = self.tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in self.tokenizer.get_vocab() else None
-        if end is not None:
-            ids.add(int(end))
-        return ids
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end an answer (read once: the server's scheduler asks for every token of every row,
+        and ``get_vocab()`` builds the tokenizer's whole vocabulary dict on each call)."""
+        if self._eos is None:
+            ids: set[int] = set()
+            for src in (self.model.generation_config, self.model.config, self.tokenizer):
+                e = getattr(src, "eos_token_id", None)
+                ids.update(e if isinstance(e, list | tuple | set) else ([] if e is None else [e]))
+            if "<|im_end|>" in self.tokenizer.get_vocab():
+                ids.add(int(self.tokenizer.convert_tokens_to_ids("<|im_end|>")))
+            self._eos = frozenset(int(i) for i in ids)
+        return self._eos
 
     def layout(self, system: str | None = None) -> PromptLayout:
         """The prompt layout for ``system`` (cached per system prompt)."""
@@ -220,12 +225,25 @@ class ModelAdapter:
     cache_to_kv = staticmethod(caches.cache_to_kv)
 
     @torch.no_grad()
-    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
-        """Run ``token_ids`` at positions ``start..`` on top of ``cache`` (appending); return logits [T, vocab]."""
+    def forward(
+        self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int, logits: LogitsWanted = "all"
+    ) -> torch.Tensor:
+        """Run ``token_ids`` at positions ``start..`` on top of ``cache`` (appending); return fp32 logits.
+
+        ``logits`` says where they are computed: ``"all"`` ``[T, vocab]``; ``"last"`` ``[1, vocab]``
+        (a prefill that only samples the next token); ``"none"`` ``[0, vocab]`` (a pass run for its
+        cache). The LM head over a 150K vocabulary is about a quarter of a prefill's compute, and
+        its fp32 output at 1.5K tokens about 0.9 GB: computed only where it is read.
+        """
+        if logits not in _LOGITS_WANTED:
+            raise ValueError(f"logits must be one of {_LOGITS_WANTED}, got {logits!r}")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self.model)): cache})
-        return out.logits[0].float()
+        if logits == "none":  # the decoder stack alone: no head at all
+            self._inner(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self._inner)): cache})
+            return torch.zeros((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
+        kw = {cache_kwarg(type(self.model)): cache, "logits_to_keep": 1 if logits == "last" else 0}
+        return self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw).logits[0].float()
 
     def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV:
         """The KV of ``token_ids`` computed after ``past`` (positions continue after it)."""
@@ -234,7 +252,7 @@ class ModelAdapter:
         start = sum(p.num_tokens for p in past)
         self.check_context(start + len(token_ids))
         cache = self.build_cache(past)
-        self.forward(token_ids, cache, start)
+        self.forward(token_ids, cache, start, logits="none")
         return self.cache_to_kv(cache, start, start + len(token_ids), self.fingerprint)
 
     def suffix_logits(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ragkv.model.attention import decode_step
 from ragkv.model.caches import _layer_tensors, cache_kwarg
 
 __all__ = ["DecodeBatch"]
@@ -141,16 +142,17 @@ class DecodeBatch:
         mask.masked_fill_(blocked, torch.finfo(hidden.dtype).min)
         mask = mask[:, None, None, :]  # [B, 1, 1, slots]
         cache = _SlotCache(self._layers)
-        for layer in a._inner.layers:
-            out = layer(
-                hidden,
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                position_embeddings=pe,
-                **{cache_kwarg(type(layer)): cache},
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
+        with decode_step():  # one query per row: fp32 attention on the CPU (ragkv.model.attention)
+            for layer in a._inner.layers:
+                out = layer(
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    use_cache=True,
+                    position_embeddings=pe,
+                    **{cache_kwarg(type(layer)): cache},
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
         self._set(self._layers, self._length + 1)
         self._next_pos = self._next_pos + 1
         return a.final_logits(hidden)[:, -1]  # [B, vocab]

@@ -40,7 +40,7 @@ def _layer_kv(adapter: ModelAdapter, ids: torch.Tensor, start: int) -> list[tupl
     """Per layer ``(keys, values)`` ``[kv_heads, T, D]`` of ``ids`` run at positions ``start..``."""
     cache = DynamicCache(config=adapter.model.config)
     try:
-        adapter.forward(ids, cache, start)
+        adapter.forward(ids, cache, start, logits="none")
     except (RuntimeError, ValueError, IndexError) as e:  # a layout the adapter misread fails here, at load
         raise UnsupportedModelError(
             f"model_type={adapter.spec.model_type!r} fails on a probe sequence through ragkv's adapter ({e}); "

@@ -74,7 +74,9 @@ class TinyLlamaAdapter:
         return self._cache(context)[0]
 
     @torch.no_grad()
-    def forward(self, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+    def forward(
+        self, token_ids: Sequence[int] | torch.Tensor, cache: DynamicCache, start: int, logits: str = "all"
+    ) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
         pos = torch.arange(start, start + ids.shape[1])
         return self.model(ids, past_key_values=cache, position_ids=pos[None]).logits[0].float()

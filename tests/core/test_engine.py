@@ -252,3 +252,30 @@ def test_engine_config_repr_never_shows_a_password(tmp_path):
         assert secret not in shown
     assert "redis://:***@cache:6379/0" in shown and "postgresql+psycopg://ragkv:***@db:5432/ragkv" in shown
     assert str(tmp_path / "kv") in shown and "tenant='default'" in shown
+
+
+def test_the_engines_static_decode_answers_as_the_reference_decode(tmp_path, llama_adapter):
+    from ragkv.generation import generate_ids
+
+    prompt = "<|im_start|>user\nName three things that float.<|im_end|>\n<|im_start|>assistant\n"
+    with _engine(tmp_path, llama_adapter) as rag:
+        parts = list(rag.generate_segments([prompt], generation=GenerationConfig(max_new_tokens=24)))
+    text, stats = "".join(d for d, _ in parts), parts[-1][1]
+    want = generate_ids(llama_adapter, [], llama_adapter.encode(prompt), 24)
+    assert text == llama_adapter.decode(want)
+    assert stats is not None and stats.decode_weights == "model" and stats.as_dict()["decode_weights"] == "model"
+
+
+def test_int8_decode_is_a_setting_the_stats_name(tmp_path, tiny_tokenizer, monkeypatch):
+    from ragkv.model import ModelAdapter
+    from tests.conftest import make_model
+
+    with pytest.raises(ValueError, match="decode_weights must be one of"):
+        EngineConfig(data_dir=tmp_path, decode_weights="int2")
+    monkeypatch.setenv("RAGKV_DECODE_WEIGHTS", "int8")
+    assert EngineConfig.from_env(data_dir=tmp_path).decode_weights == "int8"
+    adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
+    with _engine(tmp_path, adapter, decode_weights="int8") as rag:
+        rag.index(DOCS[:1], progress=False)
+        res = rag.answer("Where do apples grow?", generation=GEN)
+    assert res.stats.decode_weights == "int8" and res.stats.generated_tokens > 0

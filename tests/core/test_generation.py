@@ -128,3 +128,14 @@ def test_streamed_text_is_the_whole_text_cut_at_the_first_stop(text, stop, want)
     for d, _ in deltas:
         emitted += d
         assert not any(s and s in emitted for s in stop)  # a stop string is never shown
+
+
+def test_ignore_eos_decodes_exactly_max_new_tokens(llama_adapter):
+    a = llama_adapter
+    context, suffix = _ids(30, 1), _ids(6, 2)
+    full = generate_ids(a, [a.prefill_kv(context)], suffix, 8)
+    model = SimpleNamespace(eos_token_ids={full[2]}, build_cache=a.build_cache, forward=a.forward)
+    cache = a.build_cache([a.prefill_kv(context)])
+    first = a.forward(suffix, cache, 30, logits="last")[-1]
+    cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    assert list(decode_loop(model, cache, first, 36, cfg)) == full

@@ -128,6 +128,33 @@ def test_cache_assembled_from_in_place_chunks_gives_full_logits(tiny_adapter):
     torch.testing.assert_close(assembled, full, atol=1e-4, rtol=1e-4)
 
 
+def test_forward_computes_logits_only_where_asked(tiny_adapter):
+    a, ids = tiny_adapter, _ids(17, 11)
+    full_cache, last_cache, none_cache = a.build_cache([]), a.build_cache([]), a.build_cache([])
+    full = a.forward(ids, full_cache, 0)
+    last = a.forward(ids, last_cache, 0, logits="last")
+    none = a.forward(ids, none_cache, 0, logits="none")
+    assert full.shape == (17, a.spec.vocab_size) and last.shape == (1, a.spec.vocab_size)
+    assert none.shape == (0, a.spec.vocab_size)
+    torch.testing.assert_close(last, full[-1:], atol=1e-5, rtol=1e-5)
+    for cache in (last_cache, none_cache):  # the cache a pass leaves does not depend on its logits
+        for got, want in zip(cache.layers, full_cache.layers, strict=True):
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    with pytest.raises(ValueError, match="logits must be one of"):
+        a.forward(ids, a.build_cache([]), 0, logits="first")  # type: ignore[arg-type]
+
+
+def test_eos_token_ids_are_read_once(llama_adapter, monkeypatch):
+    first = llama_adapter.eos_token_ids
+    assert llama_adapter.tokenizer.convert_tokens_to_ids("<|im_end|>") in first
+
+    def boom() -> None:
+        raise AssertionError("the vocabulary was read again")
+
+    monkeypatch.setattr(llama_adapter.tokenizer, "get_vocab", boom)
+    assert llama_adapter.eos_token_ids is first
+
+
 def test_build_cache_rejects_unplaced_chunks(llama_adapter):
     pre = llama_adapter.prefill_kv(_ids(5, 1))
     lone = llama_adapter.prefill_kv(_ids(5, 2))  # positions 0..4, not 5..9

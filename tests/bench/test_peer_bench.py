@@ -1,0 +1,94 @@
+"""``ragkv bench peer`` on a tiny model: the ragkv rows, the decode anatomy, and llama.cpp when installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from ragkv.bench.peer import (
+    ANSWER,
+    PeerMissingError,
+    bench_engine,
+    decode_anatomy,
+    format_peer_table,
+    gguf_path,
+    llama_run,
+    load_llama,
+    peer_prompts,
+    run_peer_bench,
+)
+
+PROMPTS = [
+    {"chunks": ["Apples grow on trees. " * 6, "Boats float on water. " * 5], "question": "Where do apples grow?"},
+    {"chunks": ["Clocks measure time. " * 7], "question": "What do clocks do?"},
+]
+
+
+@pytest.fixture
+def engine(tmp_path, llama_adapter):
+    with bench_engine(llama_adapter, "model", tmp_path) as rag:
+        yield rag
+
+
+def test_the_prompt_ids_are_the_engines_layout(engine):
+    peers = peer_prompts(engine, PROMPTS)
+    r = engine.retriever
+    first = peers[0]
+    context = r.prefix_ids + [t for c in PROMPTS[0]["chunks"] for t in r.chunk_token_ids(c)]
+    assert list(first.ids[: first.context_tokens]) == context
+    suffix = engine.adapter.encode(r.layout.suffix_text(PROMPTS[0]["question"]))
+    assert list(first.ids[first.context_tokens :]) == suffix
+
+
+def test_ragkv_rows_without_llama_cpp(engine):
+    peers = peer_prompts(engine, PROMPTS)
+    systems = {"fused": ("reuse", "model"), "full": ("full", "model"), "fused int8": ("reuse", "int8")}
+    rows = run_peer_bench(engine, systems, peers, llm=None, repeats=1, decode_tokens=4)
+    assert [r["system"] for r in rows] == ["fused", "full", "fused int8"]
+    assert engine.decoder.weights == "model"  # the engine's own decoder is back
+    for row in rows:
+        assert row["runs"] == 2 and row["ttft_s"] > 0 and row["decode_tok_s"] > 0
+        assert row["answer_s"] == pytest.approx(row["ttft_s"] + (ANSWER - 1) / row["decode_tok_s"])
+        assert "vs_llama" not in row
+    assert "| fused" in format_peer_table(rows)
+
+
+def test_decode_anatomy_measures_int8_against_the_model_weights(tiny_tokenizer):
+    from ragkv.model import ModelAdapter
+    from tests.conftest import make_model
+
+    adapter = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
+    rows = {r["weights"]: r for r in decode_anatomy(adapter, list(range(40, 80)), steps=6)}
+    assert rows["model"]["kl_mean"] == pytest.approx(0.0, abs=1e-6) and rows["model"]["top1"] == 1.0
+    assert 0 < rows["int8"]["kl_mean"] < 0.05
+    for row in rows.values():
+        assert row["ms_token"] > 0 and row["matmul_ms"] >= 0
+
+
+def test_a_missing_llama_cpp_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if absent
+    with pytest.raises(PeerMissingError, match=r"pip install 'ragkv\[peer\]'"):
+        load_llama(tmp_path / "m.gguf", threads=1, n_ctx=64)
+
+
+def test_only_a_gguf_file_can_be_compared(tmp_path):
+    assert gguf_path("smollm2-135m").suffix == ".gguf"
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        gguf_path(str(tmp_path / "model.bin"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python (ragkv[peer])")
+def test_llama_cpp_answers_the_same_prompt_ids_cold_and_warm():
+    from ragkv.bench.peer import PeerPrompt
+    from ragkv.model import load_model
+
+    adapter = load_model("smollm2-135m")
+    ids = adapter.encode("<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n")
+    prompt = PeerPrompt((), "", tuple(ids), len(ids) - 3)
+    llm = load_llama(gguf_path("smollm2-135m"), threads=1, n_ctx=256)
+    cold, warm = llama_run(llm, prompt, 8, warm=False), llama_run(llm, prompt, 8, warm=True)
+    assert cold.tokens == warm.tokens == 8 and cold.ttft_s > 0 and warm.ttft_s > 0
