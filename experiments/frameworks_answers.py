@@ -98,7 +98,7 @@ def main() -> None:
                     question
                 )
                 prompt = prompts[-1]
-                segments = _bridge.engine_state(rag).registry.split(prompt)
+                segments = _bridge.registry(rag).split(prompt)
                 full = rag.prefill([prompt], mode="full")
                 full_answer = answer(full)
                 for ratio in ratios:

@@ -1,4 +1,4 @@
-"""What the framework adapters share: per-engine chunk registry and lock, prompt rendering, generation.
+"""What the framework adapters share: the engine's chunk registry, a per-engine lock, prompt rendering, generation.
 
 Every adapter ends in :func:`stream`: a finished prompt string (chat special tokens included) is
 cut into segments around the chunk texts registered for that engine, and the engine generates
@@ -12,7 +12,6 @@ import asyncio
 import contextvars
 import logging
 import threading
-import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,11 +36,10 @@ __all__ = [
     "render_completion",
     "stream",
     "summarize",
-    "sync_indexed",
+    "registry",
     "warm",
 ]
 
-SYNC_EVERY_S = 2.0  # how often a prompt may trigger a look at the catalog for newly indexed chunks
 # Phrases of the context templates of LlamaIndex and LangChain (and common hand-written ones): a
 # prompt holding one of them was meant to carry retrieved text, so finding no chunk is worth a word.
 _CONTEXT_MARKERS = (
@@ -75,13 +73,10 @@ _SUMMED = (
 class EngineState:
     """What the adapters keep per engine object."""
 
-    registry: ChunkRegistry = field(default_factory=ChunkRegistry)  # chunk texts handed to frameworks
     # Generation and warming are serialized per engine: the engine's store, catalog and model are
     # not documented as safe under concurrent calls, and LangChain's batch runs calls in threads.
     # A plain Lock (not RLock) because an abandoned stream may be closed from another thread.
     lock: threading.Lock = field(default_factory=threading.Lock)
-    indexed_rows: frozenset[int] = frozenset()  # catalog rows whose texts are pinned in the registry
-    synced_at: float = float("-inf")  # perf_counter of the last catalog check
     warned: set[str] = field(default_factory=set)  # no-reuse reasons already logged
 
 
@@ -124,11 +119,10 @@ def stream(
     if not prompt:
         raise ValueError("the prompt is empty; pass some text")
     state = engine_state(engine)
-    if reuse_chunks:
-        sync_indexed(engine)
-    segments = state.registry.split(prompt) if reuse_chunks else [prompt]
+    known = engine.chunk_registry()  # the index's chunk texts (re-read every few seconds) and registered ones
+    segments = known.split(prompt) if reuse_chunks else [prompt]
     found = sum(isinstance(s, CachedText) for s in segments)
-    missed = no_reuse_reason(state, prompt) if reuse_chunks and not found else None
+    missed = no_reuse_reason(state, len(known), prompt) if reuse_chunks and not found else None
     with state.lock:
         for delta, stats in engine.generate_segments(segments, generation=generation):
             if stats is not None:
@@ -138,33 +132,13 @@ def stream(
             yield delta, stats
 
 
-def sync_indexed(engine: RagKV, *, force: bool = False) -> int:
-    """Pin the texts of the chunks in ``engine``'s own index (its tenant) in the registry; return how many were added.
-
-    So a prompt built from ragkv's indexed chunks reuses their caches without any retriever or
-    postprocessor of ours in the chain. Cheap: at most one row-id query every ``SYNC_EVERY_S``
-    seconds, texts fetched only for new rows, and the registry's anchor index keeps matching
-    cost independent of the number of texts.
-    """
-    state = engine_state(engine)
-    now = time.perf_counter()
-    if not force and now - state.synced_at < SYNC_EVERY_S:
-        return 0
-    state.synced_at = now
-    tenant = engine.config.tenant
-    rows = frozenset(engine.catalog.all_chunk_rows(tenant))
-    if rows == state.indexed_rows:
-        return 0
-    if not rows >= state.indexed_rows:  # documents were removed or replaced: pin afresh
-        state.registry.unpin_all()
-        state.indexed_rows = frozenset()
-    new = sorted(rows - state.indexed_rows)
-    state.registry.add([c.text for c in engine.catalog.chunks_by_rows(new, tenant)], pinned=True)
-    state.indexed_rows = rows
-    return len(new)
+def registry(engine: RagKV, *, refresh: bool = False) -> ChunkRegistry:
+    """The engine's chunk registry (:meth:`RagKV.chunk_registry`, the one the server uses too):
+    its own index's chunk texts, kept in step with the catalog, and the texts frameworks register."""
+    return engine.chunk_registry(refresh=refresh)
 
 
-def no_reuse_reason(state: EngineState, prompt: str) -> str | None:
+def no_reuse_reason(state: EngineState, known: int, prompt: str) -> str | None:
     """Why a prompt that looks like it carries retrieved context reuses no chunk (None: it does not look so).
 
     The reason is logged as a warning once per engine and reason.
@@ -172,7 +146,7 @@ def no_reuse_reason(state: EngineState, prompt: str) -> str | None:
     low = prompt.lower()
     if not any(m in low for m in _CONTEXT_MARKERS):
         return None
-    if not len(state.registry):
+    if not known:
         reason = (
             "no chunk text is known to this engine: nothing is indexed with RagKV.index and no retriever or "
             "postprocessor of ragkv registered any; add RagKVNodePostprocessor(engine) to the LlamaIndex query "
@@ -180,7 +154,7 @@ def no_reuse_reason(state: EngineState, prompt: str) -> str | None:
         )
     else:
         reason = (
-            f"none of the {len(state.registry)} chunk texts known to this engine appears in the prompt verbatim "
+            f"none of the {known} chunk texts known to this engine appears in the prompt verbatim "
             "(the documents came from another retriever or splitter, or the framework rewrote or truncated "
             "them); add RagKVNodePostprocessor(engine) on the nodes that reach the prompt, or retrieve with "
             "RagKVRetriever"
@@ -203,8 +177,9 @@ def warm(engine: RagKV, texts: Sequence[str], *, progress: bool = False) -> int:
     from ragkv.matching import SEPARATOR
 
     state = engine_state(engine)
-    state.registry.add(texts)
-    min_chars = state.registry.config.min_chars
+    known = engine.chunk_registry()
+    known.add(texts)
+    min_chars = known.config.min_chars
     forms = list(dict.fromkeys(t.strip() + SEPARATOR for t in texts if len(t.strip()) >= min_chars))
     if not forms:
         return 0

@@ -96,7 +96,7 @@ def _check_settings(cls: type[BaseModel], kwargs: dict[str, Any]) -> dict[str, A
 
 def register_texts(engine: RagKV, texts: Sequence[str]) -> None:
     """Tell ``engine``'s models that these texts may appear in prompts (so their caches are used)."""
-    _bridge.engine_state(engine).registry.add(texts)
+    _bridge.registry(engine).add(texts)
 
 
 def _message_dict(m: BaseMessage) -> dict[str, str]:

@@ -323,7 +323,7 @@ class RagKVNodePostprocessor(BaseNodePostprocessor):
             built = _bridge.warm(self.engine, texts, progress=self.progress)
             record_build((time.perf_counter() - t0) * 1000, built)
         else:
-            _bridge.engine_state(self.engine).registry.add(texts)
+            _bridge.registry(self.engine).add(texts)
         return nodes
 
     async def _apostprocess_nodes(
@@ -364,7 +364,7 @@ class RagKVRetriever(BaseRetriever):
                 excluded_embed_metadata_keys=list(meta),
             )
             nodes.append(NodeWithScore(node=node, score=c.score))
-        _bridge.engine_state(self.engine).registry.add(_node_texts(nodes))
+        _bridge.registry(self.engine).add(_node_texts(nodes))
         return nodes
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

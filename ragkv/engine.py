@@ -23,6 +23,7 @@ import torch
 from ragkv.errors import DocumentNotFoundError
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
+from ragkv.matching import ChunkRegistry
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.decode import DECODE_WEIGHTS, StaticDecoder
 from ragkv.model.loading import DEFAULT_MODEL
@@ -45,6 +46,8 @@ from ragkv.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+REGISTRY_SYNC_S = 2.0  # how often a prompt may trigger a look at the catalog for newly indexed chunks
 
 __all__ = ["AnswerStream", "CachedText", "EngineConfig", "Prefilled", "RagKV", "RemoveReport", "default_data_dir"]
 
@@ -186,7 +189,37 @@ class RagKV:
         self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
         self.catalog = Catalog(self.config.catalog_url())
         self.retriever = self._retriever(self.config.tenant)
+        self._init_registry()
         self.decoder = StaticDecoder(self.adapter, weights=self.config.decode_weights)  # type: ignore[arg-type]
+
+    def _init_registry(self) -> None:
+        self._registry = ChunkRegistry()
+        self._registry_lock = threading.Lock()
+        self._registry_rows: frozenset[int] = frozenset()  # catalog rows whose texts are pinned
+        self._registry_synced = float("-inf")  # perf_counter of the last catalog check
+
+    def chunk_registry(self, *, refresh: bool = False) -> ChunkRegistry:
+        """The chunk texts this engine finds inside whole prompts, for the server and the integrations.
+
+        Its tenant's indexed chunks (pinned: never forgotten while indexed) plus the texts
+        frameworks register (``registry.add``; the least recent forgotten past its capacity). The
+        catalog is looked at most every ``REGISTRY_SYNC_S`` seconds (one row-id query; texts read
+        only for new rows), or now with ``refresh=True`` (after documents were added or removed).
+        """
+        with self._registry_lock:
+            now = time.perf_counter()
+            if refresh or now - self._registry_synced >= REGISTRY_SYNC_S:
+                self._registry_synced = now
+                tenant = self.config.tenant
+                rows = frozenset(self.catalog.all_chunk_rows(tenant))
+                if rows != self._registry_rows:
+                    if not rows >= self._registry_rows:  # documents were removed or replaced: pin afresh
+                        self._registry.unpin_all()
+                        self._registry_rows = frozenset()
+                    new = sorted(rows - self._registry_rows)
+                    self._registry.add([c.text for c in self.catalog.chunks_by_rows(new, tenant)], pinned=True)
+                    self._registry_rows = rows
+        return self._registry
 
     def _retriever(self, tenant: str) -> KVRetriever:
         """``tenant``'s retriever over this engine's model, embedder, store and catalog."""
@@ -528,6 +561,7 @@ class RagKV:
         other.adapter, other.embedder, other.decoder = self.adapter, self.embedder, self.decoder
         other.store, other.catalog = self.store, self.catalog
         other.retriever = self._retriever(other.config.tenant)
+        other._init_registry()
         other.close = lambda: None  # type: ignore[method-assign]  # the shared parts belong to self
         return other
 

@@ -40,7 +40,6 @@ class ServerState:
         self.scheduler = Scheduler(engine.adapter, max_batch=settings.max_batch, max_queue=settings.max_queue)
         self.scheduler.on_finish = self._finished
         self._engines: dict[str, Any] = {engine.config.tenant: engine}
-        self._registries: dict[str, ChunkRegistry] = {}  # per tenant: its indexed chunk texts, to find in prompts
         self._lock = threading.RLock()  # guards the dicts below, held only briefly
         self._making: dict[str, threading.Lock] = {}  # per tenant: held while its engine is made
         self._register(engine)
@@ -94,14 +93,12 @@ class ServerState:
         return engine
 
     def _register(self, engine: Any) -> None:
-        """Make every indexed chunk text of the engine's tenant findable in client-sent prompts."""
+        """Make the tenant's indexed chunk texts findable in client-sent prompts (the engine's own
+        registry, as the integrations use it) and note their bytes for the document quota."""
         cat, tenant = engine.catalog, engine.config.tenant
         texts = [c.text for c in cat.chunks_by_rows(cat.all_chunk_rows(tenant), tenant)]
-        registry = ChunkRegistry()
-        if texts:
-            registry.add(texts[-registry.capacity :])
+        engine.chunk_registry(refresh=True)
         with self._lock:
-            self._registries[tenant] = registry  # swapped whole: a request never sees a half-filled one
             self._text_bytes[tenant] = sum(len(t.encode()) for t in texts)
 
     def check_upload(self, engine: Any, adding_text: int) -> None:
@@ -119,8 +116,7 @@ class ServerState:
 
     def registry(self, engine: Any) -> ChunkRegistry:
         """The chunk texts of ``engine``'s tenant, for finding them in client-sent prompts."""
-        with self._lock:
-            return self._registries[engine.config.tenant]
+        return engine.chunk_registry()  # type: ignore[no-any-return]
 
     def refresh(self, engine: Any) -> None:
         """Re-read the tenant's chunk texts after documents were added or removed."""

@@ -26,7 +26,7 @@ def hf_greedy(adapter, prompt: str, max_new_tokens: int) -> str:
 
 def test_prompt_without_known_chunks_generates_like_the_plain_model(indexed_rag):
     tok = indexed_rag.adapter.tokenizer
-    _bridge.engine_state(indexed_rag).registry.add([c.text for c in indexed_rag.retrieve("apples", 3)])
+    _bridge.registry(indexed_rag).add([c.text for c in indexed_rag.retrieve("apples", 3)])
     prompt = _bridge.render_chat(tok, [{"role": "user", "content": "Tell me about rivers and mountains."}])
     out = list(_bridge.stream(indexed_rag, prompt, GenerationConfig(max_new_tokens=8)))
     stats = out[-1][1]
@@ -36,7 +36,7 @@ def test_prompt_without_known_chunks_generates_like_the_plain_model(indexed_rag)
 
 def test_registered_chunks_are_loaded_from_the_index(indexed_rag):
     chunks = indexed_rag.retrieve("apples orchards", 2)
-    _bridge.engine_state(indexed_rag).registry.add([c.text for c in chunks])
+    _bridge.registry(indexed_rag).add([c.text for c in chunks])
     context = "\n\n".join(c.text for c in chunks)
     prompt = _bridge.render_chat(
         indexed_rag.adapter.tokenizer, [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: where?"}]
@@ -50,7 +50,7 @@ def test_warm_computes_missing_caches_once_and_registers(rag):
     texts = [DOCS[0].text[:200], DOCS[1].text[:200]]
     assert _bridge.warm(rag, texts) == 2
     assert _bridge.warm(rag, texts) == 0
-    assert all(t in _bridge.engine_state(rag).registry for t in texts)
+    assert all(t in _bridge.registry(rag) for t in texts)
     prompt = _bridge.render_chat(rag.adapter.tokenizer, [{"role": "user", "content": "\n\n".join(texts) + "\n\nQ?"}])
     *_, (_, stats) = _bridge.stream(rag, prompt, GEN)
     assert stats.cache_hits == 2 and stats.prefilled_chunk_tokens == 0
@@ -58,9 +58,9 @@ def test_warm_computes_missing_caches_once_and_registers(rag):
 
 def test_registries_are_per_engine(tmp_path, llama_adapter):
     with make_engine(tmp_path / "a", llama_adapter) as a, make_engine(tmp_path / "b", llama_adapter) as b:
-        _bridge.engine_state(a).registry.add([DOCS[0].text])
-        assert DOCS[0].text in _bridge.engine_state(a).registry
-        assert DOCS[0].text not in _bridge.engine_state(b).registry
+        _bridge.registry(a).add([DOCS[0].text])
+        assert DOCS[0].text in _bridge.registry(a)
+        assert DOCS[0].text not in _bridge.registry(b)
         assert _bridge.engine_state(a) is _bridge.engine_state(a)
 
 

@@ -173,7 +173,7 @@ def test_retriever_honours_k_and_returns_chunk_metadata(indexed_rag):
     docs = retriever.invoke(QUESTION)
     assert len(docs) == 3 and len(retriever.invoke(QUESTION, k=1)) == 1
     assert docs[0].metadata["source"] == "mem:apples" and docs[0].id == docs[0].metadata["chunk_id"]
-    assert all(d.page_content in _bridge.engine_state(indexed_rag).registry for d in docs)
+    assert all(d.page_content in _bridge.registry(indexed_rag) for d in docs)
     assert len(RagKVRetriever(engine=indexed_rag).invoke(QUESTION)) == indexed_rag.config.retriever.top_k
 
 

@@ -87,7 +87,7 @@ def test_postprocessor_registers_the_llm_view_of_each_node_and_stores_its_cache(
     nodes = index.as_retriever(similarity_top_k=2).retrieve(QUESTION)
     pp = RagKVNodePostprocessor(rag)
     assert pp.postprocess_nodes(nodes) == nodes
-    registry = _bridge.engine_state(rag).registry
+    registry = _bridge.registry(rag)
     for n in nodes:
         text = n.node.get_content(metadata_mode=MetadataMode.LLM)
         assert text in registry and text.startswith("source: mem:")
@@ -177,7 +177,7 @@ def test_llm_calls_agree_and_carry_stats(rag, llm):
 
 
 def test_prompt_without_known_chunks_is_the_plain_model(rag, llm):
-    _bridge.engine_state(rag).registry.add([*TEXTS.values(), *(d.text for d in DOCS)])
+    _bridge.registry(rag).add([*TEXTS.values(), *(d.text for d in DOCS)])
     prompt = "Tell me about rivers and mountains."
     got = llm.complete(prompt)
     assert got.additional_kwargs[_bridge.STATS_KEY]["chunks_in_prompt"] == 0
