@@ -61,7 +61,9 @@ def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | No
     # logits: [vocab] fp32
     if cfg.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / cfg.temperature
+    # the largest logit moved to 0 first: a tiny temperature then gives -inf to the others, never
+    # inf (whose softmax is NaN and would fail the pick)
+    logits = (logits - logits.max()) / cfg.temperature
     if cfg.top_k > 0:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1])).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

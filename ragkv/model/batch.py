@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ragkv.model.attention import decode_step
 from ragkv.model.caches import _layer_tensors, cache_kwarg
+from ragkv.model.quant import step_weights
 
 __all__ = ["DecodeBatch"]
 
@@ -68,8 +69,9 @@ class DecodeBatch:
         adapter: the model (a ``ModelAdapter``).
     """
 
-    def __init__(self, adapter: Any) -> None:
+    def __init__(self, adapter: Any, *, weights: str = "model") -> None:
         self.adapter = adapter
+        self.weights = weights  # the weights a step reads: "model", or an installed "int8"/"int4" copy
         self.keys: list[str] = []  # row -> request id
         self._layers: list[_SlotLayer] = []
         self._pad = torch.zeros(0, dtype=torch.long)  # [B] padding slots at the left of each row
@@ -142,7 +144,8 @@ class DecodeBatch:
         mask.masked_fill_(blocked, torch.finfo(hidden.dtype).min)
         mask = mask[:, None, None, :]  # [B, 1, 1, slots]
         cache = _SlotCache(self._layers)
-        with decode_step():  # one query per row: fp32 attention on the CPU (ragkv.model.attention)
+        # one query per row: fp32 attention on the CPU (ragkv.model.attention); the engine's decode weights
+        with step_weights(self.weights), decode_step():
             for layer in a._inner.layers:
                 out = layer(
                     hidden,

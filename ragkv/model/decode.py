@@ -98,7 +98,7 @@ class DecodeSession:
             layer.length = n
         self.length = n
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Feed ``token`` at position :attr:`length`; return fp32 logits ``[vocab]`` of the next token."""
         n = self.length

@@ -144,13 +144,13 @@ class Scheduler:
         max_queue: requests held at most (waiting + decoding); more are refused.
     """
 
-    def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 32) -> None:
+    def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 32, decode_weights: str = "model") -> None:
         if max_batch < 1 or max_queue < max_batch:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch")
         self.adapter, self.max_batch, self.max_queue = adapter, max_batch, max_queue
         self._waiting: deque[Job] = deque()
         self._rows: dict[str, _Row] = {}
-        self._batch = DecodeBatch(adapter)
+        self._batch = DecodeBatch(adapter, weights=decode_weights)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -287,7 +287,13 @@ class Scheduler:
         self.steps += 1
         for i, key in enumerate(keys):
             row = self._rows[key]
-            self._take(key, pick_token(logits[i], row.job.generation, row.rng))  # a finished row leaves the batch
+            try:  # one row's bad pick (its own settings) fails that request, not the batch
+                token = pick_token(logits[i], row.job.generation, row.rng)
+            except Exception as e:
+                logger.info("picking a token for %s failed: %s", key, e)
+                self._finish(key, "error", e)
+                continue
+            self._take(key, token)  # a finished row leaves the batch
 
     @staticmethod
     def _model_lock(job: Job) -> threading.RLock:
@@ -318,9 +324,11 @@ class Scheduler:
     def _finish(self, key: str, how: str, error: BaseException | None = None) -> None:
         """End a request: flush its held-back text, post ``done`` (or ``error``), drop its row (and batch row)."""
         with self._cond:
-            row = self._rows.pop(key)
-        if key in self._batch.keys:
+            row = self._rows[key]
+        if key in self._batch.keys:  # out of the batch first: if re-packing raises, the row stays for _fail_all
             self._batch.remove(key)
+        with self._cond:
+            self._rows.pop(key, None)
         if error is not None:
             row.job.post(Event("error", error=error))
             self.on_finish(row.job, None, "error")

@@ -37,7 +37,12 @@ class ServerState:
         self.metrics = Metrics()
         self.quotas = Quotas(settings.quota, settings.tenant_quotas)
         self._text_bytes: dict[str, int] = {}  # per tenant: UTF-8 bytes of its indexed chunk texts
-        self.scheduler = Scheduler(engine.adapter, max_batch=settings.max_batch, max_queue=settings.max_queue)
+        self.scheduler = Scheduler(
+            engine.adapter,
+            max_batch=settings.max_batch,
+            max_queue=settings.max_queue,
+            decode_weights=engine.decoder.weights,  # every tenant's engine shares the base engine's model
+        )
         self.scheduler.on_finish = self._finished
         self._engines: dict[str, Any] = {engine.config.tenant: engine}
         self._lock = threading.RLock()  # guards the dicts below, held only briefly

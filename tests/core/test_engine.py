@@ -279,3 +279,23 @@ def test_int8_decode_is_a_setting_the_stats_name(tmp_path, tiny_tokenizer, monke
         rag.index(DOCS[:1], progress=False)
         res = rag.answer("Where do apples grow?", generation=GEN)
     assert res.stats.decode_weights == "int8" and res.stats.generated_tokens > 0
+
+
+def test_an_answer_stream_resumed_on_other_threads_equals_one_read_on_one(tmp_path, llama_adapter):
+    """Regression: the static decoder's buffers, made under inference mode, were written in place by a
+    step run on another thread (a web framework's worker pool) outside it: RuntimeError at token 2."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = "<|im_start|>user\nName three things that float.<|im_end|>\n<|im_start|>assistant\n"
+    gen = GenerationConfig(max_new_tokens=12)
+    with _engine(tmp_path, llama_adapter) as rag:
+        want = "".join(d for d, _ in rag.generate_segments([prompt], generation=gen))
+        stream = iter(rag.generate_segments([prompt], generation=gen))
+        got = []
+        while True:
+            with ThreadPoolExecutor(1) as pool:  # a fresh thread for every piece
+                item = pool.submit(next, stream, None).result()
+            if item is None:
+                break
+            got.append(item[0])
+    assert "".join(got) == want

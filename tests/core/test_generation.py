@@ -139,3 +139,14 @@ def test_ignore_eos_decodes_exactly_max_new_tokens(llama_adapter):
     first = a.forward(suffix, cache, 30, logits="last")[-1]
     cfg = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     assert list(decode_loop(model, cache, first, 36, cfg)) == full
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-37, 1e-6])
+def test_a_tiny_temperature_samples_the_top_token_instead_of_failing_on_nan(temperature):
+    """Regression: logits / 1e-37 overflowed to inf, softmax gave NaN and the pick raised."""
+    from ragkv.generation import pick_token
+
+    logits = torch.tensor([3.0, 40.0, 39.9, -5.0])
+    gen = torch.Generator().manual_seed(0)
+    cfg = GenerationConfig(temperature=temperature, seed=0)
+    assert {pick_token(logits, cfg, gen) for _ in range(20)} == {1}

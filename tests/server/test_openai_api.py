@@ -46,6 +46,7 @@ def test_models_health_and_metrics(server):
     with server.client() as c:
         health = c.get("/health").json()
         assert health["status"] == "ok" and health["max_batch"] >= 1
+        assert health["dtype"] == "float32" and health["dtype_reason"] and health["decode_weights"] == "model"
         metrics = c.get("/metrics").text
     for name in ("ragkv_requests_total", "ragkv_ttft_seconds_bucket", "ragkv_queue_depth", "ragkv_tier_hits_total",
                  "ragkv_reused_token_ratio", "ragkv_latency_seconds_count"):  # fmt: skip

@@ -65,3 +65,30 @@ def test_a_dead_scheduler_shows_in_health_and_requests_fail_fast(make_client):
     assert "simulated bug" in health.json()["scheduler"]
     again = client.post("/v1/chat/completions", json=CHAT)  # refused at once: nothing left to wait on
     assert again.status_code == 503 and "restart the server" in again.json()["error"]["message"]
+
+
+def test_a_row_whose_pick_fails_ends_alone_and_its_batch_mates_finish(make_client, monkeypatch):
+    """One request's bad sampling (its own settings) fails that request, not every row decoding with it."""
+    import ragkv.server.scheduler as sched
+
+    client = make_client()
+    scheduler = client.app.state.ragkv.scheduler
+    engine = client.app.state.ragkv.base
+    real = sched.pick_token
+    calls = {"n": 0}
+
+    def flaky(logits, gen, rng):
+        if gen.top_k == 7:  # the poisoned request: its second pick (inside a batched step) raises
+            calls["n"] += 1
+            if calls["n"] >= 2:
+                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, gen, rng)
+
+    monkeypatch.setattr(sched, "pick_token", flaky)
+    bad, bad_events = _job(engine, GenerationConfig(max_new_tokens=6, temperature=0.7, top_k=7, seed=1))
+    good, good_events = _job(engine, GenerationConfig(max_new_tokens=6))
+    scheduler.submit(bad)
+    scheduler.submit(good)
+    assert _events(bad_events)[-1].kind == "error"
+    assert _events(good_events)[-1].kind == "done"
+    assert scheduler.alive
