@@ -175,12 +175,24 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
         self._side_obj: RagkvSide | None = None
         self._unavailable = False  # ragkv's side failed to open: not retried on every request
+        groups = getattr(kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            # hybrid models (sliding + full layers) keep one block table per group: writing every layer
+            # at group 0's slots would fill blocks the request does not own
+            self._refuse(f"vLLM keeps {len(groups)} KV-cache groups for this model; the connector handles one")
+        elif self._kv_cache_dtype.startswith("fp8"):
+            # a quantized cache needs the layers' calibrated scales: bytes written without them are wrong
+            self._refuse(f"kv_cache_dtype={self._kv_cache_dtype!r}; the connector writes unquantized caches only")
         # scheduler side
         self._plans: dict[str, ServePlan] = {}  # req_id -> plan reported by get_num_new_matched_tokens
         self._pending: dict[str, tuple[list[int], ServePlan]] = {}  # allocated, not yet sent to the worker
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed_blocks: set[int] = set()
+
+    def _refuse(self, why: str) -> None:
+        self._unavailable = True
+        logger.warning("ragkv vLLM connector off: %s; vLLM computes every prompt itself", why)
 
     @property
     def side(self) -> RagkvSide:
@@ -256,7 +268,8 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             except Exception:  # vLLM recomputes the blocks we report as failed
                 logger.exception("ragkv vLLM connector: loading request %s failed; vLLM recomputes it", load.req_id)
                 bs = self._block_size
-                self._failed_blocks.update(load.block_ids[load.plan.start // bs : load.plan.end // bs])
+                # every block the span touches, its last partial one included (-(-n // bs): n / bs rounded up)
+                self._failed_blocks.update(load.block_ids[load.plan.start // bs : -(-load.plan.end // bs)])
                 COUNTS.failed_loads += 1
 
     def _load(self, load: _Load, forward_context: ForwardContext) -> None:
