@@ -35,6 +35,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 access_log = logging.getLogger("ragkv.server.access")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+BODY_TIMEOUT_S = 60.0  # seconds a JSON or upload body may take to arrive once its headers did
 _STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _JSON_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/documents")
 _DEPTH = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
@@ -117,6 +118,12 @@ class Guard:
             return _refuse(403, f"cross-origin {method} from {origin} refused: this server has no API keys")
         if method not in _STATE_CHANGING or not path.startswith(_JSON_ROUTES):
             return receive
+        auth = headers.get("authorization", "")
+        if s.api_keys and not _known_key(auth, s.api_keys):
+            # no body is read (up to 8 MiB, held in memory) for a client without a key; the words are the app's
+            what = "no API key given" if not auth else "unknown API key"
+            fix = "send 'Authorization: Bearer KEY' with a key from the server's --api-keys file"
+            return _refuse(401, f"{what}: {fix}", "authentication_error")
         ctype = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         uploads = path.startswith("/v1/documents")
         if uploads and ctype == "multipart/form-data":
@@ -130,7 +137,10 @@ class Guard:
         limit = s.max_body_bytes if uploads else s.max_json_bytes
         if int(headers.get("content-length", "0") or 0) > limit:
             return _too_large(limit)
-        body = await _read(receive, limit)
+        try:  # a client dribbling its body holds a connection and its bytes: not for long
+            body = await asyncio.wait_for(_read(receive, limit), BODY_TIMEOUT_S)
+        except TimeoutError:
+            return _refuse(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s; send it at once")
         if body is None:
             return _too_large(limit)
         depth = await asyncio.to_thread(json_depth, body) if len(body) > 65536 else json_depth(body)
@@ -162,9 +172,14 @@ class Guard:
             access_log.info(" ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items()))
 
 
-def _refuse(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+def _refuse(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
                         status_code=status)  # fmt: skip
+
+
+def _known_key(auth: str, keys: dict[str, str]) -> bool:
+    scheme, _, key = auth.partition(" ")
+    return scheme.lower() == "bearer" and key.strip() in keys
 
 
 def _too_large(limit: int) -> JSONResponse:

@@ -117,3 +117,22 @@ def test_with_api_keys_the_key_decides_not_the_origin(make_client):
     client = make_client(api_keys={"sk-origin-test-01": "alpha"})
     headers = {"Origin": "http://elsewhere.example", "Authorization": "Bearer sk-origin-test-01"}
     assert client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
+
+
+def test_with_keys_a_body_is_not_read_for_a_client_without_one(make_client, monkeypatch):
+    """Regression: the guard read (and held) up to 8 MiB of body before any key was checked."""
+    import ragkv.server.guard as guard
+
+    reads = []
+    real = guard._read
+
+    async def counted(receive, limit):
+        reads.append(limit)
+        return await real(receive, limit)
+
+    monkeypatch.setattr(guard, "_read", counted)
+    client = make_client(api_keys={"sk-guard-test-0001": "alpha"})
+    r = client.post("/v1/documents", json={"source": "mem:x", "text": "y" * 1000})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = client.post("/v1/documents", headers={"Authorization": "Bearer nope"}, json={"source": "mem:x", "text": "y"})
+    assert r.status_code == 401 and reads == []
