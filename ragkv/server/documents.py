@@ -39,14 +39,17 @@ def router(state: ServerState) -> APIRouter:
     async def add_document(request: Request) -> Any:
         engine = await state.engine(request)
         docs = await _read_documents(request)  # bad input is a 4xx before any stream starts
-        await asyncio.to_thread(state.check_upload, engine, sum(len(d.text.encode()) for d in docs))
+        size = sum(len(d.text.encode()) for d in docs)
+        await asyncio.to_thread(state.check_upload, engine, size)  # reserves size until upload_done
         if _wants_stream(request):
-            events = _index_events(state, engine, docs)
+            events = _index_events(state, engine, docs, size)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             body, status = await asyncio.to_thread(_index, state, engine, docs, None)
         except (ValueError, RagkvError) as e:
             raise ApiError(400, str(e)) from e
+        finally:
+            state.upload_done(engine, size)
         return JSONResponse(body, status_code=status)
 
     @api.get("")
@@ -93,7 +96,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _index_events(state: ServerState, engine: Any, docs: list[Any]) -> AsyncIterator[bytes]:
+async def _index_events(state: ServerState, engine: Any, docs: list[Any], size: int) -> AsyncIterator[bytes]:
     """Progress events while ``docs`` are indexed on a worker thread, then the report (or the error)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -102,7 +105,13 @@ async def _index_events(state: ServerState, engine: Any, docs: list[Any]) -> Asy
         loop.call_soon_threadsafe(queue.put_nowait, step)
 
     # a task of its own: a client that leaves stops this stream, never the indexing (nor the refresh)
-    work = asyncio.ensure_future(asyncio.to_thread(_index, state, engine, docs, heard))
+    def indexed() -> tuple[dict[str, Any], int]:
+        try:
+            return _index(state, engine, docs, heard)
+        finally:
+            state.upload_done(engine, size)  # the reservation ends with the indexing, whoever still listens
+
+    work = asyncio.ensure_future(asyncio.to_thread(indexed))
     work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _END))
     while (item := await queue.get()) is not _END:
         yield _sse({"object": "document.progress", "phase": item.phase, "done": item.done, "total": item.total})

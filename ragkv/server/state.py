@@ -37,6 +37,7 @@ class ServerState:
         self.metrics = Metrics()
         self.quotas = Quotas(settings.quota, settings.tenant_quotas)
         self._text_bytes: dict[str, int] = {}  # per tenant: UTF-8 bytes of its indexed chunk texts
+        self._uploading: dict[str, int] = {}  # per tenant: bytes of uploads admitted and still indexing
         self.scheduler = Scheduler(
             engine.adapter,
             max_batch=settings.max_batch,
@@ -111,13 +112,24 @@ class ServerState:
         from ragkv.types import tenant_namespace
 
         tenant = engine.config.tenant
-        with self._lock:
-            stored = self._text_bytes.get(tenant, 0)
         known = [u[1] for u in engine.store.usage(tenant_namespace(tenant)).values() if u is not None]
-        try:
-            self.quotas.check_upload(tenant, stored, adding_text, max(known) if known else None)
-        except QuotaError as e:
-            raise ApiError(e.status, str(e)) from e
+        with self._lock:  # uploads still indexing count too: parallel uploads cannot pass the quota together
+            stored = self._text_bytes.get(tenant, 0) + self._uploading.get(tenant, 0)
+            try:
+                self.quotas.check_upload(tenant, stored, adding_text, max(known) if known else None)
+            except QuotaError as e:
+                raise ApiError(e.status, str(e)) from e
+            self._uploading[tenant] = self._uploading.get(tenant, 0) + adding_text
+
+    def upload_done(self, engine: Any, adding_text: int) -> None:
+        """Release what :meth:`check_upload` reserved, once the upload is indexed (or failed)."""
+        tenant = engine.config.tenant
+        with self._lock:
+            left = self._uploading.get(tenant, 0) - adding_text
+            if left > 0:
+                self._uploading[tenant] = left
+            else:
+                self._uploading.pop(tenant, None)
 
     def registry(self, engine: Any) -> ChunkRegistry:
         """The chunk texts of ``engine``'s tenant, for finding them in client-sent prompts."""

@@ -89,3 +89,19 @@ def test_the_keys_file_sets_quotas_per_tenant(tmp_path):
     path.write_text(f"{ALPHA} alpha slots=2\n")
     with pytest.raises(ValueError, match="NAME=VALUE"):
         load_api_keys(path)
+
+
+def test_uploads_still_indexing_count_against_the_document_quota(make_client):
+    """Regression: parallel uploads each passed the check (the stored bytes grew only after indexing)."""
+    from ragkv.server.state import ApiError
+
+    client = make_client(api_keys=KEYS, tenant_quotas={"alpha": TenantQuota(document_bytes=1000)})
+    state = client.app.state.ragkv
+    engine = state.base.for_tenant("alpha")
+    state.check_upload(engine, 600)  # admitted, indexing
+    with pytest.raises(ApiError) as refused:
+        state.check_upload(engine, 600)  # would pass if the first were not counted
+    assert refused.value.status_code == 413
+    state.upload_done(engine, 600)
+    state.check_upload(engine, 600)  # the first one's bytes are released (it failed or is counted as stored)
+    state.upload_done(engine, 600)
