@@ -264,6 +264,7 @@ class RagkvSide:
         """The chunk's stored cache, checked against its key and the model; None when missing or unusable."""
         from ragkv import codec
         from ragkv.errors import CodecError
+        from ragkv.retriever.loader import expected_blob
 
         key = self.key(chunk)
         with self._lock:
@@ -278,17 +279,7 @@ class RagkvSide:
             return None
         if blob is None:
             return None
-        s = self.adapter.spec
-        expect = codec.Expected(
-            key=key.storage_key,
-            model_fingerprint=key.model_fingerprint,
-            spec=key.codec,
-            num_layers=s.num_layers,
-            num_kv_heads=s.num_kv_heads,
-            head_dim=s.head_dim,
-            num_tokens=len(chunk.stored_ids),
-            secret=self.computer.store_secret,
-        )
+        expect = expected_blob(key, self.adapter.spec, len(chunk.stored_ids), self.computer.store_secret)
         try:
             kv = codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
         except CodecError as e:  # damaged, or made for another key, model or tenant

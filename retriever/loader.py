@@ -27,7 +27,22 @@ from ragkv.types import ChunkKey, ChunkKV, CodecSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChunkLoader", "LoadedChunk"]
+__all__ = ["ChunkLoader", "LoadedChunk", "expected_blob"]
+
+
+def expected_blob(key: ChunkKey, arch: Any, num_tokens: int, secret: bytes | None) -> codec.Expected:
+    """What a stored chunk cache must be to be used for ``key``: from the key and the loaded model's
+    ``arch`` (its ``ArchSpec``), never from the stored bytes."""
+    return codec.Expected(
+        key=key.storage_key,
+        model_fingerprint=key.model_fingerprint,
+        spec=key.codec,
+        num_layers=arch.num_layers,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        num_tokens=num_tokens,
+        secret=secret,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,20 +245,10 @@ class ChunkLoader:
         another key (a swapped or moved entry), model, codec, level or shape; the caller then
         invalidates the entry and recomputes the chunk.
         """
-        arch = self.adapter.spec
         # Everything expected comes from the key asked for and the loaded model, never from the
         # stored bytes: a blob made for another chunk, tenant, codec or shape is refused before
         # its payload is read.
-        expect = codec.Expected(
-            key=key.storage_key,
-            model_fingerprint=key.model_fingerprint,
-            spec=key.codec,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            num_tokens=num_tokens,
-            secret=self.store_secret,
-        )
+        expect = expected_blob(key, self.adapter.spec, num_tokens, self.store_secret)
         try:
             return codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
         except CodecError as e:
