@@ -96,8 +96,12 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-async def _index_events(state: ServerState, engine: Any, docs: list[Any], size: int) -> AsyncIterator[bytes]:
-    """Progress events while ``docs`` are indexed on a worker thread, then the report (or the error)."""
+def _index_events(state: ServerState, engine: Any, docs: list[Any], size: int) -> AsyncIterator[bytes]:
+    """Start indexing ``docs`` on a worker thread now; the events: progress, then the report (or the error).
+
+    The work starts before the response does: a client that leaves before its stream is read still
+    gets its documents indexed, and the upload's quota reservation (``size`` bytes) released.
+    """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -113,6 +117,11 @@ async def _index_events(state: ServerState, engine: Any, docs: list[Any], size: 
 
     work = asyncio.ensure_future(asyncio.to_thread(indexed))
     work.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, _END))
+    return _events(queue, work)
+
+
+async def _events(queue: asyncio.Queue[Any], work: asyncio.Future[tuple[dict[str, Any], int]]) -> AsyncIterator[bytes]:
+    """Server-sent events of one indexing run (see :func:`_index_events`)."""
     while (item := await queue.get()) is not _END:
         yield _sse({"object": "document.progress", "phase": item.phase, "done": item.done, "total": item.total})
     try:
