@@ -158,39 +158,53 @@ class RagKV:
         config: engine settings (defaults: SQLite catalog, memory + disk store, FAISS, SmolLM2).
         adapter: an already loaded model (skips loading ``config.model``).
         embedder: an embedder object (skips loading ``config.embedder``).
+        share: another engine whose model, embedder, store, catalog, model lock and measured
+            speeds this one uses (another tenant's engine: :meth:`for_tenant`); ``adapter`` and
+            ``embedder`` are then ignored, and :meth:`close` closes nothing.
     """
 
     def __init__(
-        self, config: EngineConfig | None = None, *, adapter: ModelAdapter | None = None, embedder: Any = None
+        self,
+        config: EngineConfig | None = None,
+        *,
+        adapter: ModelAdapter | None = None,
+        embedder: Any = None,
+        share: RagKV | None = None,
     ) -> None:
         from ragkv.cache.catalog import Catalog
         from ragkv.cache.store import open_store
         from ragkv.retriever.embedder import SentenceTransformerEmbedder
 
         self.config = config or EngineConfig()
-        self.load_estimates = LoadEstimates(self.config.load)  # prefill and decode speeds, measured as it runs
         self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._prefix_lock = threading.Lock()  # the LRU of framework prompt prefixes
-        self._model_lock = threading.RLock()  # one forward pass at a time (see the module docstring)
         self._index_lock = threading.RLock()  # indexing vs retrieval on the FAISS index
-        data_dir = self.config.data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.adapter = adapter or load_model(
-            self.config.model, device=self.config.device, dtype=self.config.dtype, offline=self.config.offline
-        )
-        self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
-        self.store = open_store(self.config.store_urls())
-        self._rate_book = RateBook(
-            data_dir / "load_rates.json" if self.config.load.persist else None,
-            self.store,
-            self.load_estimates,
-            model=f"{self.adapter.name}@{self.adapter.device}",
-        )
-        self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
-        self.catalog = Catalog(self.config.catalog_url())
+        self._owner = share is None  # closes the store, catalog and rate book it opened
+        if share is None:
+            self.load_estimates = LoadEstimates(self.config.load)  # prefill and decode speeds, measured as it runs
+            self._model_lock = threading.RLock()  # one forward pass at a time (see the module docstring)
+            data_dir = self.config.data_dir
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self.adapter = adapter or load_model(
+                self.config.model, device=self.config.device, dtype=self.config.dtype, offline=self.config.offline
+            )
+            self.embedder = embedder or SentenceTransformerEmbedder(self.config.embedder)
+            self.store = open_store(self.config.store_urls())
+            self._rate_book = RateBook(
+                data_dir / "load_rates.json" if self.config.load.persist else None,
+                self.store,
+                self.load_estimates,
+                model=f"{self.adapter.name}@{self.adapter.device}",
+            )
+            self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
+            self.catalog = Catalog(self.config.catalog_url())
+            self.decoder = StaticDecoder(self.adapter, weights=self.config.decode_weights)  # type: ignore[arg-type]
+        else:  # another tenant's engine: the model, embedder, stores and speeds are share's
+            self.load_estimates, self._model_lock = share.load_estimates, share._model_lock
+            self.adapter, self.embedder, self.decoder = share.adapter, share.embedder, share.decoder
+            self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
         self.retriever = self._retriever(self.config.tenant)
         self._init_registry()
-        self.decoder = StaticDecoder(self.adapter, weights=self.config.decode_weights)  # type: ignore[arg-type]
 
     def _init_registry(self) -> None:
         self._registry = ChunkRegistry()
@@ -552,18 +566,7 @@ class RagKV:
         """
         from dataclasses import replace
 
-        other = RagKV.__new__(RagKV)
-        other.config = replace(self.config, tenant=validate_tenant(tenant))
-        other._prefixes, other._prefix_lock = OrderedDict(), threading.Lock()
-        other._model_lock, other._index_lock = self._model_lock, threading.RLock()
-        other.load_estimates = self.load_estimates  # the same model on the same device: the same speeds
-        other._rate_book = self._rate_book
-        other.adapter, other.embedder, other.decoder = self.adapter, self.embedder, self.decoder
-        other.store, other.catalog = self.store, self.catalog
-        other.retriever = self._retriever(other.config.tenant)
-        other._init_registry()
-        other.close = lambda: None  # type: ignore[method-assign]  # the shared parts belong to self
-        return other
+        return RagKV(replace(self.config, tenant=validate_tenant(tenant)), share=self)
 
     def prefill(
         self,
@@ -666,6 +669,10 @@ class RagKV:
         return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
 
     def close(self) -> None:
+        """Save the measured speeds and close the store and catalog (a tenant's engine from
+        :meth:`for_tenant` closes nothing: they belong to the engine it shares them with)."""
+        if not self._owner:
+            return
         self._rate_book.save()
         self.store.close()
         self.catalog.close()

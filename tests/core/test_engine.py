@@ -299,3 +299,15 @@ def test_an_answer_stream_resumed_on_other_threads_equals_one_read_on_one(tmp_pa
                 break
             got.append(item[0])
     assert "".join(got) == want
+
+
+def test_a_tenants_engine_shares_the_heavy_parts_and_closing_it_closes_none(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS[:1], progress=False)
+        other = rag.for_tenant("beta")
+        assert (other.adapter, other.store, other.catalog, other.decoder) == (rag.adapter, rag.store, rag.catalog,
+                                                                             rag.decoder)  # fmt: skip
+        assert other.model_lock is rag.model_lock and other.config.tenant == "beta"
+        assert other.retrieve("apples") == [] and rag.retrieve("apples")  # its own index: empty
+        other.close()
+        assert rag.answer("Where do apples grow?", generation=GEN).text is not None  # store and catalog still open
