@@ -119,8 +119,12 @@ def fuse(
     forced = _forced_tokens(inp)
     active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
     tail = suffix if prefill_suffix else suffix[:0]  # rides along after the active tokens
-    if placed.slots.numel() == 0 or active.numel() == 0:
-        return _reused(adapter, placed, tail)
+    if (placed.slots.numel() == 0 or active.numel() == 0) and not tail.numel():
+        return _reused(adapter, placed)
+    if placed.slots.numel() == 0:
+        active = active[:0]
+    # With no chunk token active the tail alone runs the layers, writing its K/V into the slots
+    # kept free for it: no cache grows by concatenation (a copy of the whole context per layer).
     active, hidden = _recompute(adapter, strategy, state, placed, active, forced, tail)
     return _finish(adapter, placed, active, forced, hidden, tail.numel())
 
@@ -154,12 +158,11 @@ def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:
     return _Placed(keys, values, torch.arange(n_prefix, total), flat, total)
 
 
-def _reused(adapter: ModelAdapter, placed: _Placed, tail: torch.Tensor) -> FusedContext:
-    """Nothing to recompute: the placed cache as is (and the tail prefilled on top of it)."""
-    n_ctx, n_chunk = placed.n_ctx, int(placed.slots.numel())
+def _reused(adapter: ModelAdapter, placed: _Placed) -> FusedContext:
+    """Nothing to recompute and no tail: the placed cache as is (views, no copy)."""
+    n_ctx = placed.n_ctx
     cache = adapter.dynamic_cache(placed.keys[:, :, :n_ctx], placed.values[:, :, :n_ctx])
-    logits = adapter.forward(tail, cache, n_ctx) if tail.numel() else None  # [S, vocab]
-    return FusedContext(cache, n_ctx, 0, n_chunk, suffix_logits=logits)
+    return FusedContext(cache, n_ctx, 0, int(placed.slots.numel()))
 
 
 def _recompute(
@@ -178,7 +181,7 @@ def _recompute(
     states ``[1, active + tail, hidden]``.
     """
     cache = adapter.scatter_cache(placed.keys, placed.values)
-    checks = set(strategy.check_layers(state, adapter.spec.num_layers))
+    checks = set(strategy.check_layers(state, adapter.spec.num_layers)) if active.numel() else set()
     # Positions are assembled on the host (the mask is chosen from them without a device sync) and
     # move to the device once per active set. Between check layers the loop runs layer after layer
     # with nothing read back: no host sync (tests/core/test_host_syncs.py counts them).
