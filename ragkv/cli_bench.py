@@ -183,10 +183,17 @@ def bench_peer(
     repeats: Annotated[int, typer.Option("--repeats", help="Interleaved rounds over the prompts.")] = 3,
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", help="Tokens timed per answer.")] = 32,
     threads: Annotated[int | None, typer.Option("--threads", help="Threads for both sides [torch's].")] = None,
+    busy: Annotated[
+        int, typer.Option("--busy", help="Other processes keeping a core busy each while timing (a shared machine).")
+    ] = 0,
     dtype: Dtype = None,
     out: JsonOut = None,
 ) -> None:
-    """ragkv (fused, full, int8/int4 decode) against llama.cpp on the same GGUF and prompt token ids."""
+    """ragkv (fused, full, int8/int4 decode) against llama.cpp on the same GGUF and prompt token ids.
+
+    llama.cpp keeps its thread count; ragkv's follows RAGKV_THREADS (auto: the cores other processes
+    leave free).
+    """
     import tempfile
 
     import torch
@@ -195,6 +202,7 @@ def bench_peer(
         ANATOMY_COLUMNS,
         PeerMissingError,
         bench_engine,
+        busy_processes,
         decode_anatomy,
         format_peer_table,
         gguf_path,
@@ -231,13 +239,17 @@ def bench_peer(
         def progress(name: str, run: Any) -> None:
             typer.echo(f"  {name}: TTFT {run.ttft_s:.2f} s, {run.per_token_s * 1000:.0f} ms/token", err=True)
 
-        rows = run_peer_bench(
-            engine, systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens, on_run=progress
-        )
+        with busy_processes(busy):
+            rows = run_peer_bench(
+                engine, systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens, on_run=progress
+            )
         engine.close()
     tokens = sorted(len(p.ids) for p in peers)
     typer.echo(format_peer_table(rows))
-    typer.echo(f"{len(peers)} prompts of {tokens[0]}-{tokens[-1]} tokens, {repeats} rounds; {machine_load()}")
+    typer.echo(
+        f"{len(peers)} prompts of {tokens[0]}-{tokens[-1]} tokens, {repeats} rounds, {busy} busy processes beside; "
+        f"{machine_load()}"
+    )
     anatomy = decode_anatomy(adapter, list(peers[0].ids), steps=decode_tokens)
     typer.echo(format_table(anatomy, ANATOMY_COLUMNS))
     _write_rows(rows + anatomy, out)

@@ -9,10 +9,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ragkv.model.threads import adapt_threads
+
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from ragkv.types import ChunkKV, LogitsWanted
+
+_THREADS_EVERY = 16  # decode steps between looks at the machine's load (each look is cheap; see model/threads.py)
 
 __all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "pick_token", "stream_text"]
 
@@ -111,6 +115,8 @@ def decode_loop(
     eos = frozenset() if cfg.ignore_eos else adapter.eos_token_ids
     logits = first_logits
     for i in range(cfg.max_new_tokens):
+        if i % _THREADS_EVERY == 0:
+            adapt_threads()  # another process may have taken a core since the last look
         tok = _pick(logits, cfg, gen)
         if tok in eos:
             return

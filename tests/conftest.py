@@ -19,6 +19,10 @@ for _var, _sub in (("RAGKV_MODEL_CACHE", "models"), ("HF_HOME", "hf"), ("RAGKV_D
 os.environ.pop("HF_HUB_CACHE", None)
 os.environ.pop("RAGKV_MODEL", None)
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests download nothing
+# torch's thread count stays as it is: an adaptive count (RAGKV_THREADS=auto, the default) would
+# follow the CI machine's load, and two runs compared for equality could then round differently.
+# tests/core/test_threads.py tests the policy itself.
+os.environ["RAGKV_THREADS"] = "torch"
 
 
 def pytest_sessionfinish(session, exitstatus):

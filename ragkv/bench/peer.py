@@ -18,8 +18,11 @@ from __future__ import annotations
 import importlib
 import os
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,6 +294,22 @@ ANATOMY_COLUMNS = (
 )
 
 
+@contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` other processes, each keeping one core busy, for the block: "with another job running"."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(max(0, n))
+    ]
+    try:
+        time.sleep(1.0 if procs else 0.0)  # let the thread policy see them before the first run
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
 def machine_load() -> str:
     """The load averages and the thread settings, for the line under the table."""
     try:
@@ -298,7 +317,10 @@ def machine_load() -> str:
     except OSError:  # pragma: no cover - not on Linux/macOS
         load = "unknown"
     wait = os.environ.get("OMP_WAIT_POLICY", "")
-    return f"load average {load}; {torch.get_num_threads()} threads; OMP_WAIT_POLICY={wait}"
+    policy = os.environ.get("RAGKV_THREADS", "auto")
+    return (
+        f"load average {load}; {torch.get_num_threads()} threads now (RAGKV_THREADS={policy}); OMP_WAIT_POLICY={wait}"
+    )
 
 
 def bench_engine(adapter: Any, decode_weights: str, data_dir: Path) -> Any:

@@ -92,3 +92,22 @@ def test_llama_cpp_answers_the_same_prompt_ids_cold_and_warm():
     llm = load_llama(gguf_path("smollm2-135m"), threads=1, n_ctx=256)
     cold, warm = llama_run(llm, prompt, 8, warm=False), llama_run(llm, prompt, 8, warm=True)
     assert cold.tokens == warm.tokens == 8 and cold.ttft_s > 0 and warm.ttft_s > 0
+
+
+
+def test_busy_processes_run_for_the_block_and_are_gone_after(monkeypatch):
+    import subprocess
+
+    from ragkv.bench import peer
+
+    started: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    monkeypatch.setattr(peer.subprocess, "Popen", Recorded)
+    with peer.busy_processes(2):
+        assert len(started) == 2 and all(p.poll() is None for p in started)  # spinning
+    assert all(p.poll() is not None for p in started)  # killed and reaped
