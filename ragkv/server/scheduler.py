@@ -165,6 +165,8 @@ class DecodeCounters:
             "steps": self.steps,
             "tokens": self.tokens,
             "prefill_pieces": self.prefill_pieces,
+            "forward_s": round(self.forward_s, 6),
+            "outside_s": round(self.outside_s, 6),
             "forward_ms_per_step": round(1000 * self.forward_s / max(1, self.steps), 3),
             "outside_ms_per_token": round(self.outside_s * per, 3),
         }
