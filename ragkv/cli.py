@@ -390,6 +390,10 @@ def serve(
         Path | None, typer.Option("--api-keys", help="File of 'KEY TENANT' lines; every request then needs a key.")
     ] = None,
     max_batch: Annotated[int | None, typer.Option("--max-batch", help="Requests decoded together [8].")] = None,
+    step_tokens: Annotated[
+        int | None,
+        typer.Option("--step-tokens", help="Prompt tokens prefilled between two decode steps (0: whole) [256]."),
+    ] = None,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Requests held before 429 [32].")] = None,
     allowed_host: Annotated[
         list[str] | None,
@@ -442,6 +446,7 @@ def serve(
         "host": host,
         "port": port,
         "max_batch": max_batch,
+        "step_tokens": step_tokens,
         "max_queue": max_queue,
         "allowed_hosts": tuple(allowed_host) if allowed_host else None,
         "max_connections": max_connections,

@@ -21,7 +21,7 @@ import torch
 
 from ragkv.config import EngineConfig, default_data_dir
 from ragkv.errors import DocumentNotFoundError
-from ragkv.fusion import FusionConfig, FusionInput, fuse
+from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.matching import ChunkRegistry
 from ragkv.model import ModelAdapter, load_model
@@ -372,6 +372,23 @@ class RagKV:
         *,
         started: float | None = None,
     ) -> tuple[Any, torch.Tensor]:
+        return drain(self._fused_prefill_steps(prefix, middle, suffix, fusion, stats, started=started))
+
+    def _fused_prefill_steps(
+        self,
+        prefix: list[int],
+        middle: list[tuple[list[int], bool]],
+        suffix: list[int],
+        fusion: FusionConfig,
+        stats: GenerationStats,
+        *,
+        started: float | None = None,
+        step_tokens: int | None = None,
+    ) -> Pieces[tuple[Any, torch.Tensor]]:
+        """The fused prefill; its recompute pass pauses between layers (see ``ragkv.fusion.fuse_steps``).
+
+        Loading the chunk caches (and prefilling any the store lacks) runs in the first piece.
+        """
         prefix_kv = self._prefix_kv(prefix)
         loaded: list[ChunkKV] = []
         forced: list[bool] = []
@@ -402,10 +419,13 @@ class RagKV:
             stats.extra["load"] = {**load_report, "deadline_ms": self.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
         fuse_started = time.perf_counter()
-        fused = fuse(self.adapter, inp, fusion, prefill_suffix=True)
+        paused = _Pauses()
+        steps = fuse_steps(self.adapter, inp, fusion, prefill_suffix=True, step_tokens=step_tokens)
+        fused = yield from paused.through(steps)
         computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
         total = sum(len(seg) for seg, _ in middle) + len(suffix)
-        self.load_estimates.observe_prefill(computed, total, time.perf_counter() - fuse_started)
+        # the speed measured is the pass's own: time paused for others' work is not its
+        self.load_estimates.observe_prefill(computed, total, time.perf_counter() - fuse_started - paused.seconds)
         self._rate_book.save_soon()
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
@@ -479,10 +499,35 @@ class RagKV:
         question)`` (ragkv's own layout, as :meth:`generate_stream`). ``mode="full"`` prefills it
         from scratch. Raises ``ContextTooLongError`` when prompt plus ``max_new_tokens`` do not fit.
         """
+        return drain(self.prefill_steps(segments, rag=rag, mode=mode, max_new_tokens=max_new_tokens, fusion=fusion))
+
+    def prefill_steps(
+        self,
+        segments: Sequence[str | CachedText] | None = None,
+        *,
+        rag: tuple[Sequence[str], str] | None = None,
+        mode: str = "reuse",
+        max_new_tokens: int = 0,
+        fusion: FusionConfig | None = None,
+        step_tokens: int | None = None,
+    ) -> Pieces[Prefilled]:
+        """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work, for a server that decodes
+        between them (chunked prefill, as Sarathi-Serve does).
+
+        Each ``next()`` runs one piece under the model lock; the generator's return value is the
+        :class:`Prefilled`. A full prefill runs ``step_tokens`` prompt tokens per piece (the last
+        piece computes the logits); a fused prefill pauses its recompute pass between layers
+        (``ragkv.fusion.fuse_steps``; loading the chunk caches is its first piece). ``None``: one
+        piece. The result equals :meth:`prefill`'s (within the dtype's rounding: a chunk's queries
+        attend over the cache written so far instead of one causal pass). Bad arguments raise at
+        the first ``next()``.
+        """
         if mode not in ("reuse", "full"):
             raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
         if (segments is None) == (rag is None):
             raise ValueError("pass either segments or rag=(chunk_texts, question)")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1 (or None: one piece), got {step_tokens}")
         if rag is not None:
             texts, question = rag
             prefix = self.retriever.prefix_ids
@@ -497,15 +542,37 @@ class RagKV:
         ids = prefix + [t for seg, _ in middle for t in seg] + suffix
         self.adapter.check_context(len(ids) + max_new_tokens)
         stats = self._new_stats(len(ids), "full" if mode == "full" else fusion.method)
-        with torch.inference_mode(), self._model_lock:
-            if mode == "full":
-                cache = self.adapter.build_cache([])
-                logits = self.adapter.forward(ids, cache, 0, logits="last")
-                stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
-            else:
-                cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats)
+        if mode == "full":
+            pieces = self._full_prefill_steps(ids, step_tokens)
+            stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
+        else:
+            pieces = self._fused_prefill_steps(prefix, middle, suffix, fusion, stats, step_tokens=step_tokens)
+        cache, logits = yield from self._locked(pieces, stats)
         stats.extra["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         return Prefilled(cache, logits[-1], len(ids), stats)
+
+    def _full_prefill_steps(self, ids: list[int], step_tokens: int | None) -> Pieces[tuple[Any, torch.Tensor]]:
+        """A prefill from scratch, ``step_tokens`` tokens per piece; the last piece's last position gives the logits."""
+        cache = self.adapter.build_cache([])
+        size = step_tokens or max(1, len(ids))
+        starts = list(range(0, max(1, len(ids)), size))
+        for start in starts[:-1]:  # K/V only: the LM head runs on the last position alone
+            self.adapter.forward(ids[start : start + size], cache, start, logits="none")
+            yield
+        return cache, self.adapter.forward(ids[starts[-1] :], cache, starts[-1], logits="last")
+
+    def _locked(self, pieces: Pieces[Any], stats: GenerationStats) -> Pieces[Any]:
+        """``pieces``, each run under the model lock and inference mode (released between pieces)."""
+        count = 0
+        while True:
+            count += 1
+            with torch.inference_mode(), self._model_lock:
+                try:
+                    next(pieces)
+                except StopIteration as done:
+                    stats.extra["prefill_pieces"] = count
+                    return done.value
+            yield
 
     def _segment_ids(
         self, segments: Sequence[str | CachedText]
@@ -630,3 +697,21 @@ class RemoveReport:
     source: str  # the document's source, as the catalog holds it
     chunks: int  # chunk rows (and FAISS vectors) removed
     cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)
+
+
+class _Pauses:
+    """Seconds a pass run in pieces spent paused between them (others' work ran then)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def through(self, pieces: Pieces[Any]) -> Pieces[Any]:
+        """``pieces`` passed on, timing each pause."""
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+            paused = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - paused

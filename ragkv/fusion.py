@@ -17,9 +17,9 @@ Shapes: K/V are ``[layers, kv_heads, tokens, head_dim]``; hidden states ``[1, q,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -32,7 +32,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusedContext", "FusionConfig", "FusionInput", "fuse"]
+__all__ = ["FusedContext", "FusionConfig", "FusionInput", "Pieces", "drain", "fuse", "fuse_steps"]
+
+T = TypeVar("T")
+Pieces = Generator[None, None, T]  # a pass run in pieces: each next() runs one, the return value is the result
+
+
+def drain(pieces: Pieces[T]) -> T:
+    """Run every piece of ``pieces`` now and return its result."""
+    while True:
+        try:
+            next(pieces)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +106,6 @@ class _Placed:
     n_ctx: int  # prefix + chunk tokens; slots n_ctx.. are free (for the suffix)
 
 
-@torch.no_grad()
 def fuse(
     adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = None, *, prefill_suffix: bool = False
 ) -> FusedContext:
@@ -104,6 +115,29 @@ def fuse(
     tokens (it sees each layer's fused K/V, exactly as a prefill after fusion would) and the
     result holds its logits and K/V: one pass over the layers instead of two.
     """
+    return drain(fuse_steps(adapter, inp, config, prefill_suffix=prefill_suffix))
+
+
+@torch.no_grad()
+def fuse_steps(
+    adapter: ModelAdapter,
+    inp: FusionInput,
+    config: FusionConfig | None = None,
+    *,
+    prefill_suffix: bool = False,
+    step_tokens: int | None = None,
+) -> Pieces[FusedContext]:
+    """:func:`fuse` in pieces, for a server that runs decode steps between them (Sarathi-style).
+
+    The recompute pass pauses (yields) between decoder layers once its layer passes since the last
+    pause reach about ``step_tokens`` tokens through every layer (``step_tokens * layers`` token
+    passes), so one piece costs about what a ``step_tokens``-token prefill chunk costs. Placement
+    and the question probe run in the first piece. ``None``: one piece. The result is exactly
+    :func:`fuse`'s: only where other work may run changes (nothing else may touch the model's
+    attention probe or these tensors meanwhile; the caller holds the model lock per piece).
+    """
+    if step_tokens is not None and step_tokens < 1:
+        raise ValueError(f"step_tokens must be >= 1 (or None: one piece), got {step_tokens}")
     strategy = (config or FusionConfig()).strategy()
     suffix = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)  # [S]
     # Past a LongRoPE / dynamic-NTK model's original context (or a sliding window) the model's own
@@ -125,7 +159,8 @@ def fuse(
         active = active[:0]
     # With no chunk token active the tail alone runs the layers, writing its K/V into the slots
     # kept free for it: no cache grows by concatenation (a copy of the whole context per layer).
-    active, hidden = _recompute(adapter, strategy, state, placed, active, forced, tail)
+    budget = None if step_tokens is None else step_tokens * adapter.spec.num_layers
+    active, hidden = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
     return _finish(adapter, placed, active, forced, hidden, tail.numel())
 
 
@@ -173,12 +208,14 @@ def _recompute(
     active: torch.Tensor,
     forced: torch.Tensor,
     tail: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    budget: int | None = None,
+) -> Pieces[tuple[torch.Tensor, torch.Tensor]]:
     """Run the ``active`` chunk tokens and the ``tail`` through every layer, narrowing at check layers.
 
     Writes the fresh K/V into ``placed.keys``/``placed.values`` (the scatter cache's layers are
     views of them). Returns the chunk tokens active after the last layer and the last hidden
-    states ``[1, active + tail, hidden]``.
+    states ``[1, active + tail, hidden]``. Pauses after a layer once ``budget`` token passes ran
+    since the last pause (None: never).
     """
     cache = adapter.scatter_cache(placed.keys, placed.values)
     checks = set(strategy.check_layers(state, adapter.spec.num_layers)) if active.numel() else set()
@@ -190,7 +227,12 @@ def _recompute(
     if tail.numel():
         hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
     step: _Step | None = None
+    done = 0  # token passes through a layer since the last pause
     for layer in range(adapter.spec.num_layers):
+        if budget is not None and done >= budget:
+            done = 0
+            yield
+        done += int(hidden.shape[1])
         if step is None:  # the active set changed: new positions, mask and rotary tables
             step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
         if layer not in checks:

@@ -2,7 +2,11 @@
 
 The same request mix (server-side retrieval over the indexed documents, streamed answers) runs with
 chunk cache reuse and with full prefill (``ragkv.full``) in one run. TTFT is measured at the client:
-request sent to first answer text received.
+request sent to first answer text received; the inter-token gap is the time between two pieces of
+answer text of one stream (what a reader sees stall while another request is prefilled). The
+server's own decode counters (``/health``'s ``decode``, read before and after each level) give the
+milliseconds per generated token its scheduler spends outside the batched forward pass (sampling,
+detokenizing, stop strings, handing events over); a server without them leaves the column empty.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ COLUMNS = (
     Column("ttft_p95", "TTFT p95 ms", "{:,.0f}"),
     Column("lat_p50", "latency p50 ms", "{:,.0f}"),
     Column("lat_p95", "latency p95 ms", "{:,.0f}"),
+    Column("gap_p50", "gap p50 ms", "{:,.0f}"),
+    Column("gap_p95", "gap p95 ms", "{:,.0f}"),
+    Column("outside_ms", "outside fwd ms/tok", "{:.2f}"),
     Column("cached", "cached tok/req", "{:,.0f}"),
     Column("errors"),
 )
@@ -38,7 +45,7 @@ def _pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _one(client: Any, question: str, full: bool, max_tokens: int, top_k: int) -> dict[str, float]:
+async def _one(client: Any, question: str, full: bool, max_tokens: int, top_k: int) -> dict[str, Any]:
     import json
 
     body = {
@@ -50,6 +57,7 @@ async def _one(client: Any, question: str, full: bool, max_tokens: int, top_k: i
     }
     t0 = time.perf_counter()
     ttft, tokens, cached = 0.0, 0, 0
+    arrivals: list[float] = []  # when each piece of answer text came
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
@@ -59,13 +67,33 @@ async def _one(client: Any, question: str, full: bool, max_tokens: int, top_k: i
                 continue
             event = json.loads(line[6:])
             choices = event.get("choices") or []
-            if not ttft and choices and choices[0].get("delta", {}).get("content"):
-                ttft = time.perf_counter() - t0
+            if choices and choices[0].get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter())
+                ttft = ttft or arrivals[-1] - t0
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
                 cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
     latency = time.perf_counter() - t0
-    return {"ttft": ttft or latency, "latency": latency, "tokens": tokens, "cached": cached}
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"ttft": ttft or latency, "latency": latency, "tokens": tokens, "cached": cached, "gaps": gaps}
+
+
+def _decode_counters(url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """The server's decode counters (``/health``'s ``decode``), or None when it reports none."""
+    import httpx
+
+    try:
+        decode = httpx.get(f"{url}/health", headers=headers, timeout=30).json().get("decode")
+    except (httpx.HTTPError, ValueError):
+        return None
+    return decode if isinstance(decode, dict) and "outside_s" in decode else None
+
+
+def _outside_ms_per_token(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Milliseconds per generated token spent outside the forward pass between two counter readings."""
+    if before is None or after is None or after["tokens"] <= before["tokens"]:
+        return None
+    return 1000 * (after["outside_s"] - before["outside_s"]) / (after["tokens"] - before["tokens"])
 
 
 async def _level(url: str, key: str | None, questions: Sequence[str], concurrency: int, n: int, full: bool,
@@ -74,8 +102,9 @@ async def _level(url: str, key: str | None, questions: Sequence[str], concurrenc
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     sem = asyncio.Semaphore(concurrency)
-    results: list[dict[str, float]] = []
+    results: list[dict[str, Any]] = []
     errors = 0
+    before = await asyncio.to_thread(_decode_counters, url, headers)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
 
         async def run(i: int) -> None:
@@ -89,6 +118,8 @@ async def _level(url: str, key: str | None, questions: Sequence[str], concurrenc
         t0 = time.perf_counter()
         await asyncio.gather(*(run(i) for i in range(n)))
         wall = time.perf_counter() - t0
+    outside = _outside_ms_per_token(before, await asyncio.to_thread(_decode_counters, url, headers))
+    gaps = [g * 1000 for r in results for g in r["gaps"]]
     ttfts = [r["ttft"] * 1000 for r in results]
     lats = [r["latency"] * 1000 for r in results]
     return {
@@ -101,6 +132,9 @@ async def _level(url: str, key: str | None, questions: Sequence[str], concurrenc
         "ttft_p95": _pct(ttfts, 0.95),
         "lat_p50": _pct(lats, 0.5),
         "lat_p95": _pct(lats, 0.95),
+        "gap_p50": _pct(gaps, 0.5),
+        "gap_p95": _pct(gaps, 0.95),
+        **({"outside_ms": outside} if outside is not None else {}),
         "cached": sum(r["cached"] for r in results) / max(1, len(results)),
         "errors": errors,
     }

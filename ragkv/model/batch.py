@@ -1,10 +1,13 @@
-"""A persistent padded batch of decoding requests: one forward pass advances every row by one token.
+"""Continuous batching over per-slot static caches: one forward pass advances every row by one token.
 
-Rows are right-aligned (left padding): every row's newest token sits in the same slot, so one
-step writes one column for the whole batch. Each row keeps its own positions and a padding
-width; padding slots are masked out per row. The buffers have spare capacity that grows by
-doubling, so a step writes one column in place and never copies the caches; they are re-packed
-only when a row joins or leaves.
+Each request owns a slot (a row) of preallocated K/V buffers ``[slots, kv_heads, capacity,
+head_dim]`` per layer; a row's token at position p lives in column p of its slot, so rows of
+different lengths sit side by side (ragged, no padding) and a step writes each row's new column
+at its own position, in place. Columns past a row's length are masked out per row. A request
+joins by copying its prompt's K/V into a free slot (its own row only) and leaves by freeing its
+slot (no copy at all); the rows still decoding are never moved. The buffers are reallocated only
+when a joining request needs more columns or slots than they have (capacity then at least
+doubles, so that copy is amortized), and freed when the batch empties.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ragkv.model.quant import step_weights
 
 __all__ = ["DecodeBatch"]
 
-_SPARE = 64  # free columns allocated past the longest row at each re-pack
+_ALIGN = 64  # capacity is rounded up to a multiple of this many columns
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -57,92 +60,131 @@ class _SlotLayer(CacheLayerMixin):
 
 
 class _SlotCache(Cache):
-    def __init__(self, layers: list[_SlotLayer]) -> None:
+    def __init__(self, layers: list[Any]) -> None:
         super().__init__(layers=list[Any](layers))
         self.slot_layers = layers
 
 
+class _RaggedLayer(CacheLayerMixin):
+    """One layer's per-slot K/V ``[slots, kv_heads, capacity, head_dim]``; each row writes at its own column."""
+
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.keys: torch.Tensor = keys
+        self.values: torch.Tensor = values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.rows = torch.zeros(0, dtype=torch.long)  # [B] the step's rows (slots 0..B-1)
+        self.write = torch.zeros(0, dtype=torch.long)  # [B] the column each row's new token goes to
+        self.span = 0  # columns the step's queries may see (the longest row's, new token included)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
+        raise RuntimeError("batch cache layers are created initialized")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        # key_states: [B, kv_heads, 1, head_dim]; row b's goes to column write[b] of slot b
+        b = self.rows.numel()
+        self.keys[self.rows, :, self.write] = key_states[:, :, 0]  # [B, kv_heads, head_dim]
+        self.values[self.rows, :, self.write] = value_states[:, :, 0]
+        return self.keys[:b, :, : self.span], self.values[:b, :, : self.span]
+
+    def get_seq_length(self) -> int:
+        return self.span
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.span, 0
+
+    def get_max_length(self) -> int:
+        return int(self.keys.shape[-2])
+
+
 class DecodeBatch:
-    """The rows being decoded together, and their caches.
+    """The rows being decoded together, each in its own slot of static caches.
 
     Args:
         adapter: the model (a ``ModelAdapter``).
+        weights: the weights a step reads: ``"model"``, or an installed ``"int8"``/``"int4"`` copy.
     """
 
     def __init__(self, adapter: Any, *, weights: str = "model") -> None:
         self.adapter = adapter
-        self.weights = weights  # the weights a step reads: "model", or an installed "int8"/"int4" copy
-        self.keys: list[str] = []  # row -> request id
-        self._layers: list[_SlotLayer] = []
-        self._pad = torch.zeros(0, dtype=torch.long)  # [B] padding slots at the left of each row
-        self._next_pos = torch.zeros(0, dtype=torch.long)  # [B] position of each row's next token
-        self._length = 0  # slots in use, the same for every row
+        self.weights = weights
+        self._owner: list[str | None] = []  # slot -> request id (None: free)
+        self._length: list[int] = []  # slot -> tokens filled (the next token's position and column)
+        self._layers: list[_RaggedLayer] = []
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return sum(k is not None for k in self._owner)
 
-    def add(self, key: str, cache: Cache, num_tokens: int) -> None:
+    @property
+    def keys(self) -> list[str]:
+        """The request ids decoding, in slot order (the order :meth:`step` takes tokens and returns logits)."""
+        return [k for k in self._owner if k is not None]
+
+    @property
+    def capacity(self) -> int:
+        """Columns per slot (0 while empty)."""
+        return int(self._layers[0].keys.shape[2]) if self._layers else 0
+
+    def add(self, key: str, cache: Cache, num_tokens: int, reserve: int = 0) -> None:
         """Add a request whose prompt (and any tokens fed so far) fill ``cache``'s first ``num_tokens`` slots.
 
-        Its next token goes at position ``num_tokens``. Re-packs the batch (a copy of every row).
+        Its next token goes at position ``num_tokens``. ``reserve``: tokens it may still decode;
+        with it, the buffers are sized once and no later step needs to grow them. Only this
+        request's K/V are copied (into a free slot), unless the buffers must grow.
         """
-        if key in self.keys:
+        if key in self._owner:
             raise ValueError(f"request {key!r} is already in the batch")
         new = [_layer_tensors(layer) for layer in cache.layers]  # [1, H, >=num_tokens, D] each
-        length = max(self._length, num_tokens)
-        capacity = length + _SPARE
-        grow = length - self._length  # extra left padding for the rows already here
-        layers = []
-        for i, (k, v) in enumerate(new):
-            shape = (len(self.keys) + 1, k.shape[1], capacity, k.shape[3])
-            keys, values = k.new_zeros(shape), v.new_zeros(shape)
-            if self._layers:
-                old = self._layers[i]
-                keys[:-1, :, grow:length] = old.keys[:, :, : self._length]
-                values[:-1, :, grow:length] = old.values[:, :, : self._length]
-            keys[-1, :, length - num_tokens : length] = k[0, :, :num_tokens]
-            values[-1, :, length - num_tokens : length] = v[0, :, :num_tokens]
-            layers.append(_SlotLayer(keys, values))
-        self._set(layers, length)
-        self._pad = torch.cat([self._pad + grow, torch.tensor([length - num_tokens])])
-        self._next_pos = torch.cat([self._next_pos, torch.tensor([num_tokens])])
-        self.keys.append(key)
+        if new[0][0].shape[2] < num_tokens:
+            raise ValueError(f"the cache holds {new[0][0].shape[2]} slots, fewer than the prompt's {num_tokens}")
+        slot = self._owner.index(None) if None in self._owner else len(self._owner)
+        self._reserve(new[0][0], slot + 1, num_tokens + max(reserve, 1))
+        for layer, (k, v) in zip(self._layers, new, strict=True):
+            layer.keys[slot, :, :num_tokens] = k[0, :, :num_tokens]
+            layer.values[slot, :, :num_tokens] = v[0, :, :num_tokens]
+        if slot == len(self._owner):
+            self._owner.append(None)
+            self._length.append(0)
+        self._owner[slot], self._length[slot] = key, num_tokens
 
     def remove(self, key: str) -> None:
-        """Drop a request's row; leading columns that are now padding in every row are trimmed."""
-        row = self.keys.index(key)
-        keep = torch.tensor([i for i in range(len(self.keys)) if i != row], dtype=torch.long)
-        self.keys.pop(row)
-        pad = self._pad[keep]
-        trim = int(pad.min()) if len(keep) else self._length
-        length = self._length - trim
-        layers = []
-        for old in self._layers:
-            idx = keep.to(old.keys.device)
-            keys = old.keys.index_select(0, idx)[:, :, trim:].contiguous()
-            values = old.values.index_select(0, idx)[:, :, trim:].contiguous()
-            layers.append(_SlotLayer(keys, values))
-        self._set(layers, length)
-        self._pad, self._next_pos = pad - trim, self._next_pos[keep]
+        """Free a request's slot (nothing is copied; the buffers go once the batch is empty)."""
+        slot = self._owner.index(key)
+        self._owner[slot], self._length[slot] = None, 0
+        while self._owner and self._owner[-1] is None:
+            self._owner.pop()
+            self._length.pop()
+        if not self._owner:
+            self._layers = []
 
     @torch.no_grad()
     def step(self, token_ids: list[int]) -> torch.Tensor:
-        """Feed one token per row (in row order); return fp32 logits ``[B, vocab]`` of the next tokens."""
-        if len(token_ids) != len(self.keys):
-            raise ValueError(f"need one token per row ({len(self.keys)}), got {len(token_ids)}")
-        if self._length == self._layers[0].keys.shape[2]:
-            self._grow()
+        """Feed one token per row (in :attr:`keys` order); return fp32 logits ``[B, vocab]`` of the next tokens."""
+        active = [slot for slot, k in enumerate(self._owner) if k is not None]
+        if len(token_ids) != len(active):
+            raise ValueError(f"need one token per row ({len(active)}), got {len(token_ids)}")
         a = self.adapter
         device = a.device
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(1)  # [B, 1]
-        pos = self._next_pos.to(device).unsqueeze(1)  # [B, 1]: each row's own position
-        hidden = a.embed(ids).reshape(len(token_ids), 1, -1)  # [B, 1, hidden]
-        pe = a._inner.rotary_emb(hidden, pos)
-        slots = torch.arange(self._length + 1, device=device)
-        blocked = slots.unsqueeze(0) < self._pad.to(device).unsqueeze(1)  # [B, slots]: padding
+        b = len(self._owner)  # rows 0..b-1 run; a free slot among them decodes a dummy token at column 0
+        write = [0] * b
+        ids = [0] * b
+        for slot, tok in zip(active, token_ids, strict=True):
+            write[slot], ids[slot] = self._length[slot], tok
+        span = max(write) + 1
+        if span > self.capacity:
+            self._reserve(self._layers[0].keys, b, span)
+        pos = torch.tensor(write, dtype=torch.long)  # [B]: each row's own position (= its column)
+        for layer in self._layers:
+            layer.rows, layer.write, layer.span = torch.arange(b, device=device), pos.to(device), span
+        pos_d = pos.to(device).unsqueeze(1)  # [B, 1]
+        hidden = a.embed(torch.tensor(ids, dtype=torch.long)).reshape(b, 1, -1)  # [B, 1, hidden]
+        pe = a._inner.rotary_emb(hidden, pos_d)
+        blocked = torch.arange(span, device=device).unsqueeze(0) > pos_d  # [B, span]: past each row's token
         mask = torch.zeros(blocked.shape, dtype=hidden.dtype, device=device)
-        mask.masked_fill_(blocked, torch.finfo(hidden.dtype).min)
-        mask = mask[:, None, None, :]  # [B, 1, 1, slots]
+        mask = mask.masked_fill_(blocked, torch.finfo(hidden.dtype).min)[:, None, None, :]  # [B, 1, 1, span]
         cache = _SlotCache(self._layers)
         # one query per row: fp32 attention on the CPU (ragkv.model.attention); the engine's decode weights
         with step_weights(self.weights), decode_step():
@@ -150,27 +192,35 @@ class DecodeBatch:
                 out = layer(
                     hidden,
                     attention_mask=mask,
-                    position_ids=pos,
+                    position_ids=pos_d,
                     use_cache=True,
                     position_embeddings=pe,
                     **{cache_kwarg(type(layer)): cache},
                 )
                 hidden = out[0] if isinstance(out, tuple) else out
-        self._set(self._layers, self._length + 1)
-        self._next_pos = self._next_pos + 1
-        return a.final_logits(hidden)[:, -1]  # [B, vocab]
+        for slot in active:
+            self._length[slot] += 1
+        rows = torch.tensor(active, dtype=torch.long, device=device)
+        return a.final_logits(hidden.index_select(0, rows))[:, -1]  # [A, vocab]: the head on live rows only
 
-    def _grow(self) -> None:
-        """Double the free columns (amortized: a step never copies the caches)."""
+    def _reserve(self, like: torch.Tensor, slots: int, columns: int) -> None:
+        """Make the buffers hold at least ``slots`` rows of ``columns`` columns (growing at least 2x)."""
+        have_slots = int(self._layers[0].keys.shape[0]) if self._layers else 0
+        have_cols = self.capacity
+        if slots <= have_slots and columns <= have_cols:
+            return
+        new_slots = max(slots, min(2 * have_slots, slots + 8)) if slots > have_slots else have_slots
+        new_cols = max(columns, 2 * have_cols) if columns > have_cols else have_cols
+        new_cols = -(-new_cols // _ALIGN) * _ALIGN
+        n_layers = len(self._layers) or self.adapter.spec.num_layers
         layers = []
-        for old in self._layers:
-            b, h, cap, d = old.keys.shape
-            keys, values = old.keys.new_zeros((b, h, 2 * cap, d)), old.values.new_zeros((b, h, 2 * cap, d))
-            keys[:, :, :cap], values[:, :, :cap] = old.keys, old.values
-            layers.append(_SlotLayer(keys, values))
-        self._set(layers, self._length)
-
-    def _set(self, layers: list[_SlotLayer], length: int) -> None:
-        for layer in layers:
-            layer.length = length
-        self._layers, self._length = layers, length
+        for i in range(n_layers):
+            # zeros, not empty: a masked column still enters attention (weight 0), and garbage could be NaN
+            shape = (new_slots, like.shape[1], new_cols, like.shape[3])
+            keys, values = like.new_zeros(shape), like.new_zeros(shape)
+            if self._layers:
+                old = self._layers[i]
+                keys[:have_slots, :, :have_cols] = old.keys
+                values[:have_slots, :, :have_cols] = old.values
+            layers.append(_RaggedLayer(keys, values))
+        self._layers = layers

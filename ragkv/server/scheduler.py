@@ -1,9 +1,11 @@
-"""The scheduler thread: it owns generation, admitting requests between batched decode steps.
+"""The scheduler thread: it owns generation, prefilling requests in pieces between batched decode steps.
 
-Each loop turn: drop rows whose clients left, prefill at most one waiting request (its fused
-prefill, which with reuse is short: the recomputed tokens plus the question), then advance every
-active request by one token in one batched forward pass (:class:`ragkv.model.batch.DecodeBatch`).
-Results go back to each request's asyncio queue on its event loop.
+Each loop turn: drop rows whose clients left, run one piece of the prefill under way (a new one
+starts when none is and a batch row is free: ``RagKV.prefill_steps``, about ``step_tokens``
+tokens of work a piece, Sarathi-style), then advance every decoding request by one token in one
+batched forward pass (:class:`ragkv.model.batch.DecodeBatch`). A long prompt therefore delays
+the running streams by one piece per token, never by its whole prefill. Results go back to each
+request's asyncio queue on its event loop.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -56,6 +58,18 @@ class ServedEngine(Protocol):
         max_new_tokens: int = 0,
     ) -> Prefilled:
         """The prompt's cache and last logits, ready for decoding."""
+        ...
+
+    def prefill_steps(
+        self,
+        segments: Sequence[str | CachedText] | None = None,
+        *,
+        rag: tuple[Sequence[str], str] | None = None,
+        mode: str = "reuse",
+        max_new_tokens: int = 0,
+        step_tokens: int | None = None,
+    ) -> Generator[None, None, Prefilled]:
+        """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work (each ``next()`` runs one)."""
         ...
 
 
@@ -125,6 +139,39 @@ class _Row:
     count: int = 0  # tokens generated
 
 
+@dataclass(slots=True)
+class _Prefill:
+    """The request being prefilled, piece by piece."""
+
+    job: Job
+    pieces: Generator[None, None, Prefilled]  # RagKV.prefill_steps; its return value is the Prefilled
+    done: int = 0  # pieces run so far
+
+
+@dataclass(slots=True)
+class DecodeCounters:
+    """Where the scheduler's decode time goes (for benchmarks: ms per token outside the forward pass)."""
+
+    steps: int = 0  # batched decode steps taken
+    tokens: int = 0  # tokens those steps produced (one per row per step)
+    forward_s: float = 0.0  # inside the batched forward pass (model layers and LM head)
+    outside_s: float = 0.0  # the rest of the steps: sampling, detokenizing, stop strings, posting events
+    prefill_pieces: int = 0  # prefill pieces run between steps
+
+    def as_dict(self) -> dict[str, float | int]:
+        """Totals, and the per-token milliseconds a benchmark prints."""
+        per = 1000 / max(1, self.tokens)
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "prefill_pieces": self.prefill_pieces,
+            "forward_s": round(self.forward_s, 6),
+            "outside_s": round(self.outside_s, 6),
+            "forward_ms_per_step": round(1000 * self.forward_s / max(1, self.steps), 3),
+            "outside_ms_per_token": round(self.outside_s * per, 3),
+        }
+
+
 def queued_post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> Callable[[Event], None]:
     """A ``post`` that puts events on ``queue`` from any thread (dropped once the loop is closed)."""
 
@@ -142,29 +189,48 @@ class Scheduler:
         adapter: the shared model.
         max_batch: requests decoded together at most.
         max_queue: requests held at most (waiting + decoding); more are refused.
+        decode_weights: the weights decode steps read (the engine's ``decoder.weights``).
+        step_tokens: a prefill piece's size in prompt tokens (run between two decode steps);
+            None: each prefill runs whole between two steps.
     """
 
-    def __init__(self, adapter: Any, *, max_batch: int = 8, max_queue: int = 32, decode_weights: str = "model") -> None:
+    def __init__(
+        self,
+        adapter: Any,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 32,
+        decode_weights: str = "model",
+        step_tokens: int | None = 256,
+    ) -> None:
         if max_batch < 1 or max_queue < max_batch:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1 (or None: whole prefills), got {step_tokens}")
         self.adapter, self.max_batch, self.max_queue = adapter, max_batch, max_queue
+        self.step_tokens = step_tokens
         self._waiting: deque[Job] = deque()
         self._rows: dict[str, _Row] = {}
         self._batch = DecodeBatch(adapter, weights=decode_weights)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._admitting: Job | None = None  # the job taken off the queue this turn
+        self._prefill: _Prefill | None = None  # the request being prefilled (neither waiting nor a row)
         self.failure: str | None = None  # why the thread died (a bug); None while it runs or never ran
-        self.steps = 0  # batched decode steps taken
+        self.counters = DecodeCounters()
         self.on_finish: Callable[[Job, GenerationStats | None, str], None] = lambda job, stats, how: None
 
     # ---- client side ------------------------------------------------------------------------
     @property
     def depth(self) -> tuple[int, int]:
-        """(waiting, decoding) requests."""
+        """(waiting, decoding) requests; one being prefilled counts as decoding."""
         with self._cond:
-            return len(self._waiting), len(self._rows)
+            return len(self._waiting), len(self._rows) + (self._prefill is not None)
+
+    @property
+    def steps(self) -> int:
+        """Batched decode steps taken."""
+        return self.counters.steps
 
     @property
     def alive(self) -> bool:
@@ -179,7 +245,7 @@ class Scheduler:
                 raise RuntimeError("the server is shutting down")
             if not self.alive:
                 raise RuntimeError(f"the generation scheduler stopped ({self.failure}); restart the server")
-            if len(self._waiting) + len(self._rows) >= self.max_queue:
+            if len(self._waiting) + len(self._rows) + (self._prefill is not None) >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are queued already")
             self._waiting.append(job)
             self._cond.notify()
@@ -200,8 +266,9 @@ class Scheduler:
             return
         self._thread.join(drain_s)
         if self._thread.is_alive():
-            for row in list(self._rows.values()):
-                row.job.cancel()
+            pending = self._prefill
+            for job in [row.job for row in list(self._rows.values())] + ([pending.job] if pending else []):
+                job.cancel()
             self._thread.join(5.0)
 
     # ---- the thread ---------------------------------------------------------------------------
@@ -215,19 +282,21 @@ class Scheduler:
             self._fail_all(f"{type(e).__name__}: {e}")  # logged; the thread ends here
 
     def _turn(self) -> bool:
-        """One loop turn: drop, admit, step. False once stopped with nothing left to finish."""
+        """One loop turn: drop, one prefill piece, step. False once stopped with nothing left to finish."""
         with self._cond:
-            while not self._waiting and not self._rows and not self._stopping:
+            while not self._waiting and not self._rows and self._prefill is None and not self._stopping:
                 self._cond.wait()
-            if self._stopping and not self._rows:
+            if self._stopping and not self._rows and self._prefill is None:
                 return False
-            job = self._waiting.popleft() if self._waiting and len(self._rows) < self.max_batch else None
-            self._admitting = job  # neither waiting nor a row yet: _fail_all must still find it
+            job = None
+            if self._prefill is None and self._waiting and len(self._rows) < self.max_batch:
+                job = self._waiting.popleft()
+                # neither waiting nor a row yet: _fail_all must still find it
+                self._prefill = _Prefill(job, self._start(job))
         self._drop_cancelled()
-        if job is not None:
-            self._admit(job)
-        self._admitting = None
-        if self._rows:
+        if self._prefill is not None:
+            self._advance(self._prefill)
+        if len(self._batch):
             try:
                 self._step()
             except Exception as e:  # one bad step fails the rows decoding now, not the server
@@ -240,10 +309,11 @@ class Scheduler:
         with self._cond:
             self.failure = why
             jobs = list(self._waiting) + [row.job for row in self._rows.values()]
-            if self._admitting is not None and self._admitting.id not in self._rows:
-                jobs.append(self._admitting)
+            if self._prefill is not None and self._prefill.job.id not in self._rows:
+                jobs.append(self._prefill.job)
             self._waiting.clear()
             self._rows.clear()
+            self._prefill = None
         for job in jobs:
             job.post(Event("error", error=RuntimeError(f"the generation scheduler stopped ({why})")))
 
@@ -251,40 +321,67 @@ class Scheduler:
         for key, row in list(self._rows.items()):
             if row.job.cancelled.is_set():
                 self._finish(key, "cancelled")
+        pending = self._prefill
+        if pending is not None and pending.job.cancelled.is_set():  # its client left: its last event frees its slot
+            pending.pieces.close()
+            self._end_prefill()
+            when = "while its prompt was prefilled" if pending.done else "before it started"
+            pending.job.post(Event("error", error=RuntimeError(f"cancelled {when}")))
 
-    def _admit(self, job: Job) -> None:
-        if job.cancelled.is_set():  # its client left while it waited; its last event frees its quota slot
-            job.post(Event("error", error=RuntimeError("cancelled before it started")))
-            return
+    def _start(self, job: Job) -> Generator[None, None, Prefilled]:
+        """``job``'s prefill, in pieces (no work done yet: arguments are checked at the first piece)."""
+        n = job.generation.max_new_tokens
+        return job.engine.prefill_steps(
+            job.segments, rag=job.rag, mode=job.mode, max_new_tokens=n, step_tokens=self.step_tokens
+        )
+
+    def _end_prefill(self) -> None:
+        with self._cond:
+            self._prefill = None
+
+    def _advance(self, pending: _Prefill) -> None:
+        """Run one piece of ``pending``'s prefill; after its last, it becomes a decoding row."""
+        job = pending.job
         # everything a request brings is set up inside the try: its bad input fails it, not the thread
         try:
+            pending.done += 1
+            self.counters.prefill_pieces += 1
+            try:
+                next(pending.pieces)
+                return  # more pieces to come, one per turn
+            except StopIteration as finished:
+                pre: Prefilled = finished.value
             gen = job.generation
-            pre = job.engine.prefill(job.segments, rag=job.rag, mode=job.mode, max_new_tokens=gen.max_new_tokens)
             rng = _rng(gen)
             feed = _Feed()
             row = _Row(job, pre.stats, feed, stream_text(self.adapter, iter(feed), gen.stop), rng)
             first = pick_token(pre.logits, gen, rng)
         except Exception as e:  # handed to the request (a 400 for bad input); the server keeps going
             logger.info("prefill of %s failed: %s", job.id, e)
+            self._end_prefill()
             job.post(Event("error", error=e))
             self.on_finish(job, None, "error")
             return
         with self._cond:
             self._rows[job.id] = row
+            self._prefill = None
         job.post(Event("started", stats=pre.stats))
         if self._take(job.id, first):
             try:
                 with self._model_lock(job):
-                    self._batch.add(job.id, pre.cache, pre.num_tokens)
+                    self._batch.add(job.id, pre.cache, pre.num_tokens, reserve=job.generation.max_new_tokens)
             except Exception as e:
                 logger.exception("adding %s to the decode batch failed", job.id)
                 self._finish(job.id, "error", e)
 
     def _step(self) -> None:
         keys = list(self._batch.keys)
+        started = time.perf_counter()
         with self._model_lock(self._rows[keys[0]].job):
             logits = self._batch.step([self._rows[k].last for k in keys])  # [B, vocab]
-        self.steps += 1
+        forwarded = time.perf_counter()
+        c = self.counters
+        c.steps, c.tokens, c.forward_s = c.steps + 1, c.tokens + len(keys), c.forward_s + forwarded - started
         for i, key in enumerate(keys):
             row = self._rows[key]
             try:  # one row's bad pick (its own settings) fails that request, not the batch
@@ -294,6 +391,7 @@ class Scheduler:
                 self._finish(key, "error", e)
                 continue
             self._take(key, token)  # a finished row leaves the batch
+        c.outside_s += time.perf_counter() - forwarded
 
     @staticmethod
     def _model_lock(job: Job) -> threading.RLock:

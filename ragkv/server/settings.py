@@ -19,6 +19,7 @@ class ServerSettings:
     port: int = 8000
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # bearer key -> tenant; {} = no auth
     max_batch: int = 8  # requests decoded together in one forward pass
+    step_tokens: int = 256  # prompt tokens a prefill piece runs between two decode steps; 0: whole prefills
     max_queue: int = 32  # requests held (waiting + decoding); past it, 429 with Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # larger /v1/documents bodies (uploads) get 413
     max_json_bytes: int = 1024 * 1024  # larger JSON bodies on the other /v1 routes get 413
@@ -43,6 +44,8 @@ class ServerSettings:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_batch < 1 or self.max_queue < self.max_batch:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch (requests held, decoding included)")
+        if self.step_tokens < 0:
+            raise ValueError(f"step_tokens must be >= 0 (0: each prefill runs whole), got {self.step_tokens}")
         for name in ("max_body_bytes", "max_json_bytes", "max_json_depth", "max_embedding_inputs",
                      "max_embedding_chars"):  # fmt: skip
             if getattr(self, name) < 1:

@@ -75,3 +75,41 @@ def test_the_buffers_grow_past_their_spare_columns(llama_adapter):
         while len(got) < len(want):
             got.append(int(torch.argmax(batch.step([got[-1]])[0])))
     assert got == want
+
+
+def test_joining_and_leaving_moves_no_other_row(llama_adapter):
+    """Rows live in their own slots: a join copies only its prompt, a leave copies nothing, and a freed
+    slot in the middle is reused while the rows after it keep decoding exactly."""
+    adapter = llama_adapter
+    prompts = _prompts(adapter, 4)
+    steps = 6
+    want = [_alone(adapter, p, steps) for p in prompts]
+    batch = DecodeBatch(adapter)
+    got: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        for i in range(3):
+            cache, tok = _prefilled(adapter, prompts[i])
+            batch.add(str(i), cache, len(prompts[i]), reserve=64)
+            got[str(i)] = [tok]
+        buffers = batch._layers[0].keys.data_ptr()
+        row2 = batch._layers[0].keys[2].clone()
+        batch.remove("1")  # a hole at slot 1: slots 0 and 2 stay where they are
+        assert batch.keys == ["0", "2"] and batch._layers[0].keys.data_ptr() == buffers
+        assert torch.equal(batch._layers[0].keys[2], row2)
+        for _ in range(2):
+            logits = batch.step([got[k][-1] for k in batch.keys])
+            for row, key in enumerate(batch.keys):
+                got[key].append(int(torch.argmax(logits[row])))
+        cache, tok = _prefilled(adapter, prompts[3])
+        batch.add("3", cache, len(prompts[3]), reserve=64)  # takes the free slot 1
+        got["3"] = [tok]
+        assert batch.keys == ["0", "3", "2"] and batch._layers[0].keys.data_ptr() == buffers
+        while any(len(got[k]) < steps for k in batch.keys):
+            logits = batch.step([got[k][-1] for k in batch.keys])
+            for row, key in enumerate(batch.keys):
+                got[key].append(int(torch.argmax(logits[row])))
+        assert batch._layers[0].keys.data_ptr() == buffers  # the reservation held: no step grew the buffers
+    for i in (0, 2, 3):
+        assert got[str(i)][:steps] == want[i], f"request {i}"
+    batch.remove("0"), batch.remove("2"), batch.remove("3")
+    assert len(batch) == 0 and batch.capacity == 0  # an empty batch holds no buffers

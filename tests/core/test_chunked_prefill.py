@@ -1,0 +1,108 @@
+"""Chunked prefill (RagKV.prefill_steps, fusion.fuse_steps) against the one-shot prefill: same logits and tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.fusion import drain
+from ragkv.generation import GenerationConfig, decode_loop
+from ragkv.model.batch import DecodeBatch
+from ragkv.retriever.chunker import ChunkerConfig
+from ragkv.retriever.documents import Document
+from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.retriever.kv_retriever import RetrieverConfig
+
+DOCS = [
+    Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
+    Document("mem:boats", "Boats float on water and carry people. " * 10 + "\n\nSails catch the wind. " * 9, "boats"),
+]
+PROMPT = ["You answer briefly. " * 6 + "Question: what do boats carry, and where do apples grow? Answer:"]
+
+
+def _engine(tmp_path: Path, adapter) -> RagKV:
+    cfg = EngineConfig(
+        data_dir=tmp_path,
+        retriever=RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120)),
+        store=("memory://", str(tmp_path / "kv")),
+    )
+    return RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64))
+
+
+def _pieces(steps) -> tuple[object, int]:
+    """Drain ``steps``, counting the pauses; return (result, pieces)."""
+    n = 1
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, n
+        n += 1
+
+
+def _greedy(adapter, pre, n: int = 8) -> list[int]:
+    return list(decode_loop(adapter, pre.cache, pre.logits, pre.num_tokens, GenerationConfig(max_new_tokens=n)))
+
+
+def _kv(pre) -> torch.Tensor:
+    return torch.stack([layer.keys[0, :, : pre.num_tokens] for layer in pre.cache.layers])
+
+
+def test_a_full_prefill_in_chunks_equals_the_one_shot_prefill(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        n = len(rag.adapter.encode(PROMPT[0]))
+        whole = rag.prefill(PROMPT, mode="full")
+        chunked, pieces = _pieces(rag.prefill_steps(PROMPT, mode="full", step_tokens=7))
+        assert pieces == -(-n // 7) and chunked.stats.extra["prefill_pieces"] == pieces
+        assert chunked.num_tokens == whole.num_tokens == n
+        torch.testing.assert_close(chunked.logits, whole.logits, atol=1e-4, rtol=1e-4)  # fp32 rounding only
+        torch.testing.assert_close(_kv(chunked), _kv(whole), atol=1e-4, rtol=1e-4)
+        assert _greedy(rag.adapter, chunked) == _greedy(rag.adapter, whole)
+
+
+def test_a_fused_prefill_in_pieces_is_exactly_the_one_shot_fusion(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        rag.index(DOCS, progress=False)
+        texts = [c.text for c in rag.retrieve("boats and apples")]
+        rag_prompt = (texts, "What do boats carry?")
+        whole = rag.prefill(rag=rag_prompt)
+        pieced, pieces = _pieces(rag.prefill_steps(rag=rag_prompt, step_tokens=2))
+        # the recompute pass paused between layers; the same operations ran in the same order
+        assert pieces > 2
+        assert torch.equal(pieced.logits, whole.logits) and torch.equal(_kv(pieced), _kv(whole))
+        assert pieced.stats.recomputed_tokens == whole.stats.recomputed_tokens
+        assert _greedy(rag.adapter, pieced) == _greedy(rag.adapter, whole)
+
+
+def test_decode_steps_between_the_pieces_change_nothing(tmp_path, llama_adapter):
+    """The server's pattern: one piece, one decode step of the running rows, and so on."""
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        rag.index(DOCS, progress=False)
+        texts = [c.text for c in rag.retrieve("apples")]
+        running = rag.prefill(PROMPT, mode="full")
+        batch = DecodeBatch(rag.adapter)
+        batch.add("running", running.cache, running.num_tokens, reserve=64)
+        token, fed = int(torch.argmax(running.logits)), []
+        for mode, step_tokens in (("full", 5), ("reuse", 2)):
+            kw = {"rag": (texts, "Where do apples grow?"), "mode": mode}
+            whole = rag.prefill(**kw)
+            steps = rag.prefill_steps(**kw, step_tokens=step_tokens)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    pieced = done.value
+                    break
+                fed.append(token)
+                token = int(torch.argmax(batch.step([token])[0]))
+            torch.testing.assert_close(pieced.logits, whole.logits, atol=1e-4, rtol=1e-4)
+        alone = _greedy(rag.adapter, rag.prefill(PROMPT, mode="full"), n=len(fed) + 1)
+        assert fed + [token] == alone[: len(fed) + 1]  # and the running row decoded exactly as alone
+
+
+def test_bad_step_tokens_are_refused(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag, pytest.raises(ValueError, match="step_tokens"):
+        drain(rag.prefill_steps(PROMPT, step_tokens=0))

@@ -1,0 +1,123 @@
+"""Stall-free batching: a long prompt's prefill runs in pieces between decode steps of the running rows.
+
+Events are counted, never timed: between two pieces of a long prefill the scheduler takes exactly one
+decode step, and the running stream, decoding from before the first piece to after the last, gets a
+token at each of them. (Its text events are not counted one per token: random weights emit byte
+tokens whose text the stream holds back until it decodes.)
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.generation import GenerationConfig
+from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.server.scheduler import Event, Job, Scheduler
+
+LONG = ["Background notes follow. " + "The orchard keeps many apple trees in rows. " * 30 + "Question: why?"]
+
+
+class _Log:
+    """One ordered record of every request's events and every prefill piece (posted on the scheduler thread)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, str, int]] = []  # (who, what, scheduler steps at that moment)
+        self.finished: dict[str, threading.Event] = {}
+        self.last: dict[str, Event] = {}
+        self.scheduler: Scheduler | None = None
+
+    def post(self, who: str):
+        self.finished[who] = threading.Event()
+
+        def post(event: Event) -> None:
+            self.entries.append((who, event.kind, self.scheduler.steps if self.scheduler else 0))
+            if event.kind in ("done", "error"):
+                self.last[who] = event
+                self.finished[who].set()
+
+        return post
+
+
+class _Counted:
+    """A tenant engine whose prefill pieces are logged (the real engine does the work)."""
+
+    def __init__(self, engine: RagKV, log: _Log, who: str) -> None:
+        self.engine, self.log, self.who = engine, log, who
+
+    @property
+    def model_lock(self) -> threading.RLock:
+        return self.engine.model_lock
+
+    def prefill_steps(self, *args, **kw):
+        pieces = self.engine.prefill_steps(*args, **kw)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+            self.log.entries.append((self.who, "piece", self.log.scheduler.steps))
+            yield
+
+
+@pytest.fixture
+def engine(tmp_path: Path, llama_adapter):
+    cfg = EngineConfig(data_dir=tmp_path, store=("memory://", str(tmp_path / "kv")))
+    with RagKV(cfg, adapter=llama_adapter, embedder=HashingEmbedder(dim=64)) as rag:
+        yield rag
+
+
+def _job(engine, log: _Log, who: str, segments: list[str], tokens: int) -> Job:
+    gen = GenerationConfig(max_new_tokens=tokens)
+    return Job(_Counted(engine, log, who), segments, None, "full", gen, log.post(who))
+
+
+def test_a_running_stream_gets_tokens_between_the_pieces_of_a_long_prefill(engine):
+    log = _Log()
+    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16)
+    scheduler.start()
+    try:
+        scheduler.submit(_job(engine, log, "short", ["Hello there, tell me a story"], tokens=400))
+        while not any(who == "short" and what == "delta" for who, what, _ in log.entries):
+            assert not log.finished["short"].wait(0.01), "the short request ended before the long one came"
+        long_ids = len(engine.adapter.encode(LONG[0]))
+        scheduler.submit(_job(engine, log, "long", LONG, tokens=4))
+        assert log.finished["long"].wait(120) and log.finished["short"].wait(120)
+    finally:
+        scheduler.stop()
+    pieces = [steps for who, what, steps in log.entries if who == "long" and what == "piece"]
+    assert len(pieces) == -(-long_ids // 16) - 1  # every piece but the last pauses
+    # exactly one batched decode step between two pieces: the running stream never waits for the whole prefill
+    assert [b - a for a, b in zip(pieces, pieces[1:], strict=False)] == [1] * (len(pieces) - 1)
+    short = [(what, steps) for who, what, steps in log.entries if who == "short" and what != "piece"]
+    assert short[0][0] == "started" and short[1][0] == "delta" and short[1][1] < pieces[0]  # decoding before
+    assert short[-1] == ("done", short[-1][1]) and short[-1][1] > pieces[-1]  # and after: a token every step
+    stats = log.last["short"].stats
+    assert stats is not None and stats.generated_tokens == 400 and stats.extra["finish_reason"] == "length"
+    kinds = [what for who, what, _ in log.entries if who == "long"]
+    assert kinds[-1] == "done" and "started" in kinds
+    assert log.last["long"].stats.extra["prefill_pieces"] == len(pieces) + 1
+
+
+def test_a_request_cancelled_during_its_prefill_ends_and_the_stream_goes_on(engine):
+    log = _Log()
+    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=8)
+    scheduler.start()
+    try:
+        scheduler.submit(_job(engine, log, "short", ["Hello there, tell me a story"], tokens=200))
+        long = _job(engine, log, "long", LONG, tokens=4)
+        scheduler.submit(long)
+        while not any(e[:2] == ("long", "piece") for e in log.entries):
+            assert not log.finished["long"].wait(0.01)
+        long.cancel()
+        assert log.finished["long"].wait(60)
+        assert log.finished["short"].wait(120)
+    finally:
+        scheduler.stop()
+    long_events = [what for who, what, _ in log.entries if who == "long" and what != "piece"]
+    assert long_events == ["error"]
+    assert [what for who, what, _ in log.entries if who == "short"][-1] == "done"
+    assert scheduler.alive and scheduler.depth == (0, 0)
