@@ -11,29 +11,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from ragkv.answering import AnswerPath, AnswerStream, Prefilled
 from ragkv.config import EngineConfig, default_data_dir
 from ragkv.errors import DocumentNotFoundError
-from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
-from ragkv.generation import GenerationConfig, decode_loop, stream_text
+from ragkv.fusion import FusionConfig, Pieces, drain
+from ragkv.generation import GenerationConfig
 from ragkv.matching import ChunkRegistry
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.decode import StaticDecoder
 from ragkv.planner.ratebook import RateBook
-from ragkv.planner.session import LoadEstimates, LoadPlanning
+from ragkv.planner.session import LoadEstimates
 from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn
 from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
     CachedText,
     Chunk,
-    ChunkKV,
     GenerationResult,
     GenerationStats,
     tenant_namespace,
@@ -72,8 +69,6 @@ class RagKV:
         from ragkv.retriever.embedder import SentenceTransformerEmbedder
 
         self.config = config or EngineConfig()
-        self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
-        self._prefix_lock = threading.Lock()  # the LRU of framework prompt prefixes
         self._index_lock = threading.RLock()  # indexing vs retrieval on the FAISS index
         self._owner = share is None  # closes the store, catalog and rate book it opened
         if share is None:
@@ -100,6 +95,7 @@ class RagKV:
             self.adapter, self.embedder, self.decoder = share.adapter, share.embedder, share.decoder
             self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
         self.retriever = self._retriever(self.config.tenant)
+        self.answers = AnswerPath(self)  # prefill and decode (ragkv/answering.py)
         self._init_registry()
 
     def _init_registry(self) -> None:
@@ -264,9 +260,8 @@ class RagKV:
         Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``. Chunks found in the
         store are loaded; unknown ones are computed now and stored for next time.
         """
-        suffix = self.adapter.encode(self.retriever.layout.suffix_text(question))
-        middle = [(list(self.retriever.chunk_token_ids(t)), True) for t in chunk_texts]
-        return self._generate(self.retriever.prefix_ids, middle, suffix, mode, generation, fusion)
+        prompt = self.answers.rag_prompt(chunk_texts, question)
+        return self.answers.generate(prompt, mode=mode, generation=generation, fusion=fusion)
 
     def generate_segments(
         self,
@@ -282,8 +277,9 @@ class RagKV:
         exactly that text. Each segment is tokenized on its own. With no ``CachedText`` this is a
         plain prefill of the whole prompt, exactly like the model alone.
         """
-        prefix, middle, suffix = self._segment_ids(segments)
-        return self._generate(prefix, middle, suffix, "reuse" if middle else "full", generation, fusion)
+        prompt = self.answers.segments_prompt(segments)
+        mode = "reuse" if prompt.middle else "full"
+        return self.answers.generate(prompt, mode=mode, generation=generation, fusion=fusion)
 
     def warm(self, chunk_texts: Sequence[str]) -> int:
         """Make sure the cache of each text (tokenized on its own) is stored; return how many were computed."""
@@ -295,184 +291,15 @@ class RagKV:
                     computed += self.retriever.ensure(ids)
         return computed
 
-    def _generate(
-        self,
-        prefix: list[int],
-        middle: list[tuple[list[int], bool]],
-        suffix: list[int],
-        mode: str,
-        generation: GenerationConfig | None,
-        fusion: FusionConfig | None,
-    ) -> Iterator[tuple[str, GenerationStats | None]]:
-        """The query path: prefix | middle segments (cached or not) | suffix -> streamed answer."""
-        gen = generation or self.config.generation
-        fusion = fusion or self.config.fusion
-        t0 = time.perf_counter()
-        ids = prefix + [t for seg, _ in middle for t in seg] + suffix
-        self.adapter.check_context(len(ids) + gen.max_new_tokens)
-        stats = self._new_stats(len(ids), "full" if mode == "full" else fusion.method)
-        with torch.inference_mode():
-            with self._model_lock:
-                if mode == "full":
-                    cache = self.adapter.build_cache([])
-                    started = time.perf_counter()
-                    logits = self.adapter.forward(ids, cache, 0, logits="last")
-                    self.load_estimates.recompute.observe(len(ids), time.perf_counter() - started)
-                    self._rate_book.save_soon()
-                    stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
-                else:
-                    cache, logits = self._fused_prefill(prefix, middle, suffix, fusion, stats, started=t0)
-                session = self.decoder.session(cache, len(ids), gen.max_new_tokens)
-            steps = decode_loop(self.adapter, cache, logits[-1], len(ids), gen, step=session.step)
-            tokens = self._serialized(steps)
-            first = True
-            for delta, tok in stream_text(self.adapter, tokens, gen.stop):
-                if first:
-                    stats.ttft_ms = (time.perf_counter() - t0) * 1000
-                    first = False
-                stats.generated_tokens += tok >= 0
-                if delta:
-                    yield delta, None
-        if first:
-            stats.ttft_ms = (time.perf_counter() - t0) * 1000
-        load = stats.extra.get("load")
-        if isinstance(load, dict) and load.get("deadline_ms") is not None:
-            load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
-        stats.total_ms = (time.perf_counter() - t0) * 1000
-        yield "", stats
-
-    def _new_stats(self, prompt_tokens: int, fusion: str) -> GenerationStats:
-        """Stats of one answer, naming the dtype it is computed in (figures from bf16 and fp32 differ ~2x)."""
-        from ragkv.model.placement import dtype_name
-
-        return GenerationStats(
-            prompt_tokens=prompt_tokens,
-            fusion=fusion,
-            dtype=dtype_name(self.adapter.dtype),
-            dtype_reason=self.adapter.dtype_reason,
-            decode_weights=self.decoder.weights,
-        )
-
-    def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
-        """``tokens`` with each decode step (one forward pass) taken under the model lock."""
-        while True:
-            with self._model_lock:
-                tok = next(tokens, None)
-            if tok is None:
-                return
-            yield tok
-
-    def _fused_prefill(
-        self,
-        prefix: list[int],
-        middle: list[tuple[list[int], bool]],
-        suffix: list[int],
-        fusion: FusionConfig,
-        stats: GenerationStats,
-        *,
-        started: float | None = None,
-    ) -> tuple[Any, torch.Tensor]:
-        return drain(self._fused_prefill_steps(prefix, middle, suffix, fusion, stats, started=started))
-
-    def _fused_prefill_steps(
-        self,
-        prefix: list[int],
-        middle: list[tuple[list[int], bool]],
-        suffix: list[int],
-        fusion: FusionConfig,
-        stats: GenerationStats,
-        *,
-        started: float | None = None,
-        step_tokens: int | None = None,
-    ) -> Pieces[tuple[Any, torch.Tensor]]:
-        """The fused prefill; its recompute pass pauses between layers (see ``ragkv.fusion.fuse_steps``).
-
-        Loading the chunk caches (and prefilling any the store lacks) runs in the first piece.
-        """
-        prefix_kv = self._prefix_kv(prefix)
-        loaded: list[ChunkKV] = []
-        forced: list[bool] = []
-        hit_tokens = 0
-        plan = self._load_planning(middle, suffix, fusion, started)
-        got_all, load_report = self.retriever.load_planned([seg for seg, cached in middle if cached], plan)
-        fetched = iter(got_all)
-        for seg, cached in middle:
-            if not cached:  # plain text between chunks: computed in place by fusion
-                loaded.append(self.adapter.empty_kv(len(seg)))
-                forced.append(True)
-                continue
-            got = next(fetched)
-            loaded.append(got.kv)
-            forced.append(got.recompute)
-            # planned as text (or its tier failed): fusion computes it in place; planned LOCAL: stored,
-            # but prefilled here while the other chunks were read
-            if got.recompute or got.local:
-                stats.prefilled_chunk_tokens += len(seg)
-            elif got.hit:
-                stats.cache_hits += 1
-                stats.bytes_loaded += got.nbytes
-                hit_tokens += len(seg)
-            else:
-                stats.cache_misses += 1
-                stats.prefilled_chunk_tokens += len(seg)
-        if load_report is not None:
-            stats.extra["load"] = {**load_report, "deadline_ms": self.config.load.slo_ms}
-        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
-        fuse_started = time.perf_counter()
-        paused = _Pauses()
-        steps = fuse_steps(self.adapter, inp, fusion, prefill_suffix=True, step_tokens=step_tokens)
-        fused = yield from paused.through(steps)
-        computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
-        total = sum(len(seg) for seg, _ in middle) + len(suffix)
-        # the speed measured is the pass's own: time paused for others' work is not its
-        self.load_estimates.observe_prefill(computed, total, time.perf_counter() - fuse_started - paused.seconds)
-        self._rate_book.save_soon()
-        stats.recomputed_tokens = fused.recomputed_tokens
-        stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
-        logits = fused.suffix_logits
-        if logits is None:  # empty suffix
-            logits = self.adapter.forward(suffix, fused.cache, fused.num_tokens, logits="last")
-        return fused.cache, logits
-
-    def _load_planning(
-        self, middle: list[tuple[list[int], bool]], suffix: list[int], fusion: FusionConfig, started: float | None
-    ) -> LoadPlanning:
-        """This answer's load plan inputs: the deadline, and the fusion pass's share of it."""
-        cfg = self.config.load
-        deadline = None
-        if cfg.slo_ms is not None:
-            deadline = (started if started is not None else time.perf_counter()) + cfg.slo_ms / 1000
-        cached = sum(len(seg) for seg, c in middle if c)
-        plain = sum(len(seg) for seg, c in middle if not c)
-        est = self.load_estimates
-        reserve = est.fusion_fixed.value + est.recompute.seconds(fusion.ratio * cached + plain + len(suffix))
-        return LoadPlanning(cfg, est, deadline, reserve, fusion_ratio=fusion.ratio)
-
-    def _prefix_kv(self, prefix: list[int]) -> ChunkKV:
-        """Exact KV of a prompt's text before its first chunk; the last few are kept (framework
-        templates repeat theirs on every call)."""
-        if prefix == self.retriever.prefix_ids:
-            return self.retriever.prefix_kv()
-        if not prefix:
-            return self.adapter.empty_kv()
-        key = tuple(prefix)
-        with self._prefix_lock:
-            kv = self._prefixes.get(key)
-            if kv is not None:
-                self._prefixes.move_to_end(key)
-                return kv
-        kv = self.adapter.prefill_kv(prefix)  # outside the LRU lock: a racing thread computes the same KV
-        with self._prefix_lock:
-            self._prefixes[key] = kv
-            while len(self._prefixes) > 8:
-                self._prefixes.popitem(last=False)
-        return kv
-
     # ---- serving: shared model, prefill without decoding, removal ---------------------------
     @property
     def model_lock(self) -> threading.RLock:
         """Held for every forward pass on the model (shared by every tenant's engine of this model)."""
         return self._model_lock
+
+    def save_rates_soon(self) -> None:
+        """Persist the measured speeds soon (the answer path calls it after each prefill)."""
+        self._rate_book.save_soon()
 
     def for_tenant(self, tenant: str) -> RagKV:
         """An engine for ``tenant`` sharing this one's model, embedder, store, catalog and model lock.
@@ -522,79 +349,18 @@ class RagKV:
         attend over the cache written so far instead of one causal pass). Bad arguments raise at
         the first ``next()``.
         """
-        if mode not in ("reuse", "full"):
-            raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
         if (segments is None) == (rag is None):
             raise ValueError("pass either segments or rag=(chunk_texts, question)")
-        if step_tokens is not None and step_tokens < 1:
-            raise ValueError(f"step_tokens must be >= 1 (or None: one piece), got {step_tokens}")
         if rag is not None:
-            texts, question = rag
-            prefix = self.retriever.prefix_ids
-            middle = [(list(self.retriever.chunk_token_ids(t)), True) for t in texts]
-            suffix = self.adapter.encode(self.retriever.layout.suffix_text(question))
+            prompt = self.answers.rag_prompt(*rag)
         else:
-            prefix, middle, suffix = self._segment_ids(segments or [])
-            if not middle:
-                mode = "full"
-        fusion = fusion or self.config.fusion
-        t0 = time.perf_counter()
-        ids = prefix + [t for seg, _ in middle for t in seg] + suffix
-        self.adapter.check_context(len(ids) + max_new_tokens)
-        stats = self._new_stats(len(ids), "full" if mode == "full" else fusion.method)
-        if mode == "full":
-            pieces = self._full_prefill_steps(ids, step_tokens)
-            stats.prefilled_chunk_tokens = sum(len(seg) for seg, cached in middle if cached)
-        else:
-            pieces = self._fused_prefill_steps(prefix, middle, suffix, fusion, stats, step_tokens=step_tokens)
-        cache, logits = yield from self._locked(pieces, stats)
-        stats.extra["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 2)
-        return Prefilled(cache, logits[-1], len(ids), stats)
-
-    def _full_prefill_steps(self, ids: list[int], step_tokens: int | None) -> Pieces[tuple[Any, torch.Tensor]]:
-        """A prefill from scratch, ``step_tokens`` tokens per piece; the last piece's last position gives the logits."""
-        cache = self.adapter.build_cache([])
-        size = step_tokens or max(1, len(ids))
-        starts = list(range(0, max(1, len(ids)), size))
-        for start in starts[:-1]:  # K/V only: the LM head runs on the last position alone
-            self.adapter.forward(ids[start : start + size], cache, start, logits="none")
-            yield
-        return cache, self.adapter.forward(ids[starts[-1] :], cache, starts[-1], logits="last")
-
-    def _locked(self, pieces: Pieces[Any], stats: GenerationStats) -> Pieces[Any]:
-        """``pieces``, each run under the model lock and inference mode (released between pieces)."""
-        count = 0
-        while True:
-            count += 1
-            with torch.inference_mode(), self._model_lock:
-                try:
-                    next(pieces)
-                except StopIteration as done:
-                    stats.extra["prefill_pieces"] = count
-                    return done.value
-            yield
-
-    def _segment_ids(
-        self, segments: Sequence[str | CachedText]
-    ) -> tuple[list[int], list[tuple[list[int], bool]], list[int]]:
-        """(prefix ids, middle segments with whether each is cached, suffix ids), as generate_segments cuts them."""
-        segs = [s for s in segments if (s.text if isinstance(s, CachedText) else s)]
-        cached_at = [i for i, s in enumerate(segs) if isinstance(s, CachedText)]
-
-        def plain(parts: Sequence[str | CachedText]) -> list[int]:
-            return self.adapter.encode("".join(p for p in parts if isinstance(p, str)))
-
-        if not cached_at:
-            return [], [], plain(segs)
-        first, last = cached_at[0], cached_at[-1]
-        middle = [
-            (self.adapter.encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
-            for s in segs[first : last + 1]
-        ]
-        suffix = plain(segs[last + 1 :])
-        if not suffix:
-            raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
-        return plain(segs[:first]) if first else [], middle, suffix
+            prompt = self.answers.segments_prompt(segments or [])
+            mode = mode if prompt.middle else "full"
+        return (
+            yield from self.answers.prefill_steps(
+                prompt, mode=mode, max_new_tokens=max_new_tokens, fusion=fusion, step_tokens=step_tokens
+            )
+        )
 
     def remove(self, source: str) -> RemoveReport:
         """Forget document ``source`` of this tenant: catalog rows, FAISS entries and its stored caches.
@@ -647,49 +413,6 @@ class RagKV:
         self.close()
 
 
-class AnswerStream:
-    """Iterates text deltas of an answer; after exhaustion ``.result`` is the ``GenerationResult``."""
-
-    def __init__(
-        self,
-        inner: Iterator[tuple[str, GenerationStats | None]],
-        sources: tuple[Chunk, ...],
-        retrieval_ms: float,
-        warning: str | None = None,
-    ) -> None:
-        self._inner, self.sources, self.retrieval_ms = inner, sources, retrieval_ms
-        self.warning = warning  # set when the answer had no sources to draw on (an empty index)
-        self._parts: list[str] = []
-        self._result: GenerationResult | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        for delta, stats in self._inner:
-            if stats is not None:
-                stats.extra["retrieval_ms"] = round(self.retrieval_ms, 2)
-                if self.warning:
-                    stats.extra["warning"] = self.warning
-                self._result = GenerationResult("".join(self._parts).strip(), stats, sources=self.sources)
-            elif delta:
-                self._parts.append(delta)
-                yield delta
-
-    @property
-    def result(self) -> GenerationResult:
-        if self._result is None:
-            raise RuntimeError("iterate the stream to the end before reading .result")
-        return self._result
-
-
-@dataclass(slots=True)
-class Prefilled:
-    """A prompt prefilled and ready to decode (see :meth:`RagKV.prefill`)."""
-
-    cache: Any  # the prompt's transformers Cache, its first ``num_tokens`` slots filled
-    logits: torch.Tensor  # [vocab] fp32 logits of the prompt's last position
-    num_tokens: int  # prompt length (the first answer token goes at this position)
-    stats: GenerationStats  # what the prefill reused, recomputed and loaded
-
-
 @dataclass(frozen=True, slots=True)
 class RemoveReport:
     """What :meth:`RagKV.remove` deleted."""
@@ -697,21 +420,3 @@ class RemoveReport:
     source: str  # the document's source, as the catalog holds it
     chunks: int  # chunk rows (and FAISS vectors) removed
     cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)
-
-
-class _Pauses:
-    """Seconds a pass run in pieces spent paused between them (others' work ran then)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def through(self, pieces: Pieces[Any]) -> Pieces[Any]:
-        """``pieces`` passed on, timing each pause."""
-        while True:
-            try:
-                next(pieces)
-            except StopIteration as done:
-                return done.value
-            paused = time.perf_counter()
-            yield
-            self.seconds += time.perf_counter() - paused

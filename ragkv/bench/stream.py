@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ragkv.answering import PromptParts
 from ragkv.bench import netns, table
 from ragkv.bench.table import Column
 from ragkv.model import ModelAdapter
@@ -207,7 +208,8 @@ def _prefill(engine: Any, prompt: Any, load: Any, ref: torch.Tensor) -> dict[str
     stats = GenerationStats()
     started = time.perf_counter()
     with torch.inference_mode():
-        _, logits = engine._fused_prefill(prefix, middle, suffix, engine.config.fusion, stats, started=started)
+        parts = PromptParts(prefix, middle, suffix)
+        _, logits = engine.answers.fused_prefill(parts, engine.config.fusion, stats, started)
         logits[-1].argmax()
     ttft = (time.perf_counter() - started) * 1000
     report = stats.extra.get("load", {})

@@ -1,0 +1,398 @@
+"""The answer path: a prompt's ids -> fused (or full) prefill -> decode, with its stats.
+
+``RagKV`` (ragkv/engine.py) holds the parts (model, decoder, retriever, measured speeds, model
+lock) and hands them to one ``AnswerPath``; every way of answering goes through it:
+``RagKV.answer``/``stream``/``generate_stream``/``generate_segments`` decode here, and
+``RagKV.prefill``/``prefill_steps`` (the server's scheduler, which decodes in batches) stop after
+the prefill. A prompt is cut into a prefix (before the first chunk), middle segments (chunks, and
+plain text between them) and a suffix (the question): :class:`PromptParts`.
+
+Threads: every forward pass runs under the engine's model lock (one piece at a time when a
+prefill runs in pieces); loading, decoding text and the stats run outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
+from ragkv.generation import GenerationConfig, decode_loop, stream_text
+from ragkv.model.threads import adapt_threads
+from ragkv.planner.session import LoadEstimates, LoadPlanning
+from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, GenerationStats
+
+if TYPE_CHECKING:
+    from ragkv.config import EngineConfig
+    from ragkv.model import ModelAdapter
+    from ragkv.model.decode import StaticDecoder
+    from ragkv.retriever.kv_retriever import KVRetriever
+
+__all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts"]
+
+PREFIX_LRU = 8  # framework prompt prefixes kept (their templates repeat one on every call)
+
+
+class EngineParts(Protocol):
+    """What the answer path reads from its engine (``RagKV`` is one); read at each call, so a
+    caller that swaps one (a bench swapping the decoder or the load config) is heard."""
+
+    config: EngineConfig
+    adapter: ModelAdapter
+    decoder: StaticDecoder
+    retriever: KVRetriever
+    load_estimates: LoadEstimates
+
+    @property
+    def model_lock(self) -> threading.RLock: ...
+
+    def save_rates_soon(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PromptParts:
+    """A prompt's token ids cut where caches apply: prefix | middle segments | suffix."""
+
+    prefix: list[int]  # before the first chunk (the shared system prefix, or a framework's template)
+    middle: list[tuple[list[int], bool]]  # (ids, cached?): chunks, and plain text between them
+    suffix: list[int]  # after the last chunk (the question): always computed
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prefix + [t for seg, _ in self.middle for t in seg] + self.suffix
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(seg) for seg, cached in self.middle if cached)
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prompt prefilled and ready to decode (see :meth:`RagKV.prefill`)."""
+
+    cache: Any  # the prompt's transformers Cache, its first ``num_tokens`` slots filled
+    logits: torch.Tensor  # [vocab] fp32 logits of the prompt's last position
+    num_tokens: int  # prompt length (the first answer token goes at this position)
+    stats: GenerationStats  # what the prefill reused, recomputed and loaded
+
+
+class AnswerPath:
+    """Prefill (fused or full, whole or in pieces) and decode for one engine's prompts."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self._prefixes: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        self._prefix_lock = threading.Lock()  # the LRU of framework prompt prefixes
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def rag_prompt(self, chunk_texts: Sequence[str], question: str) -> PromptParts:
+        """ragkv's own layout: the shared prefix, each chunk (tokenized on its own), the question."""
+        r = self.parts.retriever
+        middle = [(list(r.chunk_token_ids(t)), True) for t in chunk_texts]
+        return PromptParts(r.prefix_ids, middle, self.parts.adapter.encode(r.layout.suffix_text(question)))
+
+    def segments_prompt(self, segments: Sequence[str | CachedText]) -> PromptParts:
+        """A whole prompt as segments: plain strings are computed, ``CachedText`` segments reuse their cache.
+
+        Each run of plain text is tokenized as one string, each ``CachedText`` on its own.
+        """
+        encode = self.parts.adapter.encode
+        segs = [s for s in segments if (s.text if isinstance(s, CachedText) else s)]
+        cached_at = [i for i, s in enumerate(segs) if isinstance(s, CachedText)]
+
+        def plain(parts: Sequence[str | CachedText]) -> list[int]:
+            return encode("".join(p for p in parts if isinstance(p, str)))
+
+        if not cached_at:
+            return PromptParts([], [], plain(segs))
+        first, last = cached_at[0], cached_at[-1]
+        middle = [
+            (encode(s.text if isinstance(s, CachedText) else s), isinstance(s, CachedText))
+            for s in segs[first : last + 1]
+        ]
+        suffix = plain(segs[last + 1 :])
+        if not suffix:
+            raise ValueError("the prompt ends with a cached chunk; it needs some text after the last chunk")
+        return PromptParts(plain(segs[:first]) if first else [], middle, suffix)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill_steps(
+        self,
+        prompt: PromptParts,
+        *,
+        mode: str = "reuse",
+        max_new_tokens: int = 0,
+        fusion: FusionConfig | None = None,
+        step_tokens: int | None = None,
+        started: float | None = None,
+    ) -> Pieces[Prefilled]:
+        """The prompt's cache and last logits, in pieces of about ``step_tokens`` tokens of work.
+
+        Each ``next()`` runs one piece under the model lock; the return value is the
+        :class:`Prefilled`. ``mode="full"`` prefills from scratch, ``step_tokens`` prompt tokens a
+        piece; ``"reuse"`` loads the chunk caches (first piece) and fuses them, pausing the
+        recompute pass between layers (``ragkv.fusion.fuse_steps``). ``None``: one piece.
+        ``started``: when the answer began (the load deadline counts from it; default now).
+        """
+        if mode not in ("reuse", "full"):
+            raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1 (or None: one piece), got {step_tokens}")
+        fusion = fusion or self.parts.config.fusion
+        t0 = time.perf_counter() if started is None else started
+        ids = prompt.ids
+        self.parts.adapter.check_context(len(ids) + max_new_tokens)
+        stats = self._new_stats(len(ids), "full" if mode == "full" else fusion.method)
+        adapt_threads()  # another process may have taken a core since the last answer
+        if mode == "full":
+            stats.prefilled_chunk_tokens = prompt.cached_tokens
+            pieces = self._full_steps(ids, step_tokens)
+        else:
+            pieces = self._fused_steps(prompt, fusion, stats, t0, step_tokens)
+        cache, logits = yield from self._locked(pieces, stats)
+        stats.extra["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        return Prefilled(cache, logits[-1], len(ids), stats)
+
+    def prefill(self, prompt: PromptParts, **kwargs: Any) -> Prefilled:
+        """:meth:`prefill_steps` run to the end now."""
+        return drain(self.prefill_steps(prompt, **kwargs))
+
+    def fused_prefill(
+        self, prompt: PromptParts, fusion: FusionConfig, stats: GenerationStats, started: float
+    ) -> tuple[Any, torch.Tensor]:
+        """The fused prefill alone, now (the caller holds what it needs): the cache and the suffix's
+        logits ``[suffix, vocab]`` (a bench compares them with full prefill's at every suffix position)."""
+        return drain(self._fused_steps(prompt, fusion, stats, started))  # type: ignore[no-any-return]
+
+    def _full_steps(self, ids: list[int], step_tokens: int | None) -> Pieces[tuple[Any, torch.Tensor]]:
+        """A prefill from scratch, ``step_tokens`` tokens a piece; the last piece's last position gives the logits.
+
+        Its own compute time (pauses excluded) feeds the engine's prefill speed estimate.
+        """
+        a = self.parts.adapter
+        cache = a.build_cache([])
+        size = step_tokens or max(1, len(ids))
+        starts = list(range(0, max(1, len(ids)), size))
+        busy = 0.0
+        for start in starts[:-1]:  # K/V only: the LM head runs on the last position alone
+            began = time.perf_counter()
+            a.forward(ids[start : start + size], cache, start, logits="none")
+            busy += time.perf_counter() - began
+            yield
+        began = time.perf_counter()
+        logits = a.forward(ids[starts[-1] :], cache, starts[-1], logits="last")
+        self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
+        self.parts.save_rates_soon()
+        return cache, logits
+
+    def _fused_steps(
+        self,
+        prompt: PromptParts,
+        fusion: FusionConfig,
+        stats: GenerationStats,
+        started: float,
+        step_tokens: int | None = None,
+    ) -> Pieces[tuple[Any, torch.Tensor]]:
+        """Load the chunk caches (first piece), then fuse them; the recompute pass pauses between layers."""
+        p, a = self.parts, self.parts.adapter
+        middle, suffix = prompt.middle, prompt.suffix
+        prefix_kv = self._prefix_kv(prompt.prefix)
+        loaded: list[ChunkKV] = []
+        forced: list[bool] = []
+        hit_tokens = 0
+        plan = self._load_planning(prompt, fusion, started)
+        got_all, load_report = p.retriever.load_planned([seg for seg, cached in middle if cached], plan)
+        fetched = iter(got_all)
+        for seg, cached in middle:
+            if not cached:  # plain text between chunks: computed in place by fusion
+                loaded.append(a.empty_kv(len(seg)))
+                forced.append(True)
+                continue
+            got = next(fetched)
+            loaded.append(got.kv)
+            forced.append(got.recompute)
+            # planned as text (or its tier failed): fusion computes it in place; planned LOCAL: stored,
+            # but prefilled here while the other chunks were read
+            if got.recompute or got.local:
+                stats.prefilled_chunk_tokens += len(seg)
+            elif got.hit:
+                stats.cache_hits += 1
+                stats.bytes_loaded += got.nbytes
+                hit_tokens += len(seg)
+            else:
+                stats.cache_misses += 1
+                stats.prefilled_chunk_tokens += len(seg)
+        if load_report is not None:
+            stats.extra["load"] = {**load_report, "deadline_ms": p.config.load.slo_ms}
+        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
+        fuse_started = time.perf_counter()
+        paused = _Pauses()
+        fused = yield from paused.through(fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=step_tokens))
+        computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
+        total = sum(len(seg) for seg, _ in middle) + len(suffix)
+        # the speed measured is the pass's own: time paused for others' work is not its
+        p.load_estimates.observe_prefill(computed, total, time.perf_counter() - fuse_started - paused.seconds)
+        p.save_rates_soon()
+        stats.recomputed_tokens = fused.recomputed_tokens
+        stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
+        logits = fused.suffix_logits
+        if logits is None:  # empty suffix
+            logits = a.forward(suffix, fused.cache, fused.num_tokens, logits="last")
+        return fused.cache, logits
+
+    def _locked(self, pieces: Pieces[Any], stats: GenerationStats) -> Pieces[Any]:
+        """``pieces``, each run under the model lock and inference mode (released between pieces)."""
+        count = 0
+        while True:
+            count += 1
+            with torch.inference_mode(), self.parts.model_lock:
+                try:
+                    next(pieces)
+                except StopIteration as done:
+                    stats.extra["prefill_pieces"] = count
+                    return done.value
+            yield
+
+    def _load_planning(self, prompt: PromptParts, fusion: FusionConfig, started: float) -> LoadPlanning:
+        """This answer's load plan inputs: the deadline, and the fusion pass's share of it."""
+        cfg = self.parts.config.load
+        deadline = None if cfg.slo_ms is None else started + cfg.slo_ms / 1000
+        plain = sum(len(seg) for seg, c in prompt.middle if not c)
+        est = self.parts.load_estimates
+        work = fusion.ratio * prompt.cached_tokens + plain + len(prompt.suffix)
+        reserve = est.fusion_fixed.value + est.recompute.seconds(work)
+        return LoadPlanning(cfg, est, deadline, reserve, fusion_ratio=fusion.ratio)
+
+    def _prefix_kv(self, prefix: list[int]) -> ChunkKV:
+        """Exact KV of a prompt's text before its first chunk; the last few are kept (framework
+        templates repeat theirs on every call)."""
+        r, a = self.parts.retriever, self.parts.adapter
+        if prefix == r.prefix_ids:
+            return r.prefix_kv()
+        if not prefix:
+            return a.empty_kv()
+        key = tuple(prefix)
+        with self._prefix_lock:
+            kv = self._prefixes.get(key)
+            if kv is not None:
+                self._prefixes.move_to_end(key)
+                return kv
+        kv = a.prefill_kv(prefix)  # outside the LRU lock: a racing thread computes the same KV
+        with self._prefix_lock:
+            self._prefixes[key] = kv
+            while len(self._prefixes) > PREFIX_LRU:
+                self._prefixes.popitem(last=False)
+        return kv
+
+    def _new_stats(self, prompt_tokens: int, fusion: str) -> GenerationStats:
+        """Stats of one answer, naming the dtype it is computed in (figures from bf16 and fp32 differ ~2x)."""
+        from ragkv.model.placement import dtype_name
+
+        a = self.parts.adapter
+        return GenerationStats(
+            prompt_tokens=prompt_tokens,
+            fusion=fusion,
+            dtype=dtype_name(a.dtype),
+            dtype_reason=a.dtype_reason,
+            decode_weights=self.parts.decoder.weights,
+        )
+
+    # ---- decode -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: PromptParts,
+        *,
+        mode: str = "reuse",
+        generation: GenerationConfig | None = None,
+        fusion: FusionConfig | None = None,
+    ) -> Iterator[tuple[str, GenerationStats | None]]:
+        """Prefill ``prompt`` and decode: ``(delta, None)`` per piece of answer text, then ``("", stats)``."""
+        p = self.parts
+        gen = generation or p.config.generation
+        t0 = time.perf_counter()
+        pre = self.prefill(prompt, mode=mode, max_new_tokens=gen.max_new_tokens, fusion=fusion, started=t0)
+        stats = pre.stats
+        with torch.inference_mode(), p.model_lock:
+            session = p.decoder.session(pre.cache, pre.num_tokens, gen.max_new_tokens)
+        steps = decode_loop(p.adapter, pre.cache, pre.logits, pre.num_tokens, gen, step=session.step)
+        first = True
+        for delta, tok in stream_text(p.adapter, self._serialized(steps), gen.stop):
+            if first:
+                stats.ttft_ms = (time.perf_counter() - t0) * 1000
+                first = False
+            stats.generated_tokens += tok >= 0
+            if delta:
+                yield delta, None
+        if first:
+            stats.ttft_ms = (time.perf_counter() - t0) * 1000
+        load = stats.extra.get("load")
+        if isinstance(load, dict) and load.get("deadline_ms") is not None:
+            load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
+        stats.total_ms = (time.perf_counter() - t0) * 1000
+        yield "", stats
+
+    def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
+        """``tokens`` with each decode step (one forward pass) taken under the model lock."""
+        while True:
+            with self.parts.model_lock:
+                tok = next(tokens, None)
+            if tok is None:
+                return
+            yield tok
+
+
+class AnswerStream:
+    """Iterates text deltas of an answer; after exhaustion ``.result`` is the ``GenerationResult``."""
+
+    def __init__(
+        self,
+        inner: Iterator[tuple[str, GenerationStats | None]],
+        sources: tuple[Chunk, ...],
+        retrieval_ms: float,
+        warning: str | None = None,
+    ) -> None:
+        self._inner, self.sources, self.retrieval_ms = inner, sources, retrieval_ms
+        self.warning = warning  # set when the answer had no sources to draw on (an empty index)
+        self._parts: list[str] = []
+        self._result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        for delta, stats in self._inner:
+            if stats is not None:
+                stats.extra["retrieval_ms"] = round(self.retrieval_ms, 2)
+                if self.warning:
+                    stats.extra["warning"] = self.warning
+                self._result = GenerationResult("".join(self._parts).strip(), stats, sources=self.sources)
+            elif delta:
+                self._parts.append(delta)
+                yield delta
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._result is None:
+            raise RuntimeError("iterate the stream to the end before reading .result")
+        return self._result
+
+
+class _Pauses:
+    """Seconds a pass run in pieces spent paused between them (others' work ran then)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def through(self, pieces: Pieces[Any]) -> Pieces[Any]:
+        """``pieces`` passed on, timing each pause."""
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as done:
+                return done.value
+            paused = time.perf_counter()
+            yield
+            self.seconds += time.perf_counter() - paused
