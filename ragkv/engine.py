@@ -12,21 +12,18 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ragkv.answering import AnswerPath, AnswerStream, Prefilled
 from ragkv.config import EngineConfig, default_data_dir
-from ragkv.errors import DocumentNotFoundError
 from ragkv.fusion import FusionConfig, Pieces, drain
 from ragkv.generation import GenerationConfig
-from ragkv.matching import ChunkRegistry
+from ragkv.matching import ChunkRegistry, TenantChunks
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.decode import StaticDecoder
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates
-from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn
+from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn, RemoveReport
 from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
     CachedText,
@@ -38,8 +35,6 @@ from ragkv.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-REGISTRY_SYNC_S = 2.0  # how often a prompt may trigger a look at the catalog for newly indexed chunks
 
 __all__ = ["AnswerStream", "CachedText", "EngineConfig", "Prefilled", "RagKV", "RemoveReport", "default_data_dir"]
 
@@ -96,36 +91,17 @@ class RagKV:
             self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
         self.retriever = self._retriever(self.config.tenant)
         self.answers = AnswerPath(self)  # prefill and decode (ragkv/answering.py)
-        self._init_registry()
-
-    def _init_registry(self) -> None:
-        self._registry = ChunkRegistry()
-        self._registry_lock = threading.Lock()
-        self._registry_rows: frozenset[int] = frozenset()  # catalog rows whose texts are pinned
-        self._registry_synced = float("-inf")  # perf_counter of the last catalog check
+        self._chunks = TenantChunks(self.catalog, self.config.tenant)  # the prompt matcher's registry
 
     def chunk_registry(self, *, refresh: bool = False) -> ChunkRegistry:
         """The chunk texts this engine finds inside whole prompts, for the server and the integrations.
 
         Its tenant's indexed chunks (pinned: never forgotten while indexed) plus the texts
         frameworks register (``registry.add``; the least recent forgotten past its capacity). The
-        catalog is looked at most every ``REGISTRY_SYNC_S`` seconds (one row-id query; texts read
-        only for new rows), or now with ``refresh=True`` (after documents were added or removed).
+        catalog is looked at most every ``ragkv.matching.REGISTRY_SYNC_S`` seconds, or now with
+        ``refresh=True`` (after documents were added or removed). See ``ragkv.matching.TenantChunks``.
         """
-        with self._registry_lock:
-            now = time.perf_counter()
-            if refresh or now - self._registry_synced >= REGISTRY_SYNC_S:
-                self._registry_synced = now
-                tenant = self.config.tenant
-                rows = frozenset(self.catalog.all_chunk_rows(tenant))
-                if rows != self._registry_rows:
-                    if not rows >= self._registry_rows:  # documents were removed or replaced: pin afresh
-                        self._registry.unpin_all()
-                        self._registry_rows = frozenset()
-                    new = sorted(rows - self._registry_rows)
-                    self._registry.add([c.text for c in self.catalog.chunks_by_rows(new, tenant)], pinned=True)
-                    self._registry_rows = rows
-        return self._registry
+        return self._chunks.current(refresh=refresh)
 
     def _retriever(self, tenant: str) -> KVRetriever:
         """``tenant``'s retriever over this engine's model, embedder, store and catalog."""
@@ -368,34 +344,8 @@ class RagKV:
         A cache entry goes only when no other document of the tenant still has a chunk with the same
         tokens (entries are keyed by content, so two documents may share one).
         """
-        tenant = self.config.tenant
-        # a file is indexed under its resolved path: accept the path as typed too
-        names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
-        found = [n for n in names if n and self.catalog.get_document(n, tenant) is not None]
-        if not found:
-            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv list)")
-        source = found[0]
         with self._index_lock:
-            chunks = self.catalog.document_chunks(source, tenant)
-            rows = self.catalog.remove_document(source, self.config.tenant)
-            if rows:
-                self.retriever.index.remove(rows)
-                self.retriever.index.save()
-            kept = {
-                c.token_ids
-                for c in self.catalog.chunks_by_rows(
-                    self.catalog.all_chunk_rows(self.config.tenant), self.config.tenant
-                )
-            }
-        deleted = 0
-        for chunk in chunks.values():
-            if chunk.token_ids in kept:
-                continue
-            for spec in self.retriever.config.stored_codecs:
-                key = self.retriever.chunk_key(chunk.token_ids, spec).storage_key
-                deleted += self.store.delete(key)
-                self.catalog.remove_entry(key)
-        return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
+            return self.retriever.remove_document(source)
 
     def close(self) -> None:
         """Save the measured speeds and close the store and catalog (a tenant's engine from
@@ -411,12 +361,3 @@ class RagKV:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass(frozen=True, slots=True)
-class RemoveReport:
-    """What :meth:`RagKV.remove` deleted."""
-
-    source: str  # the document's source, as the catalog holds it
-    chunks: int  # chunk rows (and FAISS vectors) removed
-    cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)

@@ -29,14 +29,18 @@ not found in any form stays plain and is prefilled, exactly as a plain model wou
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ragkv.types import CachedText
 
-__all__ = ["SEPARATOR", "ChunkRegistry", "MatchConfig", "Segment", "chunk_forms", "split_prompt"]
+REGISTRY_SYNC_S = 2.0  # how often a prompt may trigger a look at the catalog for newly indexed chunks
+
+__all__ = ["SEPARATOR", "ChunkRegistry", "MatchConfig", "Segment", "TenantChunks", "chunk_forms", "split_prompt"]
 
 SEPARATOR = "\n\n"  # ragkv's chunk_end, LangChain's document_separator, LlamaIndex's repack join
 
@@ -234,6 +238,43 @@ class ChunkRegistry:
                 self._short.append(i)
             else:
                 self._anchors.setdefault(form[:_ANCHOR], []).append(i)
+
+
+class TenantChunks:
+    """A tenant's :class:`ChunkRegistry`, kept in step with its indexed chunks in the catalog.
+
+    Its indexed chunks are pinned (never forgotten while indexed); texts frameworks register
+    (``registry.add``) come and go by capacity. The catalog is looked at most every ``sync_s``
+    seconds (one row-id query; texts are read only for new rows), or now with ``refresh=True``.
+
+    Args:
+        catalog: the catalog (``all_chunk_rows(tenant)``, ``chunks_by_rows(rows, tenant)``).
+        tenant: whose chunks.
+        sync_s: the shortest time between two looks at the catalog.
+    """
+
+    def __init__(self, catalog: Any, tenant: str, sync_s: float = REGISTRY_SYNC_S) -> None:
+        self.catalog, self.tenant, self.sync_s = catalog, tenant, sync_s
+        self.registry = ChunkRegistry()
+        self._lock = threading.Lock()
+        self._rows: frozenset[int] = frozenset()  # catalog rows whose texts are pinned
+        self._synced = float("-inf")  # perf_counter of the last catalog check
+
+    def current(self, *, refresh: bool = False) -> ChunkRegistry:
+        """The registry, after a look at the catalog if ``sync_s`` has passed (or ``refresh``)."""
+        with self._lock:
+            now = time.perf_counter()
+            if refresh or now - self._synced >= self.sync_s:
+                self._synced = now
+                rows = frozenset(self.catalog.all_chunk_rows(self.tenant))
+                if rows != self._rows:
+                    if not rows >= self._rows:  # documents were removed or replaced: pin afresh
+                        self.registry.unpin_all()
+                        self._rows = frozenset()
+                    new = sorted(rows - self._rows)
+                    self.registry.add([c.text for c in self.catalog.chunks_by_rows(new, self.tenant)], pinned=True)
+                    self._rows = rows
+        return self.registry
 
 
 def _assemble(prompt: str, spans: list[tuple[int, int]], require_suffix: bool) -> list[Segment]:

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, cast
 
 from tqdm.auto import tqdm
@@ -26,6 +27,7 @@ from tqdm.auto import tqdm
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
+from ragkv.errors import DocumentNotFoundError
 from ragkv.model import ModelAdapter
 from ragkv.planner.session import LoadPlanning
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
@@ -38,7 +40,16 @@ from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, vali
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IndexPlan", "IndexProgress", "IndexReport", "KVRetriever", "RetrieverConfig", "LoadedChunk", "ProgressFn"]
+__all__ = [
+    "IndexPlan",
+    "IndexProgress",
+    "IndexReport",
+    "KVRetriever",
+    "LoadedChunk",
+    "ProgressFn",
+    "RemoveReport",
+    "RetrieverConfig",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,15 @@ class RetrieverConfig:
     def stored_codecs(self) -> tuple[CodecSpec, ...]:
         """Every (codec, level) written at index time: ``codec`` first, then ``index_codecs``."""
         return tuple(dict.fromkeys((self.codec, *self.index_codecs)))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveReport:
+    """What :meth:`KVRetriever.remove_document` (``RagKV.remove``) deleted."""
+
+    source: str  # the document's source, as the catalog holds it
+    chunks: int  # chunk rows (and FAISS vectors) removed
+    cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)
 
 
 @dataclass(slots=True)
@@ -400,6 +420,36 @@ class KVRetriever:
             self.index.save()
 
     # ---- query time ---------------------------------------------------------------------------
+    def remove_document(self, source: str) -> RemoveReport:
+        """Forget document ``source`` of this tenant: catalog rows, FAISS entries and its stored caches.
+
+        A cache entry goes only when no other document of the tenant still has a chunk with the same
+        tokens (entries are keyed by content, so two documents may share one). The caller keeps
+        retrieval off the FAISS index meanwhile (``RagKV.remove`` holds its index lock).
+        """
+        tenant, catalog = self.tenant, self.catalog
+        # a file is indexed under its resolved path: accept the path as typed too
+        names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
+        found = [n for n in names if n and catalog.get_document(n, tenant) is not None]
+        if not found:
+            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv list)")
+        source = found[0]
+        chunks = catalog.document_chunks(source, tenant)
+        rows = catalog.remove_document(source, tenant)
+        if rows:
+            self.index.remove(rows)
+            self.index.save()
+        kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
+        deleted = 0
+        for chunk in chunks.values():
+            if chunk.token_ids in kept:
+                continue
+            for spec in self.config.stored_codecs:
+                key = self.chunk_key(chunk.token_ids, spec).storage_key
+                deleted += self.store.delete(key)
+                catalog.remove_entry(key)
+        return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
+
     def retrieve(self, query: str, k: int | None = None) -> list[Chunk]:
         """The top-``k`` distinct chunks for ``query``, best first, with their similarity scores.
 
