@@ -38,3 +38,15 @@ def test_an_upward_import_is_reported_with_its_line_lazy_or_not():
 def test_a_room_missing_from_the_map_is_reported():
     found = layers.check({"ragkv.newroom": ("ragkv/newroom.py", "")})
     assert found == ["ragkv/newroom.py: room ragkv.newroom is not in tools/layers.py's LAYERS"]
+
+
+def test_the_architecture_page_lists_every_room_in_its_layer():
+    """docs/architecture.md's table of rooms is the map in tools/layers.py, row for row."""
+    import re
+
+    rows = [line for line in (ROOT / "docs" / "architecture.md").read_text().splitlines() if re.match(r"\| \d+ ", line)]
+    assert len(rows) == len(layers.LAYERS), "one table row per layer"
+    for level, (row, rooms) in enumerate(zip(rows, layers.LAYERS, strict=True)):
+        cells = row.split("|")
+        assert cells[1].strip().startswith(str(level)), row
+        assert set(re.findall(r"`([\w.]+)`", cells[2])) == set(rooms), f"layer {level}: {row}"
