@@ -491,7 +491,7 @@ class RagKV:
     ) -> Pieces[tuple[Any, torch.Tensor]]:
         """The fused prefill; its recompute pass pauses between layers (see ``ragkv.fusion.fuse_steps``).
 
-        Loading the chunk caches (and prefilling any the store lacks) runs in the first piece.
+        Loading the chunk caches (and prefilling any the store lacks) is the first piece.
         """
         prefix_kv = self._prefix_kv(prefix)
         loaded: list[ChunkKV] = []
@@ -522,6 +522,8 @@ class RagKV:
         if load_report is not None:
             stats.extra["load"] = {**load_report, "deadline_ms": self.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
+        if step_tokens is not None:
+            yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()
         paused = _Pauses()
         steps = fuse_steps(self.adapter, inp, fusion, prefill_suffix=True, step_tokens=step_tokens)
