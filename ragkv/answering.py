@@ -199,7 +199,7 @@ class AnswerPath:
         started: float,
         step_tokens: int | None = None,
     ) -> Pieces[tuple[Any, torch.Tensor]]:
-        """Load the chunk caches (first piece), then fuse them; the recompute pass pauses between layers."""
+        """Load the chunk caches (a piece of its own), then fuse them; the recompute pass pauses between layers."""
         p, a = self.parts, self.parts.adapter
         middle, suffix = prompt.middle, prompt.suffix
         prefix_kv = self._prefix_kv(prompt.prefix)
@@ -231,6 +231,8 @@ class AnswerPath:
         if load_report is not None:
             stats.extra["load"] = {**load_report, "deadline_ms": p.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
+        if step_tokens is not None:
+            yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()
         paused = _Pauses()
         fused = yield from paused.through(fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=step_tokens))

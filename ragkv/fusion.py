@@ -132,7 +132,7 @@ def fuse_steps(
     The recompute pass pauses (yields) between decoder layers once its layer passes since the last
     pause reach about ``step_tokens`` tokens through every layer (``step_tokens * layers`` token
     passes), so one piece costs about what a ``step_tokens``-token prefill chunk costs. Placement
-    and the question probe run in the first piece. ``None``: one piece. The result is exactly
+    and the question probe are the first piece. ``None``: one piece. The result is exactly
     :func:`fuse`'s: only where other work may run changes (nothing else may touch the model's
     attention probe or these tensors meanwhile; the caller holds the model lock per piece).
     """
@@ -160,6 +160,8 @@ def fuse_steps(
     # With no chunk token active the tail alone runs the layers, writing its K/V into the slots
     # kept free for it: no cache grows by concatenation (a copy of the whole context per layer).
     budget = None if step_tokens is None else step_tokens * adapter.spec.num_layers
+    if budget is not None:
+        yield  # placement and the question probe were this piece
     active, hidden = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
     return _finish(adapter, placed, active, forced, hidden, tail.numel())
 

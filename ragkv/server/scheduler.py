@@ -423,7 +423,7 @@ class Scheduler:
         """End a request: flush its held-back text, post ``done`` (or ``error``), drop its row (and batch row)."""
         with self._cond:
             row = self._rows[key]
-        if key in self._batch.keys:  # out of the batch first: if re-packing raises, the row stays for _fail_all
+        if key in self._batch.keys:  # out of the batch first: if that raises, the row stays for _fail_all
             self._batch.remove(key)
         with self._cond:
             self._rows.pop(key, None)
