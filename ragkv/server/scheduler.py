@@ -25,6 +25,7 @@ import torch
 
 from ragkv.generation import GenerationConfig, pick_token, stream_text
 from ragkv.model.batch import DecodeBatch
+from ragkv.model.threads import adapt_threads
 from ragkv.types import CachedText, GenerationStats
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ __all__ = ["Event", "Job", "QueueFullError", "Scheduler", "ServedEngine"]
 
 _IDS = itertools.count()
 
+
+_THREADS_EVERY = 16  # batched decode steps between looks at the machine's load
 
 class QueueFullError(Exception):
     """The scheduler holds ``max_queue`` requests already (the server answers 429)."""
@@ -376,6 +379,8 @@ class Scheduler:
 
     def _step(self) -> None:
         keys = list(self._batch.keys)
+        if self.counters.steps % _THREADS_EVERY == 0:
+            adapt_threads()  # another process may have taken a core (RAGKV_THREADS; ragkv.model.threads)
         started = time.perf_counter()
         with self._model_lock(self._rows[keys[0]].job):
             logits = self._batch.step([self._rows[k].last for k in keys])  # [B, vocab]
