@@ -33,9 +33,6 @@ LAYERS: list[tuple[str, ...]] = [
         "ragkv.server",
         "ragkv.bench",
         "ragkv.cli",
-        "ragkv.cli_bench",
-        "ragkv.cli_models",
-        "ragkv.cli_options",
         "ragkv.integrations",
         "ragkv",
     ),  # front ends

@@ -71,7 +71,7 @@ def test_missing_packages_fail_with_a_fix(monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("bench", ["fusion", "codec"])
 def test_the_benches_take_the_set_by_name(bench: str, llama_adapter, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setattr("ragkv.cli_bench._load_model", lambda *a, **k: llama_adapter)
+    monkeypatch.setattr("ragkv.cli.bench._load_model", lambda *a, **k: llama_adapter)
     out = tmp_path / "rows.json"
     extra = ["--methods", "naive,query_focus:0.15"] if bench == "fusion" else []
     result = CliRunner().invoke(
@@ -85,7 +85,7 @@ def test_the_benches_take_the_set_by_name(bench: str, llama_adapter, monkeypatch
 
 
 def test_an_unknown_set_is_refused_with_the_choices(llama_adapter, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ragkv.cli_bench._load_model", lambda *a, **k: llama_adapter)
+    monkeypatch.setattr("ragkv.cli.bench._load_model", lambda *a, **k: llama_adapter)
     result = CliRunner().invoke(app, ["bench", "codec", "--prompts", "stdlib"])
     assert result.exit_code == 2
     assert "neither a prompt set (builtin, packages) nor a JSONL file" in " ".join(

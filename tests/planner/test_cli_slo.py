@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragkv.cli_options import engine_config
+from ragkv.cli.options import engine_config
 from tests.core.test_cli import one_line_error, run
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ragkv.cli_options import Device, Dtype, Model, SloMs, engine_config
+from ragkv.cli.options import Device, Dtype, Model, SloMs, engine_config
 
 __all__ = ["bench_app"]
 

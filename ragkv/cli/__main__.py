@@ -1,0 +1,5 @@
+"""``python -m ragkv.cli``: the same as the ``ragkv`` command."""
+
+from ragkv.cli import main
+
+main()

@@ -1,0 +1,74 @@
+"""Checks the CLI runs before any model loads (a typo must not cost a model load, 30 s and more),
+and its one way of failing: one line on stderr saying what to change, exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+from ragkv.cli.options import engine_config
+
+__all__ = ["check_indexed", "check_setup", "documents", "engine", "fail", "indexed_source"]
+
+
+def engine(**options: Any) -> Any:
+    from ragkv.engine import RagKV
+
+    return RagKV(engine_config(**options))
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr saying what to change, exit 2: the CLI's answer to every bad input."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def check_setup(cfg: Any) -> None:
+    """The data directory, the store URLs and the embedder's files, checked without connecting or loading."""
+    from ragkv.cache.config import TierConfig
+    from ragkv.cache.registry import tier_class
+    from ragkv.retriever.embedder import resolve_model_dir
+
+    if cfg.data_dir.exists() and not cfg.data_dir.is_dir():
+        fail(f"--data-dir {cfg.data_dir} is a file; pass a directory (it holds the catalog, index and caches)")
+    for url in cfg.store_urls():
+        tier_class(TierConfig.from_url(url).scheme)  # unknown scheme, bad option, missing backend package
+    resolve_model_dir(cfg.embedder)  # its package missing: the install command, before the generator loads
+
+
+def check_indexed(cfg: Any) -> None:
+    """Refuse a question when the tenant has nothing indexed: an empty index answers from nothing."""
+    from ragkv.cache.catalog import Catalog
+
+    where = f"--data-dir {cfg.data_dir}" if cfg.catalog is None else f"--catalog {cfg.catalog}"
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
+        if not cat.documents(cfg.tenant):
+            fail(
+                f"nothing is indexed for tenant {cfg.tenant!r} in {cat.url}: run `ragkv index PATH ...` "
+                f"first (with the same {where}{'' if cfg.tenant == 'default' else ' --tenant ' + cfg.tenant}), "
+                "or pass the --data-dir it was built in"
+            )
+
+
+def indexed_source(cfg: Any, source: str) -> str:
+    """The catalog's name for ``source`` as typed (a name, or a path indexed under its resolved form)."""
+    from ragkv.cache.catalog import Catalog
+
+    names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
+    with Catalog(cfg.catalog_url(), create=False) as cat:
+        found = [n for n in names if n and cat.get_document(n, cfg.tenant) is not None]
+    if not found:
+        fail(f"no document {source.strip()!r} in tenant {cfg.tenant!r}; `ragkv list` shows the indexed documents")
+    return found[0]
+
+
+def documents(paths: list[Path]) -> list[Any]:
+    """The documents under ``paths``, read before any model loads (a missing path fails at once)."""
+    from ragkv.retriever.documents import load_documents
+
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        fail(f"no such file or directory: {', '.join(missing)}; pass existing files or directories to index")
+    return load_documents(paths)  # an empty file or a folder without text files: ValueError, one line

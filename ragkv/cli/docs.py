@@ -1,0 +1,189 @@
+"""The document commands: ``ragkv index``, ``list``, ``stats`` and ``remove``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ragkv.cli.checks import check_setup, documents, indexed_source
+from ragkv.cli.options import (
+    CatalogUrl,
+    DataDir,
+    Device,
+    Dtype,
+    Model,
+    Offline,
+    Store,
+    Tenant,
+    config_from,
+    engine_config,
+)
+
+__all__ = ["register"]
+
+
+def index(
+    ctx: typer.Context,
+    paths: Annotated[list[Path], typer.Argument(help="Files or directories of text documents.")],
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    dtype: Dtype = None,
+    device: Device = None,
+    offline: Offline = None,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Prefill chunks in Ray actors (needs the ray extra and a shared store).")
+    ] = False,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="Ray cluster to use with --ray [RAY_ADDRESS, else a local Ray].")
+    ] = None,
+    ray_actors: Annotated[
+        int | None, typer.Option("--ray-actors", min=1, help="Actors for --ray (default: one per GPU, else per CPU).")
+    ] = None,
+) -> None:
+    """Chunk, embed and precompute the KV caches of documents (unchanged ones cost nothing).
+
+    Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
+    are not recorded, so running the command again retries them.
+    """
+    cfg = config_from(ctx)
+    check_setup(cfg)
+    docs = documents(paths)
+    run: dict[str, Any] = {}
+    if ray or ray_address is not None or ray_actors is not None:
+        from ragkv.retriever.ray_index import RayConfig
+
+        run = {"executor": "ray", "ray": RayConfig(address=ray_address, actors=ray_actors)}
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
+        r = engine.index(docs, **run)
+    typer.echo(
+        f"{r.documents} documents ({r.unchanged} unchanged), {r.chunks} new chunks, "
+        f"{r.computed} caches computed, {r.reused} reused, {r.bytes_stored / 1e6:.1f} MB stored "
+        f"in {r.seconds:.1f} s"
+    )
+    if r.failed:
+        typer.echo(
+            f"error: {r.failed} chunk caches could not be stored (no storage tier accepted them); "
+            f"{len(r.failed_documents)} documents were not recorded. Check the store (ragkv stats) and run again.",
+            err=True,
+        )
+        for line in r.errors:
+            typer.echo(f"  {line}", err=True)
+        raise typer.Exit(1)
+
+
+def stats(
+    data_dir: DataDir = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    all_tenants: Annotated[
+        bool, typer.Option("--all-tenants", help="Also show each tier's totals over every tenant.")
+    ] = False,
+) -> None:
+    """Show the tenant's catalog contents and its entries in each storage tier."""
+    from ragkv.cache.catalog import Catalog
+    from ragkv.cache.store import open_store
+    from ragkv.types import tenant_namespace
+
+    cfg = engine_config(data_dir=data_dir, store=store, catalog=catalog, tenant=tenant)
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # a missing catalog is an error, not a new one
+        docs, entries = cat.documents(cfg.tenant), cat.entries(cfg.tenant)
+        typer.echo(
+            f"catalog {cat.url}, tenant {cfg.tenant!r}: {len(docs)} documents, "
+            f"{sum(d.num_chunks for d in docs)} chunks, {len(entries)} cache entries "
+            f"({sum(e.nbytes for e in entries) / 1e6:.1f} MB, {sum(e.num_tokens for e in entries)} tokens), "
+            f"reused {sum(e.hits for e in entries)} times"
+        )
+    st = open_store(cfg.store_urls())
+    try:
+        usage = st.usage(tenant_namespace(cfg.tenant))
+        typer.echo(f"{'tier':<40}{'entries':>9}{'MB':>9}{'hits':>7}{'misses':>8}{'evictions':>10}{'errors':>8}")
+        for name, s in st.stats().items():
+            mine = usage.get(name)
+            n, mb = ("?", "?") if mine is None else (str(mine[0]), f"{mine[1] / 1e6:.1f}")
+            typer.echo(f"{name:<40}{n:>9}{mb:>9}{s.hits:>7}{s.misses:>8}{s.evictions:>10}{s.errors:>8}")
+            if all_tenants:
+                total = "?" if s.entries is None else str(s.entries)
+                tmb = "?" if s.bytes_stored is None else f"{s.bytes_stored / 1e6:.1f}"
+                typer.echo(f"{'  (all tenants)':<40}{total:>9}{tmb:>9}")
+        typer.echo(
+            "(entries and MB are this tenant's in each tier; hits, misses, evictions and errors count this process)"
+        )
+    finally:
+        st.close()
+
+
+def list_documents(
+    data_dir: DataDir = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print a JSON list of {source, title, chunks, tokens, indexed_at}.")
+    ] = False,
+) -> None:
+    """List the tenant's indexed documents: name, chunks, tokens, when indexed (reads only the catalog)."""
+    from datetime import UTC, datetime
+
+    from ragkv.cache.catalog import Catalog
+
+    cfg = engine_config(data_dir=data_dir, catalog=catalog, tenant=tenant)
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
+        docs, url = cat.document_summaries(cfg.tenant), cat.url
+    if as_json:
+        rows = [
+            {
+                "source": d.source,
+                "title": d.title,
+                "chunks": d.num_chunks,
+                "tokens": d.num_tokens,
+                "indexed_at": datetime.fromtimestamp(d.indexed_at, UTC).isoformat(timespec="seconds"),
+            }
+            for d in docs
+        ]
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    if not docs:
+        typer.echo(f"no documents for tenant {cfg.tenant!r} in {url}; add some with `ragkv index PATH ...`", err=True)
+        return
+    width = max(len("document"), *(len(d.source) for d in docs))
+    typer.echo(f"{'document':<{width}}  {'chunks':>7}  {'tokens':>9}  indexed at")
+    for d in docs:
+        when = datetime.fromtimestamp(d.indexed_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        typer.echo(f"{d.source:<{width}}  {d.num_chunks:>7}  {d.num_tokens:>9}  {when}")
+    chunks, tokens = sum(d.num_chunks for d in docs), sum(d.num_tokens for d in docs)
+    typer.echo(f"{len(docs)} documents, {chunks} chunks, {tokens} tokens (tenant {cfg.tenant!r}, {url})")
+
+
+def remove(
+    source: Annotated[str, typer.Argument(help="The document's source (a path as indexed, or its name).")],
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+) -> None:
+    """Remove a document: its catalog rows, FAISS entries and the cache entries no other document uses."""
+    cfg = engine_config(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant)
+    check_setup(cfg)
+    found = indexed_source(cfg, source)  # before the generator and the embedder load
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
+        r = engine.remove(found)
+    typer.echo(f"removed {r.source}: {r.chunks} chunks, {r.cache_entries} cache entries")
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the ``ragkv`` app."""
+    app.command()(index)
+    app.command("list")(list_documents)
+    app.command()(stats)
+    app.command()(remove)
