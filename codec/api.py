@@ -194,7 +194,7 @@ def decode(
         raise CodecError(f"{header.codec} payload decoded to the wrong shape")
     positions = _positions(header)
     if coded_in is not None:
-        keys, values = coded_in.inverse(keys, values, positions)
+        coded_in.inverse_(keys, values, positions)  # the decoder's own fp32 output, in place
         keys, values = keys.to(dtype), values.to(dtype)
     return ChunkKV(keys=keys, values=values, positions=positions, model_fingerprint=header.model_fingerprint)
 

@@ -23,7 +23,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 import numpy as np
 import torch
@@ -120,50 +120,92 @@ class ChannelTransform:
     def forward(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[L, H, T, D]`` in the transform's space (fp32; layers not enabled pass through)."""
-        keys = _apply(self._rope(keys, positions, inverse=True), self.basis[0], self.enabled[0], transpose=False)
-        return keys, _apply(values.float(), self.basis[1], self.enabled[1], transpose=False)
+        """Keys and values ``[L, H, T, D]`` in the transform's space: new fp32 tensors (layers
+        not enabled pass through)."""
+        k, v = keys.to(torch.float32, copy=True), values.to(torch.float32, copy=True)
+        self._rope_(k, positions, inverse=True)
+        _apply_(k, self.basis[0], self.enabled[0], transpose=False)
+        _apply_(v, self.basis[1], self.enabled[1], transpose=False)
+        return k, v
 
     def inverse(
         self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inverse of :meth:`forward` (fp32, on the tensors' device)."""
-        keys = self._rope(
-            _apply(keys.float(), self.basis[0], self.enabled[0], transpose=True), positions, inverse=False
-        )
-        return keys, _apply(values.float(), self.basis[1], self.enabled[1], transpose=True)
+        """Inverse of :meth:`forward`: new fp32 tensors on the inputs' device."""
+        k, v = keys.to(torch.float32, copy=True), values.to(torch.float32, copy=True)
+        self.inverse_(k, v, positions)
+        return k, v
 
-    def _rope(self, keys: torch.Tensor, positions: torch.Tensor, inverse: bool) -> torch.Tensor:
-        """Keys of enabled layers rotated by ``-angle`` (``inverse``) or ``+angle`` at ``positions``.
+    def inverse_(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """:meth:`inverse` in place, on fp32 tensors (the decoder's own output: no copy)."""
+        if keys.dtype != torch.float32 or values.dtype != torch.float32:
+            raise TypeError("inverse_ works on float32 tensors; use inverse() for others")
+        _apply_(keys, self.basis[0], self.enabled[0], transpose=True)
+        self._rope_(keys, positions, inverse=False)
+        _apply_(values, self.basis[1], self.enabled[1], transpose=True)
+
+    def _rope_(self, keys: torch.Tensor, positions: torch.Tensor, inverse: bool) -> None:
+        """Rotate fp32 keys of enabled layers in place by ``-angle`` (``inverse``) or ``+angle`` at ``positions``.
 
         Half-split pairs ``(i, i + r)`` over the first ``2r`` dims, ``r = len(inv_freq)``, as
         transformers' ``rotate_half`` pairs them; angles in fp64 so far positions stay exact.
+        Runs of enabled layers are slices (views): fancy indexing copied the keys twice over.
         """
-        keys = keys.float()
-        on = [i for i, f in enumerate(self.enabled[0]) if f]
-        if not self.inv_freq or not on:
-            return keys
+        if not self.inv_freq:
+            return
         r = len(self.inv_freq)
         freq = torch.tensor(self.inv_freq, dtype=torch.float64)
         angle = positions.to("cpu", torch.float64).view(-1, 1) * freq.view(1, -1)  # [T, r]
-        cos = angle.cos().float().to(keys.device)
-        sin = (-angle.sin() if inverse else angle.sin()).float().to(keys.device)
-        out = keys.clone()
-        x1, x2 = keys[on, :, :, :r], keys[on, :, :, r : 2 * r]  # [L_on, H, T, r]
-        out[on, :, :, :r] = x1 * cos - x2 * sin
-        out[on, :, :, r : 2 * r] = x2 * cos + x1 * sin
-        return out
+        cos, sin = _like(angle.cos().float(), keys), _like((-angle.sin() if inverse else angle.sin()).float(), keys)
+        x = _host_view(keys)
+        for a, b in _runs(self.enabled[0]):
+            x1, x2 = x[a:b, :, :, :r], x[a:b, :, :, r : 2 * r]  # views [n, H, T, r]
+            rotated = x1 * cos
+            rotated -= x2 * sin
+            x2 *= cos
+            x2 += x1 * sin
+            x1[...] = rotated
 
 
-def _apply(x: torch.Tensor, basis: torch.Tensor, enabled: Sequence[bool], transpose: bool) -> torch.Tensor:
-    """``x`` ``[L, H, T, D]`` times each enabled layer's basis ``[L, H, D, D]`` (or its transpose)."""
-    on = [i for i, f in enumerate(enabled) if f]
-    if not on:
-        return x
-    b = basis[on].to(x.device)
-    out = x.clone()
-    out[on] = x[on] @ (b.transpose(2, 3) if transpose else b)
+def _host_view(x: torch.Tensor) -> Any:
+    """``x`` as a numpy view on the CPU (numpy's single-threaded loops: torch's OpenMP ones stalled
+    10-100x on barriers on a busy 2-core machine, see ``_quant``), else ``x`` itself."""
+    return x.numpy() if x.device.type == "cpu" else x
+
+
+def _like(t: torch.Tensor, x: torch.Tensor) -> Any:
+    """CPU tensor ``t`` as what :func:`_host_view` gives for ``x`` (numpy, or a tensor on ``x``'s device)."""
+    return t.numpy() if x.device.type == "cpu" else t.to(x.device)
+
+
+def _runs(enabled: Sequence[bool]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of True in ``enabled``.
+
+    >>> _runs([True, True, False, True])
+    [(0, 2), (3, 4)]
+    """
+    out: list[tuple[int, int]] = []
+    for i, flag in enumerate(enabled):
+        if flag and out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        elif flag:
+            out.append((i, i + 1))
     return out
+
+
+def _apply_(x: torch.Tensor, basis: torch.Tensor, enabled: Sequence[bool], transpose: bool) -> None:
+    """``x`` ``[L, H, T, D]`` (fp32) times each enabled layer's basis ``[L, H, D, D]`` (or its transpose), in place."""
+    view = _host_view(x)
+    head_dim = x.shape[-1]
+    # On the CPU, blocks of tokens small enough that OpenBLAS runs each product on one thread
+    # (it threads above m*n*k = 4 * 65536): its threads spun against torch's idle OpenMP ones
+    # on 2 busy cores and decoded at 30-75 MB/s instead of 600+ (experiments/codec_decode_speed.py).
+    block = max(1, (4 * 65536 - 1) // (head_dim * head_dim)) if x.device.type == "cpu" else x.shape[2]
+    for a, b in _runs(enabled):
+        m = _like((basis[a:b].transpose(2, 3) if transpose else basis[a:b]).contiguous(), x)
+        for t in range(0, x.shape[2], block):
+            part = view[a:b, :, t : t + block]
+            part[...] = part @ m
 
 
 def transform_key(tenant: str, model_fingerprint: str) -> StorageKey:

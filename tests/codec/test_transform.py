@@ -244,9 +244,11 @@ def test_step_scales_follow_the_inverse_square_root_of_sensitivity() -> None:
     import doctest
 
     import ragkv.codec.calibrate
+    import ragkv.codec.transform
 
-    result = doctest.testmod(ragkv.codec.calibrate, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (ragkv.codec.calibrate, ragkv.codec.transform):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0
     scales = step_scales([[1e-2, 1e-2, 4e-2], [0.0, 1e-2, 1e-2]], limit=4.0)
     flat = [v for row in scales for v in row]
     assert scales[0][2] == pytest.approx(scales[0][0] / 2)  # 4x the KL: half the step
