@@ -9,7 +9,9 @@ import zstandard
 
 from ragkv.codec.bitstream import FORMAT_VERSION, open_frame, pack
 from ragkv.codec.header import AUTH_HMAC_SHA256, BitstreamHeader, position_runs
+from ragkv.codec.payload import CodecPayload
 from ragkv.codec.registry import get_codec
+from ragkv.codec.transform import ChannelTransform
 from ragkv.codec.trust import Expected, check_expected, check_secret, key_namespace, mac_key
 from ragkv.errors import CodecError
 from ragkv.types import ChunkKV, CodecSpec, EncodedChunk, StorageKey
@@ -43,6 +45,7 @@ def encode(
     key: StorageKey,
     secret: bytes | None = None,
     saliency: torch.Tensor | None = None,
+    transform: ChannelTransform | None = None,
 ) -> EncodedChunk:
     """Encode a chunk's KV into one bitstream, bound to the storage key it will be stored under.
 
@@ -58,13 +61,17 @@ def encode(
             normalized attention each token received in the chunk's prefill, see
             :func:`token_saliency`); codecs with salient-token levels keep the top ones at a finer
             step. Without it they derive a proxy from the keys and values themselves.
+        transform: the model's channel transform (:mod:`ragkv.codec.transform`), for a codec
+            that can code in it (``cachegen``); the bitstream names its digest, and decodes only
+            with the same transform.
 
     Returns:
         The bitstream with its codec spec and token count.
 
     Raises:
         ValueError: unknown codec or level, a malformed key, an empty secret, an unsupported dtype,
-            non-finite values, or a saliency that is not one finite score per token.
+            non-finite values, a saliency that is not one finite score per token, or a transform
+            for another model or shape, or given to a codec that cannot use one.
         TypeError: ``spec`` is not a CodecSpec or ``secret`` is not bytes.
     """
     if not isinstance(spec, CodecSpec):
@@ -88,7 +95,12 @@ def encode(
         saliency = saliency.detach().to("cpu", torch.float32).reshape(-1)
         if saliency.numel() != kv.num_tokens or not bool(torch.isfinite(saliency).all()):
             raise ValueError(f"saliency must hold one finite score per token ({kv.num_tokens}); got {saliency.numel()}")
-    payload = impl.encode_salient(keys, values, spec.level, saliency)
+    if transform is None:
+        payload = impl.encode_salient(keys, values, spec.level, saliency)
+    else:
+        _check_transform_fits(transform, kv)
+        payload = impl.encode_transformed(keys, values, spec.level, saliency, transform, kv.positions)
+        payload = CodecPayload(payload.sections, {**payload.params, "transform": transform.digest})
     header = BitstreamHeader(
         format_version=FORMAT_VERSION,
         codec=spec.name,
@@ -116,6 +128,7 @@ def decode(
     expect: Expected | None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    transform: ChannelTransform | None = None,
 ) -> ChunkKV:
     """Decode a bitstream written by :func:`encode`, if it is what ``expect`` asks for.
 
@@ -136,6 +149,8 @@ def decode(
             to decode whatever the bytes hold (tools and benchmarks decoding their own bytes).
         device: where the returned tensors go.
         dtype: floating dtype of the returned keys and values.
+        transform: the channel transform the bitstream was coded in, if its header names one
+            (ignored otherwise).
 
     Returns:
         The chunk's KV: keys/values ``[layers, kv_heads, tokens, head_dim]`` on ``device``; positions
@@ -145,7 +160,8 @@ def decode(
         IncompatibleCacheError: it was written for another key, model, codec, level or shape, or
             by a newer ragkv.
         CodecError: the bytes are truncated, corrupted, foreign, use an unknown codec, or lack a
-            valid tag that ``expect.secret`` requires.
+            valid tag that ``expect.secret`` requires, or were coded in a channel transform that
+            ``transform`` is not (a miss: the caller recomputes).
         TypeError: ``dtype`` is not a floating dtype, or ``expect`` is not an Expected.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -166,16 +182,51 @@ def decode(
     if header.level not in impl.levels:
         raise CodecError(f"bitstream uses level {header.level} that codec {header.codec!r} lacks")
     impl.check(header)
+    coded_in = _coded_in(header, transform)
     frame.verify_checksum()
     try:
-        keys, values = impl.decode(header, frame.sections(), target, dtype)
+        keys, values = impl.decode(header, frame.sections(), target, dtype if coded_in is None else torch.float32)
     except CodecError:
         raise
     except _FOREIGN_ERRORS as e:
         raise CodecError(f"{header.codec} payload does not decode: {e}") from e
     if tuple(keys.shape) != header.shape or tuple(values.shape) != header.shape:
         raise CodecError(f"{header.codec} payload decoded to the wrong shape")
-    return ChunkKV(keys=keys, values=values, positions=_positions(header), model_fingerprint=header.model_fingerprint)
+    positions = _positions(header)
+    if coded_in is not None:
+        coded_in.inverse_(keys, values, positions)  # the decoder's own fp32 output, in place
+        keys, values = keys.to(dtype), values.to(dtype)
+    return ChunkKV(keys=keys, values=values, positions=positions, model_fingerprint=header.model_fingerprint)
+
+
+def _check_transform_fits(transform: ChannelTransform, kv: ChunkKV) -> None:
+    if not isinstance(transform, ChannelTransform):
+        raise TypeError(f"transform must be a ragkv.codec.transform.ChannelTransform; got {type(transform).__name__}")
+    if transform.model_fingerprint != kv.model_fingerprint:
+        raise ValueError(
+            f"the channel transform was calibrated for model {transform.model_fingerprint!r}, not "
+            f"{kv.model_fingerprint!r}; calibrate one for this model or encode without it"
+        )
+    if transform.shape != (kv.num_layers, kv.num_kv_heads, kv.head_dim):
+        raise ValueError(f"the channel transform is for KV of shape {transform.shape}, not {kv.keys.shape}")
+
+
+def _coded_in(header: BitstreamHeader, transform: ChannelTransform | None) -> ChannelTransform | None:
+    """The transform ``header``'s payload was coded in (None: none), checked before anything is allocated."""
+    digest = header.params.get("transform")
+    if digest is None:
+        return None
+    if header.format_version < 4 or not isinstance(digest, str):
+        raise CodecError("bitstream's channel-transform parameter is malformed")
+    if transform is None or transform.digest != digest:
+        raise CodecError(f"bitstream was coded in channel transform {digest[:16]}..., which was not given (a miss)")
+    if transform.model_fingerprint != header.model_fingerprint or transform.shape != (
+        header.num_layers,
+        header.num_kv_heads,
+        header.head_dim,
+    ):
+        raise CodecError("the channel transform does not fit the bitstream's model or shape")
+    return transform
 
 
 def _positions(header: BitstreamHeader) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from ragkv.codec.header import BitstreamHeader
 from ragkv.codec.payload import CodecPayload
+from ragkv.codec.transform import ChannelTransform
 
 __all__ = ["Codec"]
 
@@ -52,6 +53,25 @@ class Codec(ABC):
         """
         return self.encode(keys, values, level)
 
+    def encode_transformed(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        level: int,
+        saliency: torch.Tensor | None,
+        transform: ChannelTransform,
+        positions: torch.Tensor,
+    ) -> CodecPayload:
+        """Encode one chunk in a model's channel transform (a codec that can overrides this).
+
+        ``positions`` ``[tokens]`` are the chunk's stored positions (the transform rotates keys
+        back from them). The decoder returns the transformed tensors; ``api.decode`` inverts.
+
+        Raises:
+            ValueError: this codec cannot code in a channel transform.
+        """
+        raise ValueError(f"codec {self.name!r} cannot use a channel transform; use cachegen or pass none")
+
     def check(self, header: BitstreamHeader) -> None:
         """Refuse a header whose payload sections cannot hold its shape, before anything is allocated.
 
@@ -65,6 +85,8 @@ class Codec(ABC):
         """
         return None
 
+    # Every codec restates this signature on purpose: the override is typed in full, so mypy
+    # checks each codec's decode against it and readers see its arguments where it is defined.
     @abstractmethod
     def decode(
         self,

@@ -26,6 +26,9 @@ key refuses them. 3 lets ``cachegen`` keep salient tokens at a finer step (``par
 ``params["shift"]``); version 2 bitstreams decode as before (they never carry those params).
 Storage keys digest the format version, so the query path asks for version-3 keys and finds
 version-2 entries as misses (recomputed); a version-2 blob read directly still decodes.
+4 lets a payload be coded in a model's channel transform (``params["transform"]``: the
+transform's digest; see codec/transform.py); the decoder refuses it without that very transform,
+and refuses the parameter in older versions. Version 2-3 bitstreams decode as before.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ragkv.errors import CodecError, IncompatibleCacheError
 __all__ = ["FORMAT_VERSION", "MAGIC", "Frame", "open_frame", "pack", "unpack", "read_header"]
 
 MAGIC = b"RKVC"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 _PRELUDE = struct.Struct("<4sHHIQ")  # magic, version, reserved, header length, header checksum
 _DIGEST = struct.Struct("<Q")

@@ -36,6 +36,7 @@ from ragkv.codec.payload import CodecPayload
 from ragkv.codec.registry import register_codec
 from ragkv.codec.saliency import proxy_saliency
 from ragkv.codec.schedule import StepSchedule
+from ragkv.codec.transform import ChannelTransform
 from ragkv.errors import CodecError
 
 __all__ = ["CacheGenCodec", "LEVELS"]
@@ -86,10 +87,34 @@ class CacheGenCodec(Codec):
     def encode_salient(
         self, keys: torch.Tensor, values: torch.Tensor, level: int, saliency: torch.Tensor | None
     ) -> CodecPayload:
+        return self.encode_transformed(keys, values, level, saliency, None, None)
+
+    def encode_transformed(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        level: int,
+        saliency: torch.Tensor | None,
+        transform: ChannelTransform | None,
+        positions: torch.Tensor | None,
+    ) -> CodecPayload:
+        """Encode with keys and values in ``transform``'s space (see :mod:`ragkv.codec.transform`).
+
+        Steps still come from the data's spread in the model's own channels, so a level means
+        the same squared error with or without the basis (it is orthonormal): on a transformed
+        layer every component of a head gets one step, the geometric mean of the steps its
+        channels would get, and the bytes the basis saves are what it buys. Each layer's steps
+        are then multiplied by the transform's calibrated ``step_scales`` (from the model's
+        measured per-layer sensitivity). The decoder returns the transformed tensors;
+        ``api.decode`` inverts the transform.
+        """
         num_layers, _, num_tokens, _ = keys.shape
         if num_tokens == 0:
             return CodecPayload(sections=(), params={"bits": []})
-        first = to_bytes(torch.stack([keys[:, :, :1], values[:, :, :1]]).half())
+        spaces = (
+            (keys, values) if transform is None or positions is None else transform.forward(keys, values, positions)
+        )
+        first = to_bytes(torch.stack([spaces[0][:, :, :1], spaces[1][:, :, :1]]).half())
         if num_tokens == 1:
             return CodecPayload(sections=(first,), params={"bits": []})
         schedule = LEVELS[level]
@@ -97,10 +122,19 @@ class CacheGenCodec(Codec):
         factor = torch.ones(num_tokens - 1)
         factor[salient] = float(1 << schedule.salient_shift)
         codes, means, frames, bits = [], [], [], []
-        for x, relative, per_layer in ((keys, schedule.key_steps, True), (values, schedule.value_steps, False)):
-            y = x[:, :, 1:].float()  # y: [L, H, T-1, D]
+        for kind, (x, relative, per_layer) in enumerate(
+            ((keys, schedule.key_steps, True), (values, schedule.value_steps, False))
+        ):
+            sigma = _sigma(x[:, :, 1:].float(), per_layer)  # [L, H, 1, D], the model's channels
+            if transform is not None:
+                on = torch.tensor(transform.enabled[kind]).view(-1, 1, 1, 1)
+                per_head = torch.exp(torch.log(sigma).mean(dim=3, keepdim=True)).expand_as(sigma)
+                sigma = torch.where(on, per_head, sigma)
             rel = torch.tensor([relative[schedule.group(i, num_layers)] for i in range(num_layers)])
-            code, mean, q = _quantize(y, rel.view(-1, 1, 1, 1), per_layer, factor.view(1, 1, -1, 1))
+            if transform is not None:
+                rel = rel * transform.scales(kind)
+            y = spaces[kind][:, :, 1:].float()  # y: [L, H, T-1, D]
+            code, mean, q = _quantize(y, sigma * rel.view(-1, 1, 1, 1), factor.view(1, 1, -1, 1))
             codes.append(code)
             means.append(mean)
             layer_frames, layer_bits = _code_streams(q, schedule.zstd_level)
@@ -191,22 +225,28 @@ def _step_value(code: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(_STEPS)[code.long()]
 
 
-def _quantize(
-    y: torch.Tensor, rel: torch.Tensor, per_layer: bool, factor: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``y`` ``[L, H, N, D]``; returns step codes and means ``[L, H, D]`` and symbols.
-
-    ``per_layer`` gives every channel of a layer the same step (the geometric mean of the
-    channel sigmas times ``rel``); otherwise each channel's step is its own sigma times ``rel``.
-    ``factor`` ``[1, 1, N, 1]`` (powers of 2) divides each token's step: a token with factor f
-    is coded as ``round(y * f / step) - f * mean``, centred like the rest, f times finer.
-    """
-    if factor is None:
-        factor = torch.ones(1, 1, y.shape[2], 1)
+def _sigma(y: torch.Tensor, per_layer: bool) -> torch.Tensor:
+    """Spread ``[L, H, 1, D]`` of ``y`` ``[L, H, N, D]`` per channel, or (``per_layer``) the
+    geometric mean of a layer's channel sigmas in every channel."""
     sigma = y.std(dim=2, correction=0, keepdim=True).clamp_min(_SIGMA_FLOOR)  # [L, H, 1, D]
     if per_layer:
         sigma = torch.exp(torch.log(sigma).mean(dim=(1, 3), keepdim=True)).expand_as(sigma)
-    target = torch.log2(sigma * rel) * _CODE_PER_OCTAVE + _CODE_BIAS
+    return sigma
+
+
+def _quantize(
+    y: torch.Tensor, step_target: torch.Tensor, factor: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize ``y`` ``[L, H, N, D]``; returns step codes and means ``[L, H, D]`` and symbols.
+
+    ``step_target`` ``[L, H, 1, D]`` is each channel's wanted step (a spread times the level's
+    relative step), rounded to the nearest 1/8-octave code. ``factor`` ``[1, 1, N, 1]`` (powers
+    of 2) divides each token's step: a token with factor f is coded as
+    ``round(y * f / step) - f * mean``, centred like the rest, f times finer.
+    """
+    if factor is None:
+        factor = torch.ones(1, 1, y.shape[2], 1)
+    target = torch.log2(step_target) * _CODE_PER_OCTAVE + _CODE_BIAS
     code = target.round().clamp(0, 255).to(torch.int32)
     mean_x = y.mean(dim=2, keepdim=True)
     while True:

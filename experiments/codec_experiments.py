@@ -91,7 +91,8 @@ def entropy(adapter: ModelAdapter, cases: Sequence[_Case]) -> None:
                 for x, steps, per_layer in kinds:
                     n = x.shape[0]
                     rel = torch.tensor([steps[schedule.group(i, n)] for i in range(n)]).view(-1, 1, 1, 1)
-                    _, _, q = cachegen._quantize(x[:, :, 1:].float(), rel, per_layer)
+                    y = x[:, :, 1:].float()
+                    _, _, q = cachegen._quantize(y, cachegen._sigma(y, per_layer) * rel)
                     total["zstd"] += sum(map(len, cachegen._code_streams(q, 0)[0]))
                     sym = q.numpy()
                     for layer in range(n):

@@ -7,6 +7,7 @@ cache's greedy answer are then scored on top of the decoded slices against the e
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,12 +18,22 @@ import torch
 
 from ragkv.bench import table
 from ragkv.bench.table import Column
-from ragkv.codec import Expected, available_codecs, decode, encode
+from ragkv.codec import Expected, available_codecs, cachegen, decode, encode
+from ragkv.codec.calibrate import calibrate, step_scales
 from ragkv.codec.saliency import normalized_attention
+from ragkv.codec.transform import ChannelTransform
 from ragkv.generation import Decoder, generate_ids
 from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
-__all__ = ["ROW_KEYS", "TABLE", "run_codec_bench", "format_table"]
+__all__ = [
+    "ROW_KEYS",
+    "TABLE",
+    "calibrate_transform",
+    "measure_sensitivity",
+    "run_codec_bench",
+    "format_table",
+    "rope_frequencies",
+]
 
 ROW_KEYS = (
     "codec",
@@ -104,6 +115,7 @@ def _measure(
     answer_tokens: int,
     decode_repeats: int,
     quality: bool,
+    transform: ChannelTransform | None = None,
 ) -> dict[str, Any]:
     spec = CodecSpec(codec, level)
     nbytes = tokens = elements = 0
@@ -115,13 +127,13 @@ def _measure(
         decoded = []
         for kv, saliency in zip(case.slices, case.saliency, strict=True):
             start = time.perf_counter()
-            data = encode(kv, spec, key=_BENCH_KEY, saliency=saliency).data
+            data = encode(kv, spec, key=_BENCH_KEY, saliency=saliency, transform=transform).data
             encode_s += time.perf_counter() - start
             best = float("inf")
             expect = Expected.of(kv, spec, _BENCH_KEY)  # checked as the query path checks it
             for _ in range(decode_repeats):  # best of n: the machine may be shared
                 start = time.perf_counter()
-                out = decode(data, expect=expect)
+                out = decode(data, expect=expect, transform=transform)
                 best = min(best, time.perf_counter() - start)
             decode_s += best
             decoded.append(out)
@@ -136,7 +148,7 @@ def _measure(
             matches += int(tuple(answer) == case.answer)
     fp16_mb = elements * 2 / 1e6
     return {
-        "codec": codec,
+        "codec": codec if transform is None else f"{codec}+klt",
         "level": level,
         "bytes_per_token": nbytes / max(1, tokens),
         "ratio_vs_fp16": elements * 2 / max(1, nbytes),
@@ -155,6 +167,7 @@ def run_codec_bench(
     codecs: dict[str, tuple[int, ...]] | None = None,
     answer_tokens: int = 24,
     decode_repeats: int = 3,
+    transform: ChannelTransform | None = None,
 ) -> list[dict]:
     """Measure every codec and level on ``prompts``; one row per (codec, level).
 
@@ -165,6 +178,8 @@ def run_codec_bench(
         codecs: codec name -> levels to measure; default every registered codec and level.
         answer_tokens: length of the greedy answers that are compared.
         decode_repeats: decodes per slice; the fastest counts.
+        transform: the model's channel transform: every ``cachegen`` level is measured with it
+            too, in rows named ``cachegen+klt``.
 
     Returns:
         Rows with exactly the keys in ``ROW_KEYS``. ``kl`` is the mean KL(exact || decoded) over
@@ -180,12 +195,75 @@ def run_codec_bench(
         for name, levels in codecs.items()
         for level in levels
     ]
+    if transform is not None:
+        rows += [
+            _measure(adapter, cases, "cachegen", level, answer_tokens, decode_repeats, True, transform)
+            for level in codecs.get("cachegen", ())
+        ]
     baseline = next((r for r in rows if (r["codec"], r["level"]) == _BASELINE), None)
     if baseline is None:
         baseline = _measure(adapter, cases, *_BASELINE, answer_tokens, 1, quality=False)
     for row in rows:
         row["ratio_vs_int8"] = baseline["bytes_per_token"] / row["bytes_per_token"]
     return rows
+
+
+def rope_frequencies(adapter: Any) -> tuple[float, ...]:
+    """The model's RoPE pair frequencies, read off its own rotary module at position 1 (empty: none)."""
+    rotary = getattr(adapter, "rotary", None)
+    if rotary is None:
+        return ()
+    cos, sin = rotary(torch.tensor([1]))  # [1, 1, rot_dim] each
+    r = cos.shape[-1] // 2
+    return tuple(float(a) for a in torch.atan2(sin[0, 0, :r].double(), cos[0, 0, :r].double()))
+
+
+def calibrate_transform(
+    adapter: Any, prompts: Sequence[Mapping[str, Any]], level: int = 1, sensitivity: bool = True
+) -> ChannelTransform:
+    """The model's channel transform, calibrated on the chunks of ``prompts`` (one exact prefill each).
+
+    With ``sensitivity``, each layer's steps are scaled by the model's measured sensitivity
+    (:func:`measure_sensitivity`, :func:`ragkv.codec.calibrate.step_scales`).
+    """
+    cases = [_prepare(adapter, p, answer_tokens=16) for p in prompts]
+    transform = calibrate([kv for case in cases for kv in case.slices], inv_freq=rope_frequencies(adapter), level=level)
+    if sensitivity:
+        transform = dataclasses.replace(transform, step_scales=step_scales(measure_sensitivity(adapter, cases, level)))
+    return transform
+
+
+def measure_sensitivity(adapter: _Adapter, cases: Sequence[_Case], level: int, noise: float = 2.0) -> list[list[float]]:
+    """Per K/V and layer, the mean KL when only that layer's keys (values) are perturbed.
+
+    The perturbation is uniform noise ``noise`` times the ``cachegen`` level's step there wide
+    (what a step ``noise`` times coarser would add), on every slice but its first token; every
+    other layer stays exact, so each number is that layer's own effect. Seeded: deterministic.
+    """
+    schedule = cachegen.LEVELS[level]
+    gen = torch.Generator().manual_seed(0)
+    num_layers = cases[0].slices[0].num_layers
+    kl = [[0.0] * num_layers for _ in range(2)]
+    for case in cases:
+        for kind, per_layer in ((0, True), (1, False)):
+            relative = schedule.key_steps if kind == 0 else schedule.value_steps
+            for layer in range(num_layers):
+                rel = relative[schedule.group(layer, num_layers)]
+                noisy = [_perturbed(kv, kind, layer, rel * noise, per_layer, gen) for kv in case.slices]
+                logits = adapter.suffix_logits(noisy, case.suffix, case.answer)
+                kl[kind][layer] += float(_kl(case.logits, logits).mean()) / len(cases)
+    return kl
+
+
+def _perturbed(kv: ChunkKV, kind: int, layer: int, rel: float, per_layer: bool, gen: torch.Generator) -> ChunkKV:
+    keys, values = kv.keys.float(), kv.values.float()
+    if kv.num_tokens > 1:
+        x = (keys if kind == 0 else values).clone()
+        y = x[layer : layer + 1, :, 1:]  # [1, H, T-1, D]
+        step = cachegen._sigma(y, per_layer) * rel
+        x[layer : layer + 1, :, 1:] = y + (torch.rand(y.shape, generator=gen) - 0.5) * step
+        keys, values = (x, values) if kind == 0 else (keys, x)
+    return ChunkKV(keys, values, kv.positions, kv.model_fingerprint)
 
 
 TABLE = (

@@ -262,12 +262,27 @@ def bench_codec(
     out: JsonOut = None,
     limit: Annotated[int, typer.Option("--limit")] = 6,
     plot: Annotated[Path | None, typer.Option("--plot", help="Save a size vs KL plot here.")] = None,
+    calibrate: Annotated[
+        str | None,
+        typer.Option(
+            "--calibrate",
+            help="Also measure cachegen in a channel transform calibrated on prompts 4-7 of this set "
+            "(rows cachegen+klt); calibrate on a set you do not report on.",
+        ),
+    ] = None,
 ) -> None:
     """Size, fidelity and speed of every codec and level."""
-    from ragkv.bench.codec import format_table, plot_rows, run_codec_bench
+    from ragkv.bench.codec import calibrate_transform, format_table, plot_rows, run_codec_bench
 
     adapter = _load_model(model)
-    rows = run_codec_bench(adapter, _bench_prompts(prompts, adapter, limit, max_tokens=2000))
+    transform = None
+    if calibrate is not None:
+        transform = calibrate_transform(adapter, _bench_prompts(calibrate, adapter, 8, max_tokens=2000)[4:])
+        layers = [sum(flags) for flags in transform.enabled]
+        typer.echo(
+            f"channel transform: keys in {layers[0]}, values in {layers[1]} of {len(transform.enabled[0])} layers"
+        )
+    rows = run_codec_bench(adapter, _bench_prompts(prompts, adapter, limit, max_tokens=2000), transform=transform)
     typer.echo(format_table(rows))
     _write_rows(rows, out)
     if plot:

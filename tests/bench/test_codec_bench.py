@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ragkv.bench.codec import ROW_KEYS, format_table, run_codec_bench
+from ragkv.bench.codec import ROW_KEYS, calibrate_transform, format_table, run_codec_bench
 from tests.codec.tiny_adapter import TinyLlamaAdapter
 
 PROMPTS = [
@@ -28,3 +28,14 @@ def test_bench_rows_have_exactly_the_documented_keys() -> None:
     assert coarse["ratio_vs_int8"] > 1.5  # int8 measured in the same run as the baseline
     table = format_table(rows)
     assert table.count("\n") == len(rows) + 1 and "cachegen" in table
+
+
+def test_a_calibrated_transform_adds_rows_that_decode_like_the_plain_ones() -> None:
+    adapter = TinyLlamaAdapter()
+    transform = calibrate_transform(adapter, PROMPTS)
+    assert transform.model_fingerprint == adapter.prefill_kv([1, 2]).model_fingerprint
+    rows = run_codec_bench(adapter, PROMPTS, {"cachegen": (0,)}, answer_tokens=4, decode_repeats=1, transform=transform)
+    assert [(r["codec"], r["level"]) for r in rows] == [("cachegen", 0), ("cachegen+klt", 0)]
+    plain, klt = rows
+    assert tuple(klt) == ROW_KEYS and math.isfinite(klt["kl"]) and klt["kl"] < 0.05
+    assert math.isclose(klt["bytes_per_token"], plain["bytes_per_token"], rel_tol=0.5)
