@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ragkv.cache.store import TieredStore
     from ragkv.fusion import FusionConfig
     from ragkv.model import ModelAdapter
-    from ragkv.retriever.precompute import ChunkComputer
+    from ragkv.retriever.precompute import ChunkComputer, StoredEntry
     from ragkv.types import ChunkKey, ChunkKV, CodecSpec
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,7 @@ class RagkvSide:
         refresh_s: how often the chunk texts are re-read.
         decoded_entries: how many decoded chunk caches are kept between the scheduler's check and
             the worker's load (both sides run in one process on CPU).
+        record: called with each entry saved back from vLLM's K/V (the catalog's ``record_stored``).
     """
 
     def __init__(
@@ -212,6 +213,7 @@ class RagkvSide:
         system: str | None = None,
         refresh_s: float = 2.0,
         decoded_entries: int = 16,
+        record: Callable[[StoredEntry], None] | None = None,
     ) -> None:
         self.adapter, self.computer, self.codec, self.fusion = adapter, computer, codec, fusion
         self.store: TieredStore = computer.store
@@ -223,6 +225,7 @@ class RagkvSide:
         self._max_decoded = decoded_entries
         self._lock = threading.RLock()
         self._said: set[str] = set()
+        self._record = record
 
     def say_once(self, reason: str) -> None:
         """Log why a request is served without ragkv, once per reason."""
@@ -255,6 +258,34 @@ class RagkvSide:
         with self._lock:
             spans = self._index.find(prompt_ids)
         return choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+
+    def saveable(self, prompt_ids: Sequence[int]) -> ChunkSpan | None:
+        """The chunk of this prompt vLLM will compute and ragkv can store from vLLM's K/V (None: none).
+
+        Only the prompt's first chunk qualifies, and only when the text before it is ragkv's shared
+        prefix: its K/V in vLLM's cache are then what ragkv's indexing computes, up to how the
+        prefix's closing blank line was tokenized (SmolLM2 writes it as one token alone, as two
+        before a word: the chunk then sits one position later, which :meth:`save_chunk` rotates
+        back). A later chunk's K/V hold attention to the chunks before it in this prompt (every
+        layer past the first), which no rotation undoes: stored as the chunk's context-free cache,
+        they would tie later fused answers to the context the chunk was first seen in. Such chunks
+        are left to ragkv's indexing.
+        """
+        with self._lock:
+            spans = self._index.find(prompt_ids)
+        if not spans or not self._after_prefix(prompt_ids, spans[0].start) or self.load(spans[0].chunk) is not None:
+            return None
+        return spans[0]
+
+    def _after_prefix(self, prompt_ids: Sequence[int], start: int) -> bool:
+        """Whether prompt ids ``0..start`` are ragkv's shared prefix, as ids or as text (special tokens kept)."""
+        prefix = self.computer.prefix_ids
+        if tuple(prompt_ids[:start]) == prefix:
+            return True
+        if abs(start - len(prefix)) > 4:  # a separator tokenized differently, not another text
+            return False
+        text = self.adapter.decode(prompt_ids[:start], skip_special_tokens=False)
+        return text == self.adapter.decode(prefix, skip_special_tokens=False)
 
     # ---- both sides ---------------------------------------------------------------------------
     def key(self, chunk: KnownChunk) -> ChunkKey:
@@ -326,6 +357,54 @@ class RagkvSide:
         inp = FusionInput(prefix, parts, part_ids, ids[plan.context_end :], forced=forced)
         fused = fuse(self.adapter, inp, self.fusion)
         return self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
+
+    @torch.no_grad()
+    def save_chunk(
+        self, prompt_ids: Sequence[int], span: ChunkSpan, keys: torch.Tensor, values: torch.Tensor
+    ) -> list[StoredEntry]:
+        """Store chunk ``span`` from the K/V vLLM computed for it, as ragkv's indexing would.
+
+        ``keys``/``values`` ``[layers, kv_heads, span tokens, head_dim]`` are the prompt's tokens
+        ``span.start..span.end``, post-RoPE at those positions; ragkv stores a chunk right after
+        its prefix ids, so keys rotated elsewhere (the prefix's blank line tokenized differently,
+        see :meth:`saveable`) are rotated back with the model's own rotary. Stored ids the prompt
+        wrote differently (the chunk's closing blank line, see the module docstring) are computed
+        after them with ragkv's model. The entry is encoded, bound to its key and signed as
+        indexing does, at the primary codec and at every other stored codec no tier holds yet,
+        and recorded.
+        """
+        from ragkv.types import ChunkKV
+
+        chunk, n, a = span.chunk, span.end - span.start, self.adapter
+        if not self._after_prefix(prompt_ids, span.start):
+            raise ValueError("only a chunk right after ragkv's shared prefix is saved (see RagkvSide.saveable)")
+        if tuple(prompt_ids[span.start : span.end]) != chunk.stored_ids[:n] or keys.shape[2] != n:
+            raise ValueError(f"the K/V given are not the prompt's tokens {span.start}..{span.end} of the chunk")
+        pos = torch.arange(span.start, span.end)
+        kv = ChunkKV(keys.to(a.device, a.dtype), values.to(a.device, a.dtype), pos, a.fingerprint)
+        stored_at = len(self.computer.prefix_ids)
+        if span.start != stored_at:
+            kv = a.rerotate(kv, stored_at)
+        tail = list(chunk.stored_ids[n:])
+        if tail:  # a token's K/V depend only on the tokens before it: prefix, then the chunk's first n
+            rest = a.prefill_kv(tail, past=[self.computer.prefix_kv(), kv])
+            kv = ChunkKV(
+                torch.cat([kv.keys, rest.keys], dim=2),
+                torch.cat([kv.values, rest.values], dim=2),
+                torch.cat([kv.positions, rest.positions.to(kv.positions.device)]),
+                a.fingerprint,
+            )
+        written = []
+        for spec in self.computer.codecs:
+            key = self.computer.chunk_key(chunk.stored_ids, spec)
+            if spec != self.codec and self.store.contains(key.storage_key):
+                continue  # the primary was missing or unusable; other levels stored already are kept
+            entry = self.computer.put(kv, key)
+            if entry is not None:
+                written.append(entry)
+                if self._record is not None:
+                    self._record(entry)
+        return written
 
     @torch.no_grad()
     def exact_kv(self, prompt_ids: Sequence[int], plan: ServePlan) -> ChunkKV:
