@@ -226,6 +226,14 @@ class RagkvSide:
         self._lock = threading.RLock()
         self._said: set[str] = set()
         self._record = record
+        self._head: tuple[tuple[int, ...], ChunkKV] | None = None  # the last text-before-the-chunks prefill
+        self.phase_s: dict[str, float] = {}  # seconds per step of plan / fused_kv, summed (benchmarks read it)
+
+    def add_time(self, phase: str, started: float) -> float:
+        """Add the seconds since ``started`` to ``phase_s[phase]``; return now."""
+        now = time.perf_counter()
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - started
+        return now
 
     def say_once(self, reason: str) -> None:
         """Log why a request is served without ragkv, once per reason."""
@@ -249,6 +257,13 @@ class RagkvSide:
 
     def plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
         """What to serve for a prompt (None: nothing; vLLM computes it). Never raises for a bad store."""
+        started = time.perf_counter()
+        try:
+            return self._plan(prompt_ids, num_computed, block_size)
+        finally:
+            self.add_time("plan", started)
+
+    def _plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
         try:
             self.refresh()
             self.adapter.check_context(len(prompt_ids))
@@ -336,7 +351,9 @@ class RagkvSide:
 
         ids = list(prompt_ids)
         first = plan.spans[0].start
-        prefix = self.adapter.prefill_kv(ids[:first]) if first else self.adapter.empty_kv()
+        started = time.perf_counter()
+        prefix = self._head_kv(ids[:first])
+        started = self.add_time("prefix", started)
         parts: list[ChunkKV] = []
         part_ids: list[list[int]] = []
         forced: list[bool] = []
@@ -354,9 +371,27 @@ class RagkvSide:
             part_ids.append(ids[span.start : span.end])
             forced.append(kv is None)
             cursor = span.end
+        started = self.add_time("entries", started)
         inp = FusionInput(prefix, parts, part_ids, ids[plan.context_end :], forced=forced)
         fused = fuse(self.adapter, inp, self.fusion)
-        return self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
+        started = self.add_time("fusion", started)
+        out = self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
+        self.add_time("extract", started)
+        return out
+
+    def _head_kv(self, ids: list[int]) -> ChunkKV:
+        """The exact K/V of the text before the first chunk, reused while it repeats (a RAG template's
+        system prompt and header are the same in every request)."""
+        if not ids:
+            return self.adapter.empty_kv()
+        with self._lock:
+            head = self._head
+        if head is not None and head[0] == tuple(ids):
+            return head[1]
+        kv = self.adapter.prefill_kv(ids)
+        with self._lock:
+            self._head = (tuple(ids), kv)
+        return kv
 
     @torch.no_grad()
     def save_chunk(

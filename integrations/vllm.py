@@ -345,6 +345,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as e:  # the tokens are promised to vLLM: compute them exactly instead
             self.side.say_once(f"fusion failed ({type(e).__name__}: {e}); prefilling the served tokens instead")
             kv = self.side.exact_kv(load.prompt_ids, load.plan)
+        written = time.perf_counter()
         slots = slot_mapping(load.block_ids, load.plan.start, load.plan.end, self._block_size)
         for name, cache in self._kv_caches.items():
             layer = self._layer(name, cache, kv.num_kv_heads)
@@ -358,6 +359,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._isa.get(name),
                 self._kv_cache_dtype,
             )
+        self.side.add_time("write", written)
         COUNTS.written_tokens += load.plan.new_tokens
         COUNTS.load_s += time.perf_counter() - started
 

@@ -150,6 +150,22 @@ def test_fused_kv_with_every_token_recomputed_equals_a_plain_prefill(llama_adapt
     torch.testing.assert_close(fused.values, full.values[:, :, plan.start : plan.end], atol=2e-4, rtol=1e-3)
 
 
+def test_text_before_the_chunks_is_prefilled_once_and_only_reused_for_the_same_ids(llama_adapter, monkeypatch):
+    side = _side(llama_adapter, [CHUNK_A, CHUNK_B], ratio=1.0)
+    prefills: list[int] = []
+    real = llama_adapter.prefill_kv
+    monkeypatch.setattr(llama_adapter, "prefill_kv", lambda ids, past=(): prefills.append(len(ids)) or real(ids, past))
+    for head in ("Context:\n", "Context:\n", "Other context here:\n"):
+        ids = _prompt(llama_adapter, head, _chunk(llama_adapter, CHUNK_A), _chunk(llama_adapter, CHUNK_B))
+        plan = side.plan(ids, 0, 16)
+        assert plan is not None
+        fused = side.fused_kv(ids, plan)
+        full = real(ids[: plan.context_end]).slice(plan.start, plan.end)
+        torch.testing.assert_close(fused.keys, full.keys, atol=2e-4, rtol=1e-3)
+    assert len(prefills) == 2  # the repeated head was reused, the new one prefilled
+    assert {"plan", "prefix", "entries", "fusion", "extract"} <= set(side.phase_s)
+
+
 def test_default_fusion_stays_close_to_a_plain_prefill(llama_adapter):
     side = _side(llama_adapter, [CHUNK_A, CHUNK_B])
     ids = _prompt(llama_adapter, _chunk(llama_adapter, CHUNK_A), _chunk(llama_adapter, CHUNK_B))
