@@ -430,7 +430,13 @@ def vllm_rig(tmp_path_factory):
         kv_connector_extra_config={"data_dir": str(data_dir)},
     )
     llm = LLM(
-        model=folder, max_model_len=4096, enable_prefix_caching=False, enforce_eager=True, kv_transfer_config=transfer
+        model=folder,
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        kv_transfer_config=transfer,
+        # prompts prefill over several steps: a chunk is saved back from the step that computes its end
+        max_num_batched_tokens=256,
     )
     yield {"llm": llm, "ids": ids, "first_key": first_key, "engine": engine, "question": question}
     engine.close()
@@ -553,7 +559,8 @@ def test_chunk_vllm_computes_is_saved_back_and_then_served(vllm_rig):
         saved_before = COUNTS.saved_chunks
         base, _ = _generate(llm, ids, ragkv=False)
         got, cached = _generate(llm, ids)
-        assert cached == 0 and got == base  # a miss: vLLM computed the prompt itself ...
+        assert cached == 0 and got == base  # a miss: vLLM computed the prompt itself (256 tokens a step) ...
+        assert len(ids) > 2 * 256
         assert COUNTS.saved_chunks == saved_before + 1 and COUNTS.failed_saves == 0  # ... and it was stored
         loaded = r.loader.load(first)
         assert loaded.hit
