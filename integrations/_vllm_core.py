@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ragkv.cache.store import TieredStore
     from ragkv.fusion import FusionConfig
     from ragkv.model import ModelAdapter
-    from ragkv.retriever.precompute import ChunkComputer
+    from ragkv.retriever.precompute import ChunkComputer, StoredEntry
     from ragkv.types import ChunkKey, ChunkKV, CodecSpec
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,7 @@ class RagkvSide:
         refresh_s: how often the chunk texts are re-read.
         decoded_entries: how many decoded chunk caches are kept between the scheduler's check and
             the worker's load (both sides run in one process on CPU).
+        record: called with each entry saved back from vLLM's K/V (the catalog's ``record_stored``).
     """
 
     def __init__(
@@ -212,6 +213,7 @@ class RagkvSide:
         system: str | None = None,
         refresh_s: float = 2.0,
         decoded_entries: int = 16,
+        record: Callable[[StoredEntry], None] | None = None,
     ) -> None:
         self.adapter, self.computer, self.codec, self.fusion = adapter, computer, codec, fusion
         self.store: TieredStore = computer.store
@@ -223,6 +225,15 @@ class RagkvSide:
         self._max_decoded = decoded_entries
         self._lock = threading.RLock()
         self._said: set[str] = set()
+        self._record = record
+        self._head: tuple[tuple[int, ...], ChunkKV] | None = None  # the last text-before-the-chunks prefill
+        self.phase_s: dict[str, float] = {}  # seconds per step of plan / fused_kv, summed (benchmarks read it)
+
+    def add_time(self, phase: str, started: float) -> float:
+        """Add the seconds since ``started`` to ``phase_s[phase]``; return now."""
+        now = time.perf_counter()
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - started
+        return now
 
     def say_once(self, reason: str) -> None:
         """Log why a request is served without ragkv, once per reason."""
@@ -246,6 +257,13 @@ class RagkvSide:
 
     def plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
         """What to serve for a prompt (None: nothing; vLLM computes it). Never raises for a bad store."""
+        started = time.perf_counter()
+        try:
+            return self._plan(prompt_ids, num_computed, block_size)
+        finally:
+            self.add_time("plan", started)
+
+    def _plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
         try:
             self.refresh()
             self.adapter.check_context(len(prompt_ids))
@@ -255,6 +273,34 @@ class RagkvSide:
         with self._lock:
             spans = self._index.find(prompt_ids)
         return choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+
+    def saveable(self, prompt_ids: Sequence[int]) -> ChunkSpan | None:
+        """The chunk of this prompt vLLM will compute and ragkv can store from vLLM's K/V (None: none).
+
+        Only the prompt's first chunk qualifies, and only when the text before it is ragkv's shared
+        prefix: its K/V in vLLM's cache are then what ragkv's indexing computes, up to how the
+        prefix's closing blank line was tokenized (SmolLM2 writes it as one token alone, as two
+        before a word: the chunk then sits one position later, which :meth:`save_chunk` rotates
+        back). A later chunk's K/V hold attention to the chunks before it in this prompt (every
+        layer past the first), which no rotation undoes: stored as the chunk's context-free cache,
+        they would tie later fused answers to the context the chunk was first seen in. Such chunks
+        are left to ragkv's indexing.
+        """
+        with self._lock:
+            spans = self._index.find(prompt_ids)
+        if not spans or not self._after_prefix(prompt_ids, spans[0].start) or self.load(spans[0].chunk) is not None:
+            return None
+        return spans[0]
+
+    def _after_prefix(self, prompt_ids: Sequence[int], start: int) -> bool:
+        """Whether prompt ids ``0..start`` are ragkv's shared prefix, as ids or as text (special tokens kept)."""
+        prefix = self.computer.prefix_ids
+        if tuple(prompt_ids[:start]) == prefix:
+            return True
+        if abs(start - len(prefix)) > 4:  # a separator tokenized differently, not another text
+            return False
+        text = self.adapter.decode(prompt_ids[:start], skip_special_tokens=False)
+        return text == self.adapter.decode(prefix, skip_special_tokens=False)
 
     # ---- both sides ---------------------------------------------------------------------------
     def key(self, chunk: KnownChunk) -> ChunkKey:
@@ -305,7 +351,9 @@ class RagkvSide:
 
         ids = list(prompt_ids)
         first = plan.spans[0].start
-        prefix = self.adapter.prefill_kv(ids[:first]) if first else self.adapter.empty_kv()
+        started = time.perf_counter()
+        prefix = self._head_kv(ids[:first])
+        started = self.add_time("prefix", started)
         parts: list[ChunkKV] = []
         part_ids: list[list[int]] = []
         forced: list[bool] = []
@@ -323,9 +371,75 @@ class RagkvSide:
             part_ids.append(ids[span.start : span.end])
             forced.append(kv is None)
             cursor = span.end
+        started = self.add_time("entries", started)
         inp = FusionInput(prefix, parts, part_ids, ids[plan.context_end :], forced=forced)
         fused = fuse(self.adapter, inp, self.fusion)
-        return self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
+        started = self.add_time("fusion", started)
+        out = self.adapter.cache_to_kv(fused.cache, plan.start, plan.end, self.adapter.fingerprint)
+        self.add_time("extract", started)
+        return out
+
+    def _head_kv(self, ids: list[int]) -> ChunkKV:
+        """The exact K/V of the text before the first chunk, reused while it repeats (a RAG template's
+        system prompt and header are the same in every request)."""
+        if not ids:
+            return self.adapter.empty_kv()
+        with self._lock:
+            head = self._head
+        if head is not None and head[0] == tuple(ids):
+            return head[1]
+        kv = self.adapter.prefill_kv(ids)
+        with self._lock:
+            self._head = (tuple(ids), kv)
+        return kv
+
+    @torch.no_grad()
+    def save_chunk(
+        self, prompt_ids: Sequence[int], span: ChunkSpan, keys: torch.Tensor, values: torch.Tensor
+    ) -> list[StoredEntry]:
+        """Store chunk ``span`` from the K/V vLLM computed for it, as ragkv's indexing would.
+
+        ``keys``/``values`` ``[layers, kv_heads, span tokens, head_dim]`` are the prompt's tokens
+        ``span.start..span.end``, post-RoPE at those positions; ragkv stores a chunk right after
+        its prefix ids, so keys rotated elsewhere (the prefix's blank line tokenized differently,
+        see :meth:`saveable`) are rotated back with the model's own rotary. Stored ids the prompt
+        wrote differently (the chunk's closing blank line, see the module docstring) are computed
+        after them with ragkv's model. The entry is encoded, bound to its key and signed as
+        indexing does, at the primary codec and at every other stored codec no tier holds yet,
+        and recorded.
+        """
+        from ragkv.types import ChunkKV
+
+        chunk, n, a = span.chunk, span.end - span.start, self.adapter
+        if not self._after_prefix(prompt_ids, span.start):
+            raise ValueError("only a chunk right after ragkv's shared prefix is saved (see RagkvSide.saveable)")
+        if tuple(prompt_ids[span.start : span.end]) != chunk.stored_ids[:n] or keys.shape[2] != n:
+            raise ValueError(f"the K/V given are not the prompt's tokens {span.start}..{span.end} of the chunk")
+        pos = torch.arange(span.start, span.end)
+        kv = ChunkKV(keys.to(a.device, a.dtype), values.to(a.device, a.dtype), pos, a.fingerprint)
+        stored_at = len(self.computer.prefix_ids)
+        if span.start != stored_at:
+            kv = a.rerotate(kv, stored_at)
+        tail = list(chunk.stored_ids[n:])
+        if tail:  # a token's K/V depend only on the tokens before it: prefix, then the chunk's first n
+            rest = a.prefill_kv(tail, past=[self.computer.prefix_kv(), kv])
+            kv = ChunkKV(
+                torch.cat([kv.keys, rest.keys], dim=2),
+                torch.cat([kv.values, rest.values], dim=2),
+                torch.cat([kv.positions, rest.positions.to(kv.positions.device)]),
+                a.fingerprint,
+            )
+        written = []
+        for spec in self.computer.codecs:
+            key = self.computer.chunk_key(chunk.stored_ids, spec)
+            if spec != self.codec and self.store.contains(key.storage_key):
+                continue  # the primary was missing or unusable; other levels stored already are kept
+            entry = self.computer.put(kv, key)
+            if entry is not None:
+                written.append(entry)
+                if self._record is not None:
+                    self._record(entry)
+        return written
 
     @torch.no_grad()
     def exact_kv(self, prompt_ids: Sequence[int], plan: ServePlan) -> ChunkKV:

@@ -18,7 +18,10 @@ Scheduler side: a prompt whose token ids hold chunks indexed in ragkv's catalog 
 computed up to its last chunk the store can serve, in whole blocks, beyond vLLM's own prefix hit.
 Worker side: before the forward pass, those tokens' K/V are fused by ragkv (its own model copy,
 see docs/vllm.md for why and what it costs) and written into vLLM's paged blocks with vLLM's own
-cache op; vLLM prefills the rest (the question) and decodes. Anything else (no chunk found, store
+cache op; vLLM prefills the rest (the question) and decodes. Save-back: a prompt whose first chunk
+ragkv recognizes but cannot serve is computed by vLLM, and after that forward pass the chunk's K/V
+are read back from vLLM's blocks and stored as ragkv's indexing would (``RagkvSide.saveable`` says
+why only that chunk). Anything else (no chunk found, store
 down, damaged or foreign entry, prompt too long for ragkv's model) reports 0 tokens and vLLM
 computes the request as if the connector were absent; the log says why, once per reason. A request
 opts out with ``SamplingParams(extra_args={"kv_transfer_params": {"ragkv": False}})`` (the baseline
@@ -38,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ragkv.integrations._lazy import missing_framework
-from ragkv.integrations._vllm_core import RagkvSide, ServePlan, slot_mapping
+from ragkv.integrations._vllm_core import ChunkSpan, RagkvSide, ServePlan, slot_mapping
+from ragkv.integrations._vllm_paged import read_paged, write_paged
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -61,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConnectorCounts", "RagkvConnector", "RagkvConnectorMetadata", "engine_config"]
+__all__ = ["ConnectorCounts", "RagkvConnector", "RagkvConnectorMetadata", "engine_config", "write_paged"]
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _SIDES: dict[str, RagkvSide] = {}  # one model copy and entry cache per process, shared by both roles
@@ -78,11 +82,22 @@ class _Load:
     block_ids: list[int]  # the request's blocks, from its first token
 
 
+@dataclass(slots=True)
+class _Save:
+    """One chunk the worker stores from vLLM's cache after this step's forward pass."""
+
+    req_id: str
+    prompt_ids: list[int]
+    span: ChunkSpan  # right after ragkv's shared prefix (RagkvSide.saveable)
+    block_ids: list[int]  # the request's blocks, from its first token
+
+
 @dataclass
 class RagkvConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler hands the worker each step."""
 
     loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -95,6 +110,9 @@ class ConnectorCounts:
     written_tokens: int = 0  # tokens written into vLLM's cache
     failed_loads: int = 0
     load_s: float = 0.0  # seconds spent fusing and writing (ragkv's model on its device)
+    saved_chunks: int = 0  # chunks stored back from vLLM's cache
+    failed_saves: int = 0
+    save_s: float = 0.0  # seconds spent reading vLLM's blocks, encoding and storing
 
     def call(self, hook: str) -> None:
         self.hooks[hook] = self.hooks.get(hook, 0) + 1
@@ -144,7 +162,7 @@ def _build_side(cfg: EngineConfig) -> RagkvSide:
     from ragkv.cache.catalog import Catalog
     from ragkv.cache.store import open_store
     from ragkv.model import load_model
-    from ragkv.retriever.precompute import ChunkComputer
+    from ragkv.retriever.precompute import ChunkComputer, StoredEntry, record_stored
 
     adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
     store = open_store(cfg.store_urls())
@@ -160,8 +178,13 @@ def _build_side(cfg: EngineConfig) -> RagkvSide:
         seen.update(rows)
         return [c.text for c in catalog.chunks_by_rows(rows, cfg.tenant)]
 
+    def record(entry: StoredEntry) -> None:
+        record_stored(catalog, entry, tenant=cfg.tenant)
+
     logger.info("ragkv vLLM connector: model %s on %s, store %s", adapter.name, adapter.device, cfg.store_urls())
-    return RagkvSide(adapter, computer, cfg.retriever.codec, cfg.fusion, new_texts, system=cfg.retriever.system)
+    return RagkvSide(
+        adapter, computer, cfg.retriever.codec, cfg.fusion, new_texts, system=cfg.retriever.system, record=record
+    )
 
 
 class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -186,8 +209,11 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # scheduler side
         self._plans: dict[str, ServePlan] = {}  # req_id -> plan reported by get_num_new_matched_tokens
         self._pending: dict[str, tuple[list[int], ServePlan]] = {}  # allocated, not yet sent to the worker
+        self._save_wanted: dict[str, tuple[list[int], ChunkSpan]] = {}  # chunk vLLM will compute, to store
+        self._saving: dict[str, _Save] = {}  # scheduled, waiting for the step that computes the chunk's end
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._isa: dict[str, str | None] = {}  # layer name -> its attention ISA (the CPU cache layout)
         self._failed_blocks: set[int] = set()
 
     def _refuse(self, why: str) -> None:
@@ -217,12 +243,28 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return 0, False
         if plan is None:
             self._plans.pop(request.request_id, None)
+            self._want_save(request.request_id, ids)
             return 0, False
         self._plans[request.request_id] = plan
         return plan.new_tokens, False
 
+    def _want_save(self, req_id: str, ids: list[int]) -> None:
+        """Remember the chunk this request makes vLLM compute that ragkv can store (save-back)."""
+        try:
+            span = self.side.saveable(ids)
+        except Exception as e:  # never fail a request over save-back
+            self.side.say_once(f"no save-back ({type(e).__name__}: {e})")
+            span = None
+        if span is None:
+            self._save_wanted.pop(req_id, None)
+        else:
+            self._save_wanted[req_id] = (list(ids), span)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         COUNTS.call("update_state_after_alloc")
+        wanted = self._save_wanted.pop(request.request_id, None)
+        if wanted is not None and num_external_tokens == 0:
+            self._saving[request.request_id] = _Save(request.request_id, wanted[0], wanted[1], [])
         plan = self._plans.get(request.request_id)
         if num_external_tokens > 0 and plan is not None:
             if num_external_tokens != plan.new_tokens:  # vLLM took fewer: serve exactly what it counts on
@@ -238,18 +280,39 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             got = self._pending.pop(new.req_id, None)
             if got is not None:
                 meta.loads.append(_Load(new.req_id, got[0], got[1], list(new.block_ids[0])))
+            save = self._saving.get(new.req_id)
+            if save is not None:
+                save.block_ids = list(new.block_ids[0])
+                self._save_when_computed(meta, save, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: all its blocks are new
             got = self._pending.pop(req_id, None)
             block_ids = cached.new_block_ids[i]
             if got is not None and block_ids is not None:
                 meta.loads.append(_Load(req_id, got[0], got[1], list(block_ids[0])))
+            save = self._saving.get(req_id)
+            if save is not None:
+                if block_ids is not None:  # appended to its blocks, or all of them after a preemption
+                    fresh = list(block_ids[0])
+                    save.block_ids = fresh if req_id in cached.resumed_req_ids else save.block_ids + fresh
+                self._save_when_computed(meta, save, cached.num_computed_tokens[i], scheduler_output)
         return meta
+
+    def _save_when_computed(
+        self, meta: RagkvConnectorMetadata, save: _Save, computed: int, scheduler_output: SchedulerOutput
+    ) -> None:
+        """Hand ``save`` to the worker in the step whose forward pass computes the chunk's last token
+        (a long prompt's prefill spans several steps)."""
+        if computed + scheduler_output.num_scheduled_tokens.get(save.req_id, 0) >= save.span.end:
+            meta.saves.append(save)
+            del self._saving[save.req_id]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         COUNTS.call("request_finished")
         self._plans.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._save_wanted.pop(request.request_id, None)
+        self._saving.pop(request.request_id, None)
         return False, None
 
     # ---- worker side --------------------------------------------------------------------------
@@ -259,6 +322,9 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         COUNTS.call("start_load_kv")
+        layers = getattr(forward_context, "no_compile_layers", {}) or {}
+        for name in self._kv_caches:  # wait_for_save reads the caches in the layout they were written in
+            self._isa.setdefault(name, getattr(layers.get(name), "isa", None))
         meta = self._get_connector_metadata()
         if not isinstance(meta, RagkvConnectorMetadata):
             return
@@ -279,18 +345,10 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as e:  # the tokens are promised to vLLM: compute them exactly instead
             self.side.say_once(f"fusion failed ({type(e).__name__}: {e}); prefilling the served tokens instead")
             kv = self.side.exact_kv(load.prompt_ids, load.plan)
+        written = time.perf_counter()
         slots = slot_mapping(load.block_ids, load.plan.start, load.plan.end, self._block_size)
-        layers = getattr(forward_context, "no_compile_layers", {}) or {}
         for name, cache in self._kv_caches.items():
-            found = _LAYER.search(name)
-            if found is None:
-                raise ValueError(f"cannot tell the layer index of vLLM's cache {name!r}")
-            layer = int(found.group(1))
-            if cache.shape[1] != kv.num_kv_heads:  # tensor parallelism shards the heads: not supported
-                raise ValueError(
-                    f"vLLM's cache {name!r} holds {cache.shape[1]} KV heads, the model has {kv.num_kv_heads}; "
-                    "the ragkv connector needs tensor_parallel_size=1"
-                )
+            layer = self._layer(name, cache, kv.num_kv_heads)
             keys = kv.keys[layer].transpose(0, 1).to(cache.device, cache.dtype).contiguous()  # [T, H, D]
             values = kv.values[layer].transpose(0, 1).to(cache.device, cache.dtype).contiguous()
             write_paged(
@@ -298,11 +356,25 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 values,
                 cache,
                 slots.to(cache.device),
-                getattr(layers.get(name), "isa", None),
+                self._isa.get(name),
                 self._kv_cache_dtype,
             )
+        self.side.add_time("write", written)
         COUNTS.written_tokens += load.plan.new_tokens
         COUNTS.load_s += time.perf_counter() - started
+
+    @staticmethod
+    def _layer(name: str, cache: torch.Tensor, num_kv_heads: int) -> int:
+        """The layer index of vLLM's cache ``name``, checked to hold all ``num_kv_heads`` heads."""
+        found = _LAYER.search(name)
+        if found is None:
+            raise ValueError(f"cannot tell the layer index of vLLM's cache {name!r}")
+        if cache.shape[1] != num_kv_heads:  # tensor parallelism shards the heads: not supported
+            raise ValueError(
+                f"vLLM's cache {name!r} holds {cache.shape[1]} KV heads, the model has {num_kv_heads}; "
+                "the ragkv connector needs tensor_parallel_size=1"
+            )
+        return int(found.group(1))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -312,34 +384,35 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # start_load_kv writes every layer before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # chunk caches are written by ragkv's indexing, not from vLLM's in-context K/V
+        return  # wait_for_save reads every layer once the forward pass has written them all
 
     def wait_for_save(self) -> None:
-        return
+        COUNTS.call("wait_for_save")
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not isinstance(meta, RagkvConnectorMetadata):
+            return
+        for save in meta.saves:
+            started = time.perf_counter()
+            try:
+                self._save(save)
+            except Exception:  # the request is served either way; only the store misses the entry
+                logger.exception("ragkv vLLM connector: saving a chunk of request %s failed", save.req_id)
+                COUNTS.failed_saves += 1
+            COUNTS.save_s += time.perf_counter() - started
 
-
-def write_paged(
-    keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, isa: str | None, kv_dtype: str
-) -> None:
-    """Write ``keys``/``values`` ``[tokens, kv_heads, head_dim]`` into one layer's paged ``cache`` at ``slots``.
-
-    The layer's cache is ``[blocks, kv_heads, block_size, 2 * head_dim]`` for vLLM 0.32's CPU and
-    FlashAttention backends alike; each backend's own write op lays K and V out inside it (the CPU
-    op stores K transposed per block), so the bytes are those vLLM's forward would write.
-    """
-    from vllm import _custom_ops as ops
-    from vllm.platforms import current_platform
-
-    num_blocks, heads, block_size, fused = cache.shape
-    head_dim = fused // 2
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        key_cache, value_cache = cache.view(num_blocks, heads, block_size * 2, head_dim).chunk(2, dim=2)
-        isa = isa or _get_attn_isa(cache.dtype, block_size, head_dim, kv_dtype)
-        ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa, kv_cache_dtype=kv_dtype)
-        return
-    # not run here (no GPU in CI): the FlashAttention backend's own view and op
-    key_cache, value_cache = cache.transpose(1, 2).split(head_dim, dim=-1)
-    one = torch.ones((), dtype=torch.float32, device=cache.device)
-    ops.reshape_and_cache_flash(keys, values, key_cache, value_cache, slots, kv_dtype, one, one)
+    def _save(self, save: _Save) -> None:
+        """Read the chunk's K/V from vLLM's blocks (this step's forward wrote them) and store it."""
+        spec = self.side.adapter.spec
+        slots = slot_mapping(save.block_ids, save.span.start, save.span.end, self._block_size)
+        keys: list[torch.Tensor | None] = [None] * spec.num_layers
+        values: list[torch.Tensor | None] = [None] * spec.num_layers
+        for name, cache in self._kv_caches.items():
+            layer = self._layer(name, cache, spec.num_kv_heads)
+            k, v = read_paged(cache, slots.to(cache.device), self._isa.get(name), self._kv_cache_dtype)
+            keys[layer], values[layer] = k.transpose(0, 1), v.transpose(0, 1)  # [H, T, D]
+        if any(k is None for k in keys):
+            raise ValueError(f"vLLM's caches cover {len(self._kv_caches)} layers; the model has {spec.num_layers}")
+        stacked_k = torch.stack([k for k in keys if k is not None])  # [layers, H, T, D]
+        stacked_v = torch.stack([v for v in values if v is not None])
+        if self.side.save_chunk(save.prompt_ids, save.span, stacked_k, stacked_v):
+            COUNTS.saved_chunks += 1

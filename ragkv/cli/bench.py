@@ -392,6 +392,45 @@ def bench_serve(
     _write_rows(rows, out)
 
 
+@bench_app.command("vllm")
+def bench_vllm(
+    questions: Annotated[int, typer.Option("--questions", help="RAG prompts (one per QA question).", min=1)] = 4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens of the end-to-end request.", min=1)] = 32,
+    docs: Annotated[int, typer.Option("--docs", help="QA documents indexed.", min=1)] = 10,
+    ratio: Annotated[
+        float | None, typer.Option("--ratio", help="Fusion ratio (share of chunk tokens recomputed) [ragkv's].")
+    ] = None,
+    model_folder: Annotated[
+        str | None, typer.Option("--model-folder", help="A model folder vLLM loads [ragkv's default, converted].")
+    ] = None,
+    out: JsonOut = None,
+) -> None:
+    """TTFT and end-to-end time of vLLM alone vs vLLM with ragkv's KV connector, same prompts and engine.
+
+    Runs in vLLM's own virtual environment (bash tools/vllm_env.sh --no-test builds it).
+    """
+    from ragkv.bench.table import Column, format_table
+    from ragkv.bench.vllm import VllmBenchConfig, VllmMissingError, require_vllm, run_vllm_bench
+
+    try:
+        require_vllm()
+        cfg = VllmBenchConfig(questions, max_tokens, docs, ratio, model_folder)
+    except VllmMissingError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    rows, summary = run_vllm_bench(cfg, echo=lambda line: typer.echo(line, err=True))
+    typer.echo(format_table(rows, [Column(k) for k in rows[0]]))
+    typer.echo(
+        f"median TTFT: vLLM {summary['median_ttft_vllm_ms']:.0f} ms, "
+        f"vLLM + connector {summary['median_ttft_connector_ms']:.0f} ms; warm-up {summary['warm_up_s']} s"
+    )
+    steps = ", ".join(f"{k} {v:.0f}" for k, v in summary["step_ms"].items())
+    typer.echo(f"connector steps per request (ms, ragkv in {summary['ragkv_dtype']}): {steps}")
+    _write_rows([*rows, {"summary": summary}], out)
+
+
 @bench_app.command("soak")
 def bench_soak(
     url: Annotated[str, typer.Option("--url", help="A running ragkv serve.")] = "http://127.0.0.1:8000",
