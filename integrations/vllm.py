@@ -215,6 +215,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._isa: dict[str, str | None] = {}  # layer name -> its attention ISA (the CPU cache layout)
         self._failed_blocks: set[int] = set()
+        self._save_failures: set[str] = set()  # kinds of save failure logged already (a store that is down: once)
 
     def _refuse(self, why: str) -> None:
         self._unavailable = True
@@ -395,9 +396,22 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             started = time.perf_counter()
             try:
                 self._save(save)
-            except Exception:  # the request is served either way; only the store misses the entry
-                logger.exception("ragkv vLLM connector: saving a chunk of request %s failed", save.req_id)
+            except Exception as e:  # the request is served either way; only the store misses the entry
                 COUNTS.failed_saves += 1
+                why = f"{type(e).__name__}: {e}"
+                if why in self._save_failures:
+                    logger.debug(
+                        "ragkv vLLM connector: saving a chunk of request %s failed again (%s)", save.req_id, why
+                    )
+                else:  # the first time for this reason (a store that is down says so once, not per request)
+                    self._save_failures.add(why)
+                    logger.warning(
+                        "ragkv vLLM connector: saving a chunk of request %s failed (%s); requests are served, "
+                        "the store misses those entries (said once per reason)",
+                        save.req_id,
+                        why,
+                        exc_info=True,
+                    )
             COUNTS.save_s += time.perf_counter() - started
 
     def _save(self, save: _Save) -> None:

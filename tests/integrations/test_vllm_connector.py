@@ -580,3 +580,28 @@ def test_chunk_vllm_computes_is_saved_back_and_then_served(vllm_rig):
                 side.store.invalidate(k)
                 side.store.put(k, blob, cost=1.0)
         side._decoded.clear()
+
+
+@needs_vllm
+def test_a_failing_save_is_logged_once_per_reason(caplog):
+    """A store that is down fails every save the same way: one warning, the rest at debug; counted."""
+    from ragkv.integrations import vllm as connector
+    from ragkv.integrations.vllm import COUNTS, RagkvConnector, RagkvConnectorMetadata, _Save
+
+    worker = RagkvConnector.__new__(RagkvConnector)  # only the save path's state: a fault injected below
+    worker._save_failures = set()
+    meta = RagkvConnectorMetadata(saves=[_Save(f"r{i}", [], None, []) for i in range(3)])
+    worker.has_connector_metadata = lambda: True
+    worker._get_connector_metadata = lambda: meta
+
+    def down(save):
+        raise ConnectionError("redis://127.0.0.1:1 refused")
+
+    worker._save = down
+    failed = COUNTS.failed_saves
+    with caplog.at_level("DEBUG", logger=connector.__name__):
+        worker.wait_for_save()
+        worker.wait_for_save()
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and "saving a chunk" in r.getMessage()]
+    assert len(warnings) == 1 and "ConnectionError" in warnings[0].getMessage()
+    assert COUNTS.failed_saves == failed + 6
