@@ -26,8 +26,8 @@ __all__ = ["DecodeBatch"]
 _ALIGN = 64  # capacity is rounded up to a multiple of this many columns
 
 
-class _SlotLayer(CacheLayerMixin):
-    """One layer's K/V ``[B, kv_heads, capacity, head_dim]``; an update writes the next column in place."""
+class _BufferLayer(CacheLayerMixin):
+    """A cache layer over preallocated K/V buffers ``[rows, kv_heads, capacity, head_dim]``, written in place."""
 
     is_compileable = False
 
@@ -37,10 +37,20 @@ class _SlotLayer(CacheLayerMixin):
         self.values: torch.Tensor = values
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self.length = 0  # slots in use (the next update writes slot ``length``)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
         raise RuntimeError("batch cache layers are created initialized")
+
+    def get_max_length(self) -> int:
+        return int(self.keys.shape[-2])
+
+
+class _SlotLayer(_BufferLayer):
+    """One layer's K/V ``[B, kv_heads, capacity, head_dim]``; an update writes the next column in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__(keys, values)
+        self.length = 0  # slots in use (the next update writes slot ``length``)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         # key_states: [B, kv_heads, 1, head_dim], written at slot ``length`` of every row
@@ -55,9 +65,6 @@ class _SlotLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
-    def get_max_length(self) -> int:
-        return int(self.keys.shape[-2])
-
 
 class _SlotCache(Cache):
     def __init__(self, layers: list[Any]) -> None:
@@ -65,23 +72,14 @@ class _SlotCache(Cache):
         self.slot_layers = layers
 
 
-class _RaggedLayer(CacheLayerMixin):
+class _RaggedLayer(_BufferLayer):
     """One layer's per-slot K/V ``[slots, kv_heads, capacity, head_dim]``; each row writes at its own column."""
 
-    is_compileable = False
-
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.keys: torch.Tensor = keys
-        self.values: torch.Tensor = values
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
+        super().__init__(keys, values)
         self.rows = torch.zeros(0, dtype=torch.long)  # [B] the step's rows (slots 0..B-1)
         self.write = torch.zeros(0, dtype=torch.long)  # [B] the column each row's new token goes to
         self.span = 0  # columns the step's queries may see (the longest row's, new token included)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # pragma: no cover
-        raise RuntimeError("batch cache layers are created initialized")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         # key_states: [B, kv_heads, 1, head_dim]; row b's goes to column write[b] of slot b
@@ -95,9 +93,6 @@ class _RaggedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.span, 0
-
-    def get_max_length(self) -> int:
-        return int(self.keys.shape[-2])
 
 
 class DecodeBatch:
