@@ -19,6 +19,7 @@ from ragkv.cache.store import TieredStore
 from ragkv.codec.saliency import normalized_attention
 from ragkv.digests import tokens_digest
 from ragkv.model import ModelAdapter
+from ragkv.model.threads import adapt_threads
 
 if TYPE_CHECKING:
     from ragkv.cache.catalog import Catalog
@@ -138,6 +139,7 @@ class ChunkComputer:
         missing = self.missing(token_ids)
         if not missing:
             return ChunkResult(computed=False)
+        adapt_threads()  # indexing is long: follow the cores other processes leave free (RAGKV_THREADS)
         saliency = None
         if any(codec.get_codec(k.codec.name).wants_saliency(k.codec.level) for k in missing):
             # salient-token levels rank tokens by the attention they receive in their own prefill
