@@ -28,7 +28,7 @@ from ragkv.retriever.transforms import TransformConfig, TransformSource
 from ragkv.types import CodecSpec
 
 
-def held_out_kl(model: str, report: int) -> None:
+def held_out_kl(model: str, report: int, sensitivity: bool = True) -> None:
     adapter = load_model(model, dtype="auto")
     layout = adapter.layout(None)
     segments = [
@@ -36,7 +36,9 @@ def held_out_kl(model: str, report: int) -> None:
         for p in prompt_set("builtin", adapter, n=8, max_tokens=2000)[4:]
         for text in p["chunks"]
     ]
-    source = TransformSource(adapter, open_store(["memory://"]), tenant="bench", config=TransformConfig())
+    source = TransformSource(
+        adapter, open_store(["memory://"]), tenant="bench", config=TransformConfig(sensitivity=sensitivity)
+    )
     transform = source.ensure(adapter.prefill_kv(adapter.encode(layout.prefix)), segments)
     print(f"keys in {sum(transform.enabled[0])}, values in {sum(transform.enabled[1])} of {transform.shape[0]} layers")
     prompts = prompt_set("packages", adapter, n=report, max_tokens=2000)
@@ -66,9 +68,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--report", type=int, default=4)
     parser.add_argument("--levels", default="1")
+    parser.add_argument("--no-sensitivity", action="store_true", help="kl: the basis alone (no step scales)")
     args = parser.parse_args()
     if args.what == "kl":
-        held_out_kl(args.model, args.report)
+        held_out_kl(args.model, args.report, sensitivity=not args.no_sensitivity)
     else:
         index_bytes(args.model, [int(v) for v in args.levels.split(",")])
 

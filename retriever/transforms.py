@@ -50,7 +50,7 @@ class TransformConfig:
 
     min_level: int | None = 1  # levels >= this of a codec that can use a transform are coded in it; None: never
     calibration_tokens: int = 2048  # chunk tokens prefilled to calibrate the transform (once per model)
-    sensitivity: bool = True  # scale each layer's steps by its measured sensitivity (about 2 x layers short passes)
+    sensitivity: bool = True  # scale each layer's steps by its measured sensitivity (2 x layers 32-token passes)
 
     def __post_init__(self) -> None:
         if self.min_level is not None and (
@@ -131,9 +131,9 @@ class TransformSource:
         """The transform, calibrated now from ``segments`` (after ``prefix``) if the store has none usable.
 
         The store is read again first (another process may have stored one since). Calibration
-        prefills segments in order until ``config.calibration_tokens`` tokens are reached (fewer if
-        they run out), then stores the entry; if no tier takes it, this process still uses it (the
-        chunks coded in it are misses for other processes).
+        prefills the first segments in a row, up to ``config.calibration_tokens`` tokens (fewer if
+        they run out, or the model's context does), then stores the entry; if no tier takes it,
+        this process still uses it (the chunks coded in it are misses for other processes).
 
         Raises:
             ValueError: no segment has 2 or more tokens.
@@ -143,16 +143,15 @@ class TransformSource:
         self._transform, self._looked = self._read(), True
         if self._transform is not None:
             return self._transform
-        slices, total = [], 0
-        for seg in segments:
-            if len(seg) >= 2 and total < self.config.calibration_tokens:
-                slices.append((list(seg), self.adapter.prefill_kv(seg, past=[prefix])))
-                total += len(seg)
-        if not slices:
+        ids, bounds = _calibration_ids(segments, min(self.config.calibration_tokens, self._room(prefix)))
+        if not ids:
             raise ValueError("calibrating the channel transform needs a chunk of at least 2 tokens")
-        transform = calibrate([kv for _, kv in slices], inv_freq=rope_frequencies(self.adapter))
+        # one prefill of the chunks in a row: the later ones see the earlier, as in a prompt
+        kv = self.adapter.prefill_kv(ids, past=[prefix])
+        slices = [kv.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+        transform = calibrate(slices, inv_freq=rope_frequencies(self.adapter))
         if self.config.sensitivity:
-            kl = _sensitivity(self.adapter, prefix, slices, level=max(1, self.config.min_level or 1))
+            kl = _sensitivity(self.adapter, prefix, ids, kv, level=max(1, self.config.min_level or 1))
             if kl is not None:
                 transform = dataclasses.replace(transform, step_scales=step_scales(kl))
         blob = transform_blob(transform, key=self.key, secret=self.store_secret)
@@ -162,7 +161,7 @@ class TransformSource:
         logger.info(
             "calibrated the channel transform %s on %d chunk tokens (keys in %d, values in %d of %d layers)",
             transform.digest[:16],
-            total,
+            len(ids),
             sum(transform.enabled[0]),
             sum(transform.enabled[1]),
             transform.shape[0],
@@ -179,32 +178,54 @@ class TransformSource:
             self.store.invalidate(self.key)  # damaged or foreign: a miss; the next calibration replaces it
         return got
 
+    def _room(self, prefix: ChunkKV) -> int:
+        """Tokens the model's context leaves after ``prefix``."""
+        spec = getattr(self.adapter, "spec", None)
+        return int(getattr(spec, "max_context", 1 << 30)) - prefix.num_tokens
+
+
+def _calibration_ids(segments: Sequence[Sequence[int]], budget: int) -> tuple[list[int], list[int]]:
+    """The first segments of 2+ tokens in a row, up to ``budget`` tokens (the first cut to fit), and their bounds.
+
+    >>> _calibration_ids([[1], [2, 3, 4], [5, 6], [7, 8, 9]], 6)
+    ([2, 3, 4, 5, 6], [0, 3, 5])
+    """
+    ids: list[int] = []
+    bounds = [0]
+    for seg in segments:
+        if len(seg) < 2:
+            continue
+        if ids and len(ids) + len(seg) > budget:
+            break
+        ids.extend(list(seg)[:budget])
+        bounds.append(len(ids))
+    return ids, bounds
+
 
 def _sensitivity(
-    adapter: ModelAdapter, prefix: ChunkKV, slices: Sequence[tuple[list[int], ChunkKV]], level: int, tail: int = 16
+    adapter: ModelAdapter, prefix: ChunkKV, ids: Sequence[int], kv: ChunkKV, level: int, tail: int = 32
 ) -> list[list[float]] | None:
-    """Per K/V and layer, the mean KL one layer's noise alone causes on a chunk's own last ``tail`` tokens.
+    """Per K/V and layer, the mean KL one layer's noise alone causes on the calibration text's last ``tail`` tokens.
 
-    The bench's ``measure_sensitivity`` scores a question and its answer; at index time there is no
-    question, so each calibration chunk is split: its head is the context (perturbed one (K/V,
-    layer) at a time by uniform noise twice the level's step wide), its last ``tail`` tokens the
-    text scored against the exact head. Up to 2 chunks; None when none is long enough.
+    The bench's ``measure_sensitivity`` scores a question and its answer over a prompt's chunks; at
+    index time there is no question, so the calibration chunks (``kv``, one prefill of ``ids``) are
+    split: all but their last ``tail`` tokens are the context, perturbed one (K/V, layer) at a time
+    by uniform noise twice the level's step wide, and the last ``tail`` tokens are scored against
+    the exact context. None when the text is shorter than ``2 * tail`` tokens.
     """
-    schedule = cachegen.LEVELS[level]
-    cases = [(ids, kv) for ids, kv in slices if kv.num_tokens >= 2 * tail][:2]
-    if not cases:
+    if kv.num_tokens < 2 * tail:
         return None
+    schedule = cachegen.LEVELS[level]
     gen = torch.Generator().manual_seed(0)
     layers = prefix.num_layers
     kl = [[0.0] * layers for _ in range(2)]
-    for ids, kv in cases:
-        head, suffix = kv.slice(0, kv.num_tokens - tail), ids[-tail:]
-        exact = torch.log_softmax(adapter.suffix_logits([prefix, head], suffix).float(), dim=-1)
-        for kind, relative, per_layer in ((0, schedule.key_steps, True), (1, schedule.value_steps, False)):
-            for layer in range(layers):
-                noisy = _perturbed(head, kind, layer, 2.0 * relative[schedule.group(layer, layers)], per_layer, gen)
-                got = torch.log_softmax(adapter.suffix_logits([prefix, noisy], suffix).float(), dim=-1)
-                kl[kind][layer] += float((exact.exp() * (exact - got)).sum(-1).mean()) / len(cases)
+    head, suffix = kv.slice(0, kv.num_tokens - tail), list(ids[-tail:])
+    exact = torch.log_softmax(adapter.suffix_logits([prefix, head], suffix).float(), dim=-1)
+    for kind, relative, per_layer in ((0, schedule.key_steps, True), (1, schedule.value_steps, False)):
+        for layer in range(layers):
+            noisy = _perturbed(head, kind, layer, 2.0 * relative[schedule.group(layer, layers)], per_layer, gen)
+            got = torch.log_softmax(adapter.suffix_logits([prefix, noisy], suffix).float(), dim=-1)
+            kl[kind][layer] = float((exact.exp() * (exact - got)).sum(-1).mean())
     return kl
 
 

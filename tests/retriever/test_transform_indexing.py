@@ -203,3 +203,19 @@ def test_keys_made_before_any_transform_exists_always_miss(tmp_path, llama_adapt
     with _engine(tmp_path, llama_adapter) as rag:
         key = rag.retriever.chunk_key((1, 2, 3), LEVEL1)  # nothing indexed: no transform yet
         assert key.transform_digest == UNCALIBRATED and not rag.store.contains(key.storage_key)
+
+
+def test_with_a_store_secret_an_unsigned_transform_entry_is_a_miss(tmp_path, llama_adapter):
+    secret = b"a deployment secret of 32 bytes!"
+    with _engine(tmp_path, llama_adapter, store_secret=secret) as rag:
+        rag.index(DOCS, progress=False)
+        key = transform_key(rag.retriever.tenant, rag.adapter.fingerprint)
+        signed = rag.store.get(key)
+        sound = load_transform(signed, key=key, model_fingerprint=rag.adapter.fingerprint, secret=secret)
+        assert sound is not None  # signed with the store secret
+        chunks = _chunks(rag)[:2]
+        rag.store.invalidate(key)
+        rag.store.put(key, transform_blob(sound, key=key))  # the same transform, unsigned
+    with _engine(tmp_path, llama_adapter, store_secret=secret) as rag:
+        assert [got.hit for got in rag.retriever.load_many([c.token_ids for c in chunks])] == [False, False]
+        assert rag.retriever.computer.transforms.current().digest != sound.digest
