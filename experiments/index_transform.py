@@ -53,7 +53,7 @@ def index_bytes(model: str, levels: list[int]) -> None:
     embedder = None
     print("| level | transform | chunks | bytes stored | seconds |\n| --- | --- | --- | --- | --- |")
     for level in levels:
-        for name, transform in (("off", TransformConfig(min_level=None)), ("on", TransformConfig(min_level=0))):
+        for name, transform in (("off", TransformConfig(levels=())), ("on", TransformConfig(levels=(level,)))):
             with tempfile.TemporaryDirectory() as d:
                 config = RetrieverConfig(codec=CodecSpec("cachegen", level), transform=transform)
                 with RagKV(EngineConfig(data_dir=Path(d), retriever=config), adapter=adapter, embedder=embedder) as rag:

@@ -63,8 +63,8 @@ class RetrieverConfig:
     codec: CodecSpec = DEFAULT_CODEC  # codec and level chunks are stored and loaded at
     index_codecs: tuple[CodecSpec, ...] = ()  # further (codec, level) pairs stored at index time
     system: str | None = None  # system prompt (None = ragkv.prompt.DEFAULT_SYSTEM)
-    # stored levels coded in the model's channel transform (default: cachegen levels >= 1; see
-    # docs/configuration.md); TransformConfig(min_level=None) turns it off
+    # stored levels coded in the model's channel transform (default: cachegen levels 1 and 2; see
+    # docs/configuration.md); TransformConfig(levels=()) turns it off
     transform: TransformConfig = field(default_factory=TransformConfig)
 
     def __post_init__(self) -> None:
@@ -73,7 +73,7 @@ class RetrieverConfig:
         if not isinstance(self.codec, CodecSpec) or not all(isinstance(c, CodecSpec) for c in self.index_codecs):
             raise TypeError("codec and index_codecs take CodecSpec records, e.g. CodecSpec('cachegen', 0)")
         if not isinstance(self.transform, TransformConfig):
-            raise TypeError("transform takes a TransformConfig, e.g. TransformConfig(min_level=None) for off")
+            raise TypeError("transform takes a TransformConfig, e.g. TransformConfig(levels=()) for off")
 
     @property
     def stored_codecs(self) -> tuple[CodecSpec, ...]:

@@ -114,7 +114,7 @@ class ChunkComputer:
         self.tenant = validate_tenant(tenant)
         self.store_secret = store_secret
         self._prefix_kv: ChunkKV | None = None
-        self.transform_config = transform or TransformConfig(min_level=None)
+        self.transform_config = transform or TransformConfig(levels=())
         self.transforms = TransformSource(
             adapter, store, tenant=self.tenant, config=self.transform_config, store_secret=store_secret
         )

@@ -73,7 +73,7 @@ class WorkerSpec:
     dtype: str = "float32"
     # which codecs are coded in the channel transform (the driver stores the transform before any
     # actor runs; actors read it from the shared store)
-    transform: TransformConfig = TransformConfig(min_level=None)
+    transform: TransformConfig = TransformConfig(levels=())
 
     @classmethod
     def for_retriever(cls, retriever: KVRetriever, model: str, store: Sequence[str], threads: int = 1) -> WorkerSpec:

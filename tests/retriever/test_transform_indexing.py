@@ -30,7 +30,7 @@ DOCS = [
 QUESTION = "What grows on trees, and what floats?"
 GEN = GenerationConfig(max_new_tokens=8)
 LEVEL1 = CodecSpec("cachegen", 1)
-ON, OFF = TransformConfig(), TransformConfig(min_level=None)
+ON, OFF = TransformConfig(), TransformConfig(levels=())
 
 
 def _engine(tmp_path: Path, adapter, transform: TransformConfig = ON, codec: CodecSpec = LEVEL1, **kw) -> RagKV:
@@ -57,11 +57,12 @@ def _chunks(rag: RagKV):
 
 # ---- settings and keys ------------------------------------------------------------------------
 def test_transform_applies_from_its_level_to_codecs_that_can_code_in_it():
-    assert not ON.applies(CodecSpec("cachegen", 0)) and ON.applies(LEVEL1) and ON.applies(CodecSpec("cachegen", 5))
-    assert not ON.applies(CodecSpec("int8", 0)) and not TransformConfig(min_level=0).applies(CodecSpec("int4", 0))
-    assert TransformConfig(min_level=0).applies(CodecSpec("cachegen", 0)) and not OFF.applies(LEVEL1)
-    with pytest.raises(ValueError, match="min_level"):
-        TransformConfig(min_level=-1)
+    assert [ON.applies(CodecSpec("cachegen", v)) for v in range(6)] == [False, True, True, False, False, False]
+    assert not ON.applies(CodecSpec("int8", 0)) and not TransformConfig(levels=(0,)).applies(CodecSpec("int4", 0))
+    assert TransformConfig(levels=(0,)).applies(CodecSpec("cachegen", 0)) and not OFF.applies(LEVEL1)
+    for bad in ((-1,), [1], (True,)):
+        with pytest.raises(ValueError, match="levels"):
+            TransformConfig(levels=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="calibration_tokens"):
         TransformConfig(calibration_tokens=4)
     with pytest.raises(TypeError, match="TransformConfig"):
@@ -88,11 +89,12 @@ def test_chunk_key_digests_the_transform_and_keeps_the_old_digest_without_one():
 
 
 # ---- indexing ---------------------------------------------------------------------------------
-def test_indexing_calibrates_once_stores_the_transform_and_codes_chunks_in_it(tmp_path, llama_adapter):
-    with _engine(tmp_path, llama_adapter) as rag:
+@pytest.mark.parametrize("sensitivity", [False, True])
+def test_indexing_calibrates_once_stores_the_transform_and_codes_chunks_in_it(tmp_path, llama_adapter, sensitivity):
+    with _engine(tmp_path, llama_adapter, transform=TransformConfig(sensitivity=sensitivity)) as rag:
         report = rag.index(DOCS, progress=False)
         transform = _stored_transform(rag)
-        assert transform is not None and transform.step_scales  # calibrated with measured sensitivity
+        assert transform is not None and bool(transform.step_scales) == sensitivity  # steps from measured KL
         assert transform.model_fingerprint == llama_adapter.fingerprint
         for chunk in _chunks(rag):
             key = rag.retriever.chunk_key(chunk.token_ids, LEVEL1)
@@ -185,7 +187,9 @@ def test_a_chunk_coded_in_another_transform_is_never_decoded(tmp_path, llama_ada
         rag.index(DOCS, progress=False)
         chunk = _chunks(rag)[0]
         source = rag.retriever.computer.transforms
-        theirs = dataclasses.replace(source.current(), step_scales=())  # another transform of this model
+        mine = source.current()
+        layers = mine.shape[0]
+        theirs = dataclasses.replace(mine, step_scales=((1.5,) * layers, (1.0,) * layers))  # another one, same model
         key = rag.retriever.chunk_key(chunk.token_ids, LEVEL1)
         exact = llama_adapter.prefill_kv(chunk.token_ids, past=[rag.retriever.prefix_kv()])
         from ragkv import codec
