@@ -146,21 +146,25 @@ class ChunkKey:
     codec: CodecSpec  # codec and level the bytes are encoded with
     format_version: int  # bitstream format version
     tenant: str = DEFAULT_TENANT  # namespace; tenants never see each other's entries
+    # digest of the model's channel transform the bytes are coded in ("": none). Digested only when
+    # set, so keys without a transform are the ones earlier versions computed.
+    transform_digest: str = ""
 
     @property
     def digest(self) -> Digest:
-        return fields_digest(
-            [
-                ("model", self.model_fingerprint),
-                ("tokenizer", self.tokenizer_fingerprint),
-                ("prefix", self.prefix_digest),
-                ("tokens", self.tokens_digest),
-                ("codec", self.codec.name),
-                ("level", self.codec.level),
-                ("format", self.format_version),
-                ("tenant", self.tenant),
-            ]
-        )
+        fields: list[tuple[str, str | int]] = [
+            ("model", self.model_fingerprint),
+            ("tokenizer", self.tokenizer_fingerprint),
+            ("prefix", self.prefix_digest),
+            ("tokens", self.tokens_digest),
+            ("codec", self.codec.name),
+            ("level", self.codec.level),
+            ("format", self.format_version),
+            ("tenant", self.tenant),
+        ]
+        if self.transform_digest:
+            fields.append(("transform", self.transform_digest))
+        return fields_digest(fields)
 
     @property
     def namespace(self) -> str:

@@ -36,6 +36,7 @@ from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
 from ragkv.retriever.loader import ChunkLoader, LoadedChunk
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry, record_stored
+from ragkv.retriever.transforms import TransformConfig
 from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,17 @@ class RetrieverConfig:
     codec: CodecSpec = DEFAULT_CODEC  # codec and level chunks are stored and loaded at
     index_codecs: tuple[CodecSpec, ...] = ()  # further (codec, level) pairs stored at index time
     system: str | None = None  # system prompt (None = ragkv.prompt.DEFAULT_SYSTEM)
+    # stored levels coded in the model's channel transform (default: cachegen levels 1 and 2; see
+    # docs/configuration.md); TransformConfig(levels=()) turns it off
+    transform: TransformConfig = field(default_factory=TransformConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k must be an integer >= 1 (chunks retrieved per question); got {self.top_k!r}")
         if not isinstance(self.codec, CodecSpec) or not all(isinstance(c, CodecSpec) for c in self.index_codecs):
             raise TypeError("codec and index_codecs take CodecSpec records, e.g. CodecSpec('cachegen', 0)")
+        if not isinstance(self.transform, TransformConfig):
+            raise TypeError("transform takes a TransformConfig, e.g. TransformConfig(levels=()) for off")
 
     @property
     def stored_codecs(self) -> tuple[CodecSpec, ...]:
@@ -160,6 +166,7 @@ class KVRetriever:
             self.config.stored_codecs,
             tenant=self.tenant,
             store_secret=store_secret,
+            transform=self.config.transform,
         )
         self.loader = ChunkLoader(
             self.computer,
@@ -268,6 +275,9 @@ class KVRetriever:
             chunked.append((doc, digest, self._chunk(doc, digest)))
             if on_progress is not None:
                 on_progress(IndexProgress("chunking", len(chunked), len(todo)))
+        # a stored codec coded in the channel transform needs it before any key is made: read, or
+        # calibrated from the first chunks of this run (their prefill is repeated below: once per model)
+        self.computer.ensure_transform([c.token_ids for _, _, chunks in chunked for c in chunks])
         seen: set[tuple[int, ...]] = set()
         work = []
         for _, _, chunks in chunked:

@@ -56,7 +56,6 @@ class LoadedChunk:
     local: bool = False  # True: stored, but prefilled here while other chunks were fetched (planned LOCAL)
 
 
-
 class ChunkLoader:
     """Loads chunk caches for the query path; a missing, damaged or foreign entry is recomputed and stored.
 
@@ -117,6 +116,7 @@ class ChunkLoader:
         reads the next chunks, and comes back with ``local=True`` (not stored again: the store has
         it). Without ``plan``, every chunk loads at ``config.codec``.
         """
+        self.computer.ensure_transform(segments)  # read once per process (or recalibrated: keys then miss)
         keys = [self.computer.chunk_key(t, self.codec) for t in segments]
         first: dict[str, int] = {}  # storage key -> index of its first occurrence
         primary = [key.storage_key for key in keys]  # identifies the chunk (keys[i] may move to another level)
@@ -250,7 +250,11 @@ class ChunkLoader:
         # its payload is read.
         expect = expected_blob(key, self.adapter.spec, num_tokens, self.store_secret)
         try:
-            return codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
+            # the key digests the transform, so the one it names is the one this process holds
+            transform = self.computer.transforms.find(key.transform_digest) if key.transform_digest else None
+            return codec.decode(
+                blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype, transform=transform
+            )
         except CodecError as e:
             logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
             return None

@@ -7,6 +7,7 @@ The single-process path and the Ray actors (:mod:`ragkv.retriever.ray_index`) bo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from ragkv.codec.saliency import normalized_attention
 from ragkv.digests import tokens_digest
 from ragkv.model import ModelAdapter
 from ragkv.model.threads import adapt_threads
+from ragkv.retriever.transforms import TransformConfig, TransformSource
 
 if TYPE_CHECKING:
     from ragkv.cache.catalog import Catalog
@@ -90,6 +92,8 @@ class ChunkComputer:
         codecs: every (codec, level) a chunk is stored at.
         tenant: namespace of the storage keys.
         store_secret: MAC key material for stored entries (None: unauthenticated).
+        transform: which codecs are coded in the model's channel transform (default: off, so a
+            computer built without it writes the keys and bytes it always did).
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class ChunkComputer:
         *,
         tenant: str,
         store_secret: bytes | None = None,
+        transform: TransformConfig | None = None,
     ) -> None:
         if not codecs:
             raise ValueError("codecs is empty; pass at least one CodecSpec to store chunks at")
@@ -110,6 +115,23 @@ class ChunkComputer:
         self.tenant = validate_tenant(tenant)
         self.store_secret = store_secret
         self._prefix_kv: ChunkKV | None = None
+        self.transform_config = transform or TransformConfig(levels=())
+        self.transforms = TransformSource(
+            adapter, store, tenant=self.tenant, config=self.transform_config, store_secret=store_secret
+        )
+
+    def uses_transform(self) -> bool:
+        """Whether any stored codec is coded in the channel transform."""
+        return any(self.transform_config.applies(spec) for spec in self.codecs)
+
+    def ensure_transform(self, segments: Sequence[Sequence[int]]) -> None:
+        """Make the channel transform available before keys are made, if a stored codec uses it:
+        read from the store, or calibrated from ``segments`` (chunk token ids) and stored."""
+        if self.uses_transform() and any(len(s) >= 2 for s in segments):
+            try:
+                self.transforms.ensure(self.prefix_kv(), segments)
+            except (ValueError, RuntimeError) as e:  # keys then miss and chunks are stored uncoded in one
+                logger.warning("could not calibrate the channel transform (%s); chunks are coded without it", e)
 
     def prefix_kv(self) -> ChunkKV:
         """The exact KV of the shared prefix (computed once per process)."""
@@ -127,6 +149,7 @@ class ChunkComputer:
             codec=spec,
             format_version=codec.FORMAT_VERSION,
             tenant=self.tenant,
+            transform_digest=self.transforms.digest() if self.transform_config.applies(spec) else "",
         )
 
     def missing(self, token_ids: Sequence[int]) -> list[ChunkKey]:
@@ -136,6 +159,7 @@ class ChunkComputer:
 
     def ensure_stored(self, token_ids: Sequence[int]) -> ChunkResult:
         """Compute and store the chunk's cache at every codec unless all are stored."""
+        self.ensure_transform([token_ids])  # a no-op once the transform is known (indexing ensures it first)
         missing = self.missing(token_ids)
         if not missing:
             return ChunkResult(computed=False)
@@ -162,10 +186,24 @@ class ChunkComputer:
         ``saliency`` (``[tokens]``, see :func:`ragkv.codec.saliency.normalized_attention`) ranks
         tokens for codec levels that keep salient ones finer; None lets the codec use its proxy.
 
+        A key naming a channel transform this process does not hold (one made before any could
+        be calibrated: a 1-token chunk) is stored under its key without the transform instead,
+        which the transform setting never looks up: a wasted write, never a wrong answer.
+
         Returns:
             The entry to record, or None when no tier accepted it (down, full, read-only).
         """
-        enc = codec.encode(kv, key.codec, key=key.storage_key, secret=self.store_secret, saliency=saliency)
+        transform = None
+        if key.transform_digest:
+            transform = self.transforms.find(key.transform_digest)
+            if transform is None:
+                logger.warning(
+                    "no channel transform %s here; storing the chunk uncoded in it", key.transform_digest[:16]
+                )
+                key = dataclasses.replace(key, transform_digest="")
+        enc = codec.encode(
+            kv, key.codec, key=key.storage_key, secret=self.store_secret, saliency=saliency, transform=transform
+        )
         if not self.store.put(key.storage_key, enc.data, cost=float(kv.num_tokens)):
             logger.warning("no store tier accepted the cache entry %s (%d bytes)", key.storage_key, enc.nbytes)
             return None

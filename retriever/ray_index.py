@@ -20,6 +20,7 @@ from typing import Any
 
 from ragkv.retriever.kv_retriever import KVRetriever
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn
+from ragkv.retriever.transforms import TransformConfig
 from ragkv.types import CodecSpec
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class WorkerSpec:
     # The driver's resolved dtype ("bfloat16", not "auto"): a worker on a CPU without native bf16
     # would otherwise pick fp32, compute other caches and be refused by the fingerprint check.
     dtype: str = "float32"
+    # which codecs are coded in the channel transform (the driver stores the transform before any
+    # actor runs; actors read it from the shared store)
+    transform: TransformConfig = TransformConfig(levels=())
 
     @classmethod
     def for_retriever(cls, retriever: KVRetriever, model: str, store: Sequence[str], threads: int = 1) -> WorkerSpec:
@@ -87,6 +91,7 @@ class WorkerSpec:
             tokenizer_fingerprint=retriever.adapter.tokenizer_fingerprint,
             threads=threads,
             dtype=str(retriever.adapter.dtype).removeprefix("torch."),
+            transform=computer.transform_config,
         )
 
 
@@ -109,7 +114,13 @@ class ChunkWorker:
             )
         self.store = open_store(list(spec.store))
         self.computer = ChunkComputer(
-            adapter, self.store, spec.prefix_ids, spec.codecs, tenant=spec.tenant, store_secret=spec.store_secret
+            adapter,
+            self.store,
+            spec.prefix_ids,
+            spec.codecs,
+            tenant=spec.tenant,
+            store_secret=spec.store_secret,
+            transform=spec.transform,
         )
 
     def compute(self, token_ids: tuple[int, ...]) -> ChunkResult:

@@ -23,6 +23,7 @@ from ragkv.codec.calibrate import calibrate, step_scales
 from ragkv.codec.saliency import normalized_attention
 from ragkv.codec.transform import ChannelTransform
 from ragkv.generation import Decoder, generate_ids
+from ragkv.retriever.transforms import rope_frequencies  # the one indexing calibrates with
 from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
 __all__ = [
@@ -206,16 +207,6 @@ def run_codec_bench(
     for row in rows:
         row["ratio_vs_int8"] = baseline["bytes_per_token"] / row["bytes_per_token"]
     return rows
-
-
-def rope_frequencies(adapter: Any) -> tuple[float, ...]:
-    """The model's RoPE pair frequencies, read off its own rotary module at position 1 (empty: none)."""
-    rotary = getattr(adapter, "rotary", None)
-    if rotary is None:
-        return ()
-    cos, sin = rotary(torch.tensor([1]))  # [1, 1, rot_dim] each
-    r = cos.shape[-1] // 2
-    return tuple(float(a) for a in torch.atan2(sin[0, 0, :r].double(), cos[0, 0, :r].double()))
 
 
 def calibrate_transform(

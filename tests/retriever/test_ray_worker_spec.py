@@ -44,3 +44,24 @@ def test_a_worker_loads_the_drivers_dtype_and_agrees_on_the_fingerprint(model_di
     assert worker.computer.adapter.fingerprint == driver.fingerprint
     with pytest.raises(ValueError, match="differs from the driver's"):  # the old behaviour: the folder's fp32
         ChunkWorker(_spec(model_dir, driver, "float32"))
+
+
+def test_a_worker_codes_chunks_in_the_transform_the_driver_stored(model_dir, tmp_path):
+    """The spec carries the transform setting; the worker reads the driver's transform from the shared store."""
+    from ragkv.engine import EngineConfig, RagKV
+    from ragkv.retriever.documents import Document
+    from ragkv.retriever.embedder import HashingEmbedder
+    from ragkv.retriever.kv_retriever import RetrieverConfig
+
+    driver = load_model(str(model_dir), dtype="float32")
+    level1 = CodecSpec("cachegen", 1)
+    config = EngineConfig(data_dir=tmp_path, retriever=RetrieverConfig(codec=level1), store=(str(tmp_path / "kv"),))
+    with RagKV(config, adapter=driver, embedder=HashingEmbedder(dim=32)) as rag:
+        rag.index([Document("mem:a", "Apples grow on trees in orchards. " * 8, "a")], progress=False)
+        spec = WorkerSpec.for_retriever(rag.retriever, str(model_dir), [str(tmp_path / "kv")])
+        assert spec.transform == rag.retriever.config.transform
+        worker = ChunkWorker(spec)
+        ids = (5, 6, 7, 8, 9, 10)
+        assert worker.computer.chunk_key(ids, level1) == rag.retriever.chunk_key(ids, level1)
+        mine = worker.computer.transforms.current()
+        assert mine is not None and mine.digest == rag.retriever.computer.transforms.current().digest
