@@ -1,4 +1,9 @@
-"""RagKV: the engine tying model, retriever, store, fusion and generation together.
+"""RagKV: the facade a user holds. It builds the parts and delegates to them.
+
+The parts: the model adapter and its decoder, the store and catalog, the tenant's indexer
+(``KVRetriever``), the answer path (``ragkv.answering.AnswerPath``: prefill, fused or full, then
+decode) and the tenant's prompt registry (``ragkv.matching.TenantChunks``); settings are
+``ragkv.config.EngineConfig``.
 
 Threads: one ``RagKV`` may be shared by several threads. Retrieval, store reads and writes, codec
 decoding and text streaming run concurrently; work on the model (fused prefill, full prefill, each
