@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ragkv.bench.fusion import builtin_prompts
+from ragkv.bench.fusion import builtin_prompts, fit_chunks
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.placement import cpu_has_native_bf16
@@ -55,13 +55,8 @@ def main() -> None:
     a = adapters["float32"]
     prompt = builtin_prompts(a, n=1)[0]
     prefix, chunks, suffix = a.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
-    kept: list[list[int]] = []
-    n = len(prefix)
-    for c in chunks:
-        if n + len(c) > args.tokens and kept:
-            break
-        kept.append(c[: args.tokens - n])
-        n += len(kept[-1])
+    kept = fit_chunks(len(prefix), chunks, args.tokens)
+    n = len(prefix) + sum(len(c) for c in kept)
     best: dict[str, list[float]] = {dt: [float("inf"), float("inf")] for dt in adapters}
     out: dict[str, tuple[torch.Tensor, float]] = {}
     for _ in range(args.repeats):

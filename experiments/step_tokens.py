@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ragkv.bench.fusion import builtin_prompts
+from ragkv.bench.fusion import builtin_prompts, fit_chunks
 from ragkv.fusion import FusionConfig, FusionInput, fuse_steps
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.batch import DecodeBatch
@@ -72,13 +72,7 @@ def main() -> None:
     a = load_model(args.model, device="cpu", dtype="auto")
     prompt = builtin_prompts(a, n=1)[0]
     prefix, chunks, suffix = a.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
-    kept: list[list[int]] = []
-    n = len(prefix)
-    for c in chunks:
-        if n + len(c) > args.tokens and kept:
-            break
-        kept.append(c[: args.tokens - n])
-        n += len(kept[-1])
+    kept = fit_chunks(len(prefix), chunks, args.tokens)
     ids = prefix + sum(kept, []) + suffix
     with torch.inference_mode():
         pre = a.prefill_kv(prefix)

@@ -9,14 +9,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ragkv.model.threads import adapt_threads
+from ragkv.model.threads import ADAPT_EVERY_STEPS, adapt_threads
 
 if TYPE_CHECKING:
     from transformers.cache_utils import Cache
 
     from ragkv.types import ChunkKV, LogitsWanted
-
-_THREADS_EVERY = 16  # decode steps between looks at the machine's load (each look is cheap; see model/threads.py)
 
 __all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "pick_token", "stream_text"]
 
@@ -115,7 +113,7 @@ def decode_loop(
     eos = frozenset() if cfg.ignore_eos else adapter.eos_token_ids
     logits = first_logits
     for i in range(cfg.max_new_tokens):
-        if i % _THREADS_EVERY == 0:
+        if i % ADAPT_EVERY_STEPS == 0:
             adapt_threads()  # another process may have taken a core since the last look
         tok = _pick(logits, cfg, gen)
         if tok in eos:

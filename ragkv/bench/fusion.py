@@ -66,6 +66,19 @@ def parse_grid(spec: str) -> list[tuple[str, float]]:
     return out
 
 
+def fit_chunks(start: int, chunks: list[list[int]], tokens: int) -> list[list[int]]:
+    """The leading ``chunks`` that fit whole in ``tokens`` after ``start`` tokens; the first is kept,
+    cut to fit, even when it alone is too long."""
+    kept: list[list[int]] = []
+    n = start
+    for c in chunks:
+        if n + len(c) > tokens and kept:
+            break
+        kept.append(c[: tokens - n])
+        n += len(kept[-1])
+    return kept
+
+
 def builtin_prompts(adapter: ModelAdapter, n: int = 12, max_tokens: int = 2800) -> list[dict[str, Any]]:
     """RAG prompts from stdlib documentation: 4-6 chunks of 300-512 tokens, about 1.5-2.8K tokens each.
 

@@ -200,4 +200,3 @@ def main() -> None:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n
-

@@ -24,7 +24,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ThreadPolicy", "adapt_threads", "policy_from_env"]
+__all__ = ["ADAPT_EVERY_STEPS", "ThreadPolicy", "adapt_threads", "policy_from_env"]
+
+ADAPT_EVERY_STEPS = 16  # decode steps between looks at the machine's load (each look is cheap)
 
 _STAT = "/proc/stat"
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (idle and iowait are free time)

@@ -25,7 +25,7 @@ import torch
 
 from ragkv.generation import GenerationConfig, pick_token, stream_text
 from ragkv.model.batch import DecodeBatch
-from ragkv.model.threads import adapt_threads
+from ragkv.model.threads import ADAPT_EVERY_STEPS, adapt_threads
 from ragkv.types import CachedText, GenerationStats
 
 if TYPE_CHECKING:
@@ -37,8 +37,6 @@ __all__ = ["Event", "Job", "QueueFullError", "Scheduler", "ServedEngine"]
 
 _IDS = itertools.count()
 
-
-_THREADS_EVERY = 16  # batched decode steps between looks at the machine's load
 
 class QueueFullError(Exception):
     """The scheduler holds ``max_queue`` requests already (the server answers 429)."""
@@ -379,7 +377,7 @@ class Scheduler:
 
     def _step(self) -> None:
         keys = list(self._batch.keys)
-        if self.counters.steps % _THREADS_EVERY == 0:
+        if self.counters.steps % ADAPT_EVERY_STEPS == 0:
             adapt_threads()  # another process may have taken a core (RAGKV_THREADS; ragkv.model.threads)
         started = time.perf_counter()
         with self._model_lock(self._rows[keys[0]].job):

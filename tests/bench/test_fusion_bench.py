@@ -30,3 +30,11 @@ def test_only_the_craft_methods_need_stored_scores():
     assert needs_stored_scores([("naive", 0.0), ("craft", 0.1)])
     assert needs_stored_scores([("craft_query", 0.1)])
     assert not needs_stored_scores([("query_focus", 0.15), ("full", 1.0)])
+
+
+def test_fit_chunks_keeps_the_leading_chunks_that_fit_and_cuts_only_a_first_too_long_one():
+    from ragkv.bench.fusion import fit_chunks
+
+    assert fit_chunks(2, [[1] * 3, [2] * 5, [3] * 5], 10) == [[1] * 3, [2] * 5]
+    assert fit_chunks(2, [[1] * 5, [2] * 5], 10) == [[1] * 5]
+    assert fit_chunks(2, [[1] * 20], 10) == [[1] * 8]
