@@ -41,6 +41,13 @@ def serve(
         int | None,
         typer.Option("--step-tokens", help="Prompt tokens prefilled between two decode steps (0: whole) [256]."),
     ] = None,
+    carry_steps: Annotated[
+        bool | None,
+        typer.Option(
+            "--carry-steps/--no-carry-steps",
+            help="Decode steps ride on full-prefill pieces' forward passes (mixed batches) [carry].",
+        ),
+    ] = None,
     max_queue: Annotated[int | None, typer.Option("--max-queue", help="Requests held before 429 [32].")] = None,
     allowed_host: Annotated[
         list[str] | None,
@@ -94,6 +101,7 @@ def serve(
         "port": port,
         "max_batch": max_batch,
         "step_tokens": step_tokens,
+        "carry_steps": carry_steps,
         "max_queue": max_queue,
         "allowed_hosts": tuple(allowed_host) if allowed_host else None,
         "max_connections": max_connections,

@@ -18,6 +18,7 @@ from ragkv.errors import ContextTooLongError
 from ragkv.model import caches
 from ragkv.model.arch import ArchSpec
 from ragkv.model.attention import AttentionProbe, install_dispatcher, is_dispatched, probing
+from ragkv.model.batch import take_rider
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
@@ -238,6 +239,10 @@ class ModelAdapter:
         if logits not in _LOGITS_WANTED:
             raise ValueError(f"logits must be one of {_LOGITS_WANTED}, got {logits!r}")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
+        rider = take_rider() if type(cache) is DynamicCache and ids.shape[1] > 0 else None
+        if rider is not None:  # a decode step rides on this pass (the server's scheduler; ragkv.model.batch)
+            piece_logits, rider.logits = rider.batch.carried_step(rider.tokens, ids[0], cache, start, logits)
+            return piece_logits
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         if logits == "none":  # the decoder stack alone: no head at all
             self._inner(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self._inner)): cache})

@@ -24,11 +24,21 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["AttentionProbe", "decode_step", "in_decode_step", "install_dispatcher", "is_dispatched", "probing"]
+__all__ = [
+    "AttentionProbe",
+    "carrying",
+    "decode_step",
+    "in_decode_step",
+    "install_dispatcher",
+    "is_dispatched",
+    "is_probing",
+    "probing",
+]
 
 _PREFIX = "ragkv_"  # dispatcher names: _PREFIX + the implementation delegated to
 _ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("ragkv_attention_probe", default=None)
 _DECODE_STEP: ContextVar[bool] = ContextVar("ragkv_decode_step", default=False)
+_CARRY: ContextVar[_Carry | None] = ContextVar("ragkv_carry", default=None)
 _REGISTER_LOCK = threading.Lock()
 
 
@@ -100,6 +110,53 @@ def _one_query_fp32(
     return out.to(query.dtype).reshape(b, 1, hq, d), None  # [B, 1, Hq, D], as the delegated functions return
 
 
+class _Carry:
+    """A forward pass whose last ``rows`` queries are decode rows riding on a prefill piece."""
+
+    def __init__(
+        self, piece: int, rows_mask: torch.Tensor, row_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self.piece, self.rows_mask, self.row_kv = piece, rows_mask, row_kv
+
+
+@contextmanager
+def carrying(
+    piece: int, rows_mask: torch.Tensor, row_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[None]:
+    """Within the block, this thread's attention calls split their queries: the first ``piece``
+    attend as the model's implementation would, over the key/value the layer passes; the rest are
+    decode rows, one query each over its own slot (``row_kv(layer)``: ``[B, kv_heads, span, head_dim]``,
+    ``rows_mask``: ``[B, 1, 1, span]``), in fp32 as a decode step (``ragkv.model.batch.DecodeBatch.carried_step``).
+    """
+    token = _CARRY.set(_Carry(piece, rows_mask, row_kv))
+    try:
+        yield
+    finally:
+        _CARRY.reset(token)
+
+
+def _carried_attention(
+    carry: _Carry,
+    base: str,
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The piece's queries through the delegated implementation, the rows' through the fp32 one-query path."""
+    # query: [1, Hq, p + B, D]; key/value: the piece's cache [1, Hkv, start + p, D]
+    p = carry.piece
+    piece, _ = _delegate(base, module)(module, query[:, :, :p], key, value, attention_mask, *args, **kwargs)
+    row_k, row_v = carry.row_kv(module.layer_idx)
+    b, hq, d = query.shape[2] - p, query.shape[1], query.shape[3]
+    row_q = query[0, :, p:].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
+    rows, _ = _one_query_fp32(row_q, row_k, row_v, carry.rows_mask, kwargs.get("scaling"))  # [B, 1, Hq, D]
+    return torch.cat([piece, rows.reshape(1, b, hq, d)], dim=1), None  # [1, p + B, Hq, D]
+
+
 def _takes_fp32_decode(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     """Whether a call inside a decode step is one the fp32 one-query path computes exactly as asked."""
     if query.shape[2] != 1 or query.device.type != "cpu":
@@ -119,6 +176,11 @@ def decode_step() -> Iterator[None]:
         yield
     finally:
         _DECODE_STEP.reset(token)
+
+
+def is_probing() -> bool:
+    """Whether this thread's attention calls record weights now (inside :func:`probing`)."""
+    return _ACTIVE_PROBE.get() is not None
 
 
 def in_decode_step() -> bool:
@@ -152,6 +214,9 @@ def _dispatcher(base: str) -> Callable[..., Any]:
     ) -> Any:
         probe = _ACTIVE_PROBE.get()
         layer = getattr(module, "layer_idx", None)
+        carry = _CARRY.get()
+        if carry is not None and layer is not None and query.shape[2] > carry.piece:
+            return _carried_attention(carry, base, module, query, key, value, attention_mask, *args, **kwargs)
         if probe is not None and layer is not None and probe.layer_idx in (None, layer):
             return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))
         if _DECODE_STEP.get() and _takes_fp32_decode(query, kwargs):

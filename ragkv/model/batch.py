@@ -12,18 +12,24 @@ doubles, so that copy is amortized), and freed when the batch empties.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ragkv.model.attention import decode_step
+from ragkv.model.attention import carrying, decode_step, is_probing
 from ragkv.model.caches import _layer_tensors, cache_kwarg
 from ragkv.model.quant import step_weights
+from ragkv.types import LogitsWanted
 
-__all__ = ["DecodeBatch"]
+__all__ = ["DecodeBatch", "Rider", "riding", "take_rider"]
 
 _ALIGN = 64  # capacity is rounded up to a multiple of this many columns
+_RIDER: ContextVar[Rider | None] = ContextVar("ragkv_rider", default=None)
 
 
 class _BufferLayer(CacheLayerMixin):
@@ -95,6 +101,55 @@ class _RaggedLayer(_BufferLayer):
         return self.span, 0
 
 
+@dataclass(frozen=True, slots=True)
+class _StepRows:
+    """One step's rows: every slot up to the last live one (a free slot decodes a dummy token at column 0)."""
+
+    active: list[int]  # live slots, in order
+    ids: torch.Tensor  # [B] each slot's token
+    pos: torch.Tensor  # [B] each slot's position (= the column its token is written to)
+    span: int  # columns the step's queries may see
+    live: torch.Tensor  # [A] the live slots, as a tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.ids.numel())
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``[B, 1, 1, span]``: each row sees its own columns up to its new token."""
+        blocked = torch.arange(self.span, device=self.pos.device).unsqueeze(0) > self.pos.unsqueeze(1)  # [B, span]
+        mask = torch.zeros(blocked.shape, dtype=dtype, device=self.pos.device)
+        return mask.masked_fill_(blocked, torch.finfo(dtype).min)[:, None, None, :]
+
+
+class _CarryCache(Cache):
+    """A prefill piece's cache with a decode step's rows riding along (see ``DecodeBatch.carried_step``).
+
+    A layer's K/V ``[1, kv_heads, p + B, head_dim]`` splits: the first ``p`` columns are appended to
+    the piece's own cache (whose whole K/V the layer's attention then reads), the last ``B`` go to
+    each row's slot in the batch buffers (read by :func:`ragkv.model.attention.carrying`'s split).
+    """
+
+    def __init__(self, piece_cache: Cache, rows: list[_RaggedLayer], piece_tokens: int) -> None:
+        super().__init__(layers=list[Any](piece_cache.layers))
+        self._piece, self._rows, self._p = piece_cache, rows, piece_tokens
+        self._row_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self._p
+        keys, values = self._piece.update(key_states[:, :, :p], value_states[:, :, :p], layer_idx, *args, **kwargs)
+        row_k = key_states[0, :, p:].transpose(0, 1).unsqueeze(2)  # [B, kv_heads, 1, head_dim]
+        row_v = value_states[0, :, p:].transpose(0, 1).unsqueeze(2)
+        self._row_kv[layer_idx] = self._rows[layer_idx].update(row_k, row_v)
+        return keys, values
+
+    def row_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' K/V ``[B, kv_heads, span, head_dim]`` of ``layer_idx`` (after its update)."""
+        return self._row_kv[layer_idx]
+
+
 class DecodeBatch:
     """The rows being decoded together, each in its own slot of static caches.
 
@@ -155,14 +210,91 @@ class DecodeBatch:
         if not self._owner:
             self._layers = []
 
+    def can_carry(self) -> bool:
+        """Whether a step of this batch may ride on another forward pass (:meth:`carried_step`).
+
+        Only when decode steps read the model's own weights (an int8/int4 step reads other weights
+        than the prefill it would ride on) and on the CPU (where a step is the fp32 one-query path
+        either way, so a carried step computes what a step of its own would).
+        """
+        return len(self) > 0 and self.weights == "model" and self.adapter.device.type == "cpu"
+
     @torch.no_grad()
     def step(self, token_ids: list[int]) -> torch.Tensor:
         """Feed one token per row (in :attr:`keys` order); return fp32 logits ``[B, vocab]`` of the next tokens."""
+        rows = self._start_step(token_ids)
+        a = self.adapter
+        hidden = a.embed(rows.ids).reshape(rows.count, 1, -1)  # [B, 1, hidden]
+        pe = a._inner.rotary_emb(hidden, rows.pos.unsqueeze(1))
+        mask = rows.mask(hidden.dtype)  # [B, 1, 1, span]
+        cache = _SlotCache(self._layers)
+        # one query per row: fp32 attention on the CPU (ragkv.model.attention); the engine's decode weights
+        with step_weights(self.weights), decode_step():
+            for layer in a._inner.layers:
+                out = layer(
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=rows.pos.unsqueeze(1),
+                    use_cache=True,
+                    position_embeddings=pe,
+                    **{cache_kwarg(type(layer)): cache},
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
+        self._end_step(rows)
+        return a.final_logits(hidden.index_select(0, rows.live))[:, -1]  # [A, vocab]: the head on live rows only
+
+    @torch.no_grad()
+    def carried_step(
+        self, token_ids: list[int], piece: torch.Tensor, cache: Cache, start: int, logits: LogitsWanted
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill piece and one decode step of every row, in one forward pass (Sarathi-Serve's mixed batch).
+
+        ``piece`` (``[p]`` token ids at positions ``start..``) is appended to ``cache`` as
+        ``ModelAdapter.forward`` would; the rows' tokens ride along as :meth:`step` would feed
+        them. The p + B tokens share every weight read (the linear layers and the LM head); only
+        attention is split: the piece's queries over its own cache (the model's implementation,
+        causal), each row's query over its own slot (fp32, as a step of its own). On a CPU a
+        prefill piece is compute-bound and a step bound by the weight bytes it reads, so the rows'
+        tokens cost almost nothing on top of the piece.
+
+        Returns:
+            (the piece's fp32 logits as ``logits`` asks: ``[p | 1 | 0, vocab]``, the rows' ``[A, vocab]``).
+        """
+        if not self.can_carry():
+            raise RuntimeError("this batch's steps cannot be carried (see can_carry())")
+        rows = self._start_step(token_ids)
+        a = self.adapter
+        p = int(piece.numel())
+        ids = torch.cat([piece.reshape(-1).to(device=a.device, dtype=torch.long), rows.ids])  # [p + B]
+        hidden = a.embed(ids)  # [1, p + B, hidden]
+        positions = torch.cat([torch.arange(start, start + p, device=a.device), rows.pos])  # [p + B]
+        pe = a._inner.rotary_emb(hidden, positions.unsqueeze(0))
+        piece_mask = a.causal_mask(torch.arange(start, start + p), start + p, hidden.dtype)  # [1, 1, p, start + p]
+        mixed = _CarryCache(cache, self._layers, p)
+        with carrying(p, rows.mask(hidden.dtype), mixed.row_kv):
+            for layer in a._inner.layers:
+                out = layer(
+                    hidden,
+                    attention_mask=piece_mask,
+                    position_ids=positions.unsqueeze(0),
+                    use_cache=True,
+                    position_embeddings=pe,
+                    **{cache_kwarg(type(layer)): mixed},
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
+        self._end_step(rows)
+        wanted = {"all": torch.arange(p), "last": torch.tensor([p - 1]), "none": torch.zeros(0, dtype=torch.long)}
+        at = torch.cat([wanted[logits], p + rows.live.cpu()]).to(a.device)
+        out = a.final_logits(hidden.index_select(1, at))[0]  # [n, vocab]: one LM head read for both
+        n_piece = out.shape[0] - rows.live.numel()
+        return out[:n_piece], out[n_piece:]
+
+    def _start_step(self, token_ids: list[int]) -> _StepRows:
+        """Check the tokens, grow the buffers if a row needs a column more, point the layers at the new columns."""
         active = [slot for slot, k in enumerate(self._owner) if k is not None]
         if len(token_ids) != len(active):
             raise ValueError(f"need one token per row ({len(active)}), got {len(token_ids)}")
-        a = self.adapter
-        device = a.device
+        device = self.adapter.device
         b = len(self._owner)  # rows 0..b-1 run; a free slot among them decodes a dummy token at column 0
         write = [0] * b
         ids = [0] * b
@@ -171,32 +303,15 @@ class DecodeBatch:
         span = max(write) + 1
         if span > self.capacity:
             self._reserve(self._layers[0].keys, b, span)
-        pos = torch.tensor(write, dtype=torch.long)  # [B]: each row's own position (= its column)
+        pos = torch.tensor(write, dtype=torch.long, device=device)  # [B]: each row's own position (= its column)
         for layer in self._layers:
-            layer.rows, layer.write, layer.span = torch.arange(b, device=device), pos.to(device), span
-        pos_d = pos.to(device).unsqueeze(1)  # [B, 1]
-        hidden = a.embed(torch.tensor(ids, dtype=torch.long)).reshape(b, 1, -1)  # [B, 1, hidden]
-        pe = a._inner.rotary_emb(hidden, pos_d)
-        blocked = torch.arange(span, device=device).unsqueeze(0) > pos_d  # [B, span]: past each row's token
-        mask = torch.zeros(blocked.shape, dtype=hidden.dtype, device=device)
-        mask = mask.masked_fill_(blocked, torch.finfo(hidden.dtype).min)[:, None, None, :]  # [B, 1, 1, span]
-        cache = _SlotCache(self._layers)
-        # one query per row: fp32 attention on the CPU (ragkv.model.attention); the engine's decode weights
-        with step_weights(self.weights), decode_step():
-            for layer in a._inner.layers:
-                out = layer(
-                    hidden,
-                    attention_mask=mask,
-                    position_ids=pos_d,
-                    use_cache=True,
-                    position_embeddings=pe,
-                    **{cache_kwarg(type(layer)): cache},
-                )
-                hidden = out[0] if isinstance(out, tuple) else out
-        for slot in active:
+            layer.rows, layer.write, layer.span = torch.arange(b, device=device), pos, span
+        live = torch.tensor(active, dtype=torch.long, device=device)
+        return _StepRows(active, torch.tensor(ids, dtype=torch.long, device=device), pos, span, live)
+
+    def _end_step(self, rows: _StepRows) -> None:
+        for slot in rows.active:
             self._length[slot] += 1
-        rows = torch.tensor(active, dtype=torch.long, device=device)
-        return a.final_logits(hidden.index_select(0, rows))[:, -1]  # [A, vocab]: the head on live rows only
 
     def _reserve(self, like: torch.Tensor, slots: int, columns: int) -> None:
         """Make the buffers hold at least ``slots`` rows of ``columns`` columns (growing at least 2x)."""
@@ -219,3 +334,39 @@ class DecodeBatch:
                 values[:have_slots, :, :have_cols] = old.values
             layers.append(_RaggedLayer(keys, values))
         self._layers = layers
+
+
+@dataclass(slots=True)
+class Rider:
+    """A decode step of ``batch`` waiting to ride on this thread's next prefill forward pass.
+
+    The server's scheduler offers one around each prefill piece (:func:`riding`);
+    ``ModelAdapter.forward`` takes it (:func:`take_rider`) and runs
+    :meth:`DecodeBatch.carried_step`, leaving the rows' logits here. ``logits`` still None after
+    the piece: nothing carried it (a fused piece, say), and the scheduler steps on its own.
+    """
+
+    batch: DecodeBatch
+    tokens: list[int]  # one per row, in the batch's key order
+    logits: torch.Tensor | None = None  # [A, vocab] once carried
+
+
+@contextmanager
+def riding(rider: Rider | None) -> Iterator[Rider | None]:
+    """Within the block, this thread's next plain forward pass may carry ``rider`` (None: nothing to carry)."""
+    token = _RIDER.set(rider)
+    try:
+        yield rider
+    finally:
+        _RIDER.reset(token)
+
+
+def take_rider() -> Rider | None:
+    """The decode step offered to this thread's forward pass, if one is waiting (each is carried once).
+
+    None inside an attention probe: a probe records the weights of the pass's own queries.
+    """
+    rider = _RIDER.get()
+    if rider is None or rider.logits is not None or is_probing():
+        return None
+    return rider

@@ -119,6 +119,7 @@ def _service(app: FastAPI, state: ServerState) -> None:
             "decoding": decoding,
             "max_batch": state.settings.max_batch,
             "step_tokens": state.settings.step_tokens,  # prefill piece size between decode steps (0: whole)
+            "carry_steps": state.settings.carry_steps,  # decode steps may ride on full-prefill pieces
             "decode": state.scheduler.counters.as_dict(),  # steps, tokens, ms per token outside the forward
             "max_queue": state.settings.max_queue,
             "tiers": tiers,

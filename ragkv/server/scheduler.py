@@ -4,8 +4,11 @@ Each loop turn: drop rows whose clients left, run one piece of the prefill under
 starts when none is and a batch row is free: ``RagKV.prefill_steps``, about ``step_tokens``
 tokens of work a piece, Sarathi-style), then advance every decoding request by one token in one
 batched forward pass (:class:`ragkv.model.batch.DecodeBatch`). A long prompt therefore delays
-the running streams by one piece per token, never by its whole prefill. Results go back to each
-request's asyncio queue on its event loop.
+the running streams by one piece per token, never by its whole prefill. Where the piece is a
+forward pass over prompt tokens (a full prefill's piece) and the rows decode with the model's
+own weights on the CPU, their step rides on that pass (Sarathi-Serve's mixed batch,
+``DecodeBatch.carried_step``): the rows' tokens share the piece's weight reads instead of paying
+a step of their own. Results go back to each request's asyncio queue on its event loop.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ragkv.generation import GenerationConfig, pick_token, stream_text
-from ragkv.model.batch import DecodeBatch
+from ragkv.model.batch import DecodeBatch, Rider, riding
 from ragkv.model.threads import ADAPT_EVERY_STEPS, adapt_threads
 from ragkv.types import CachedText, GenerationStats
 
@@ -150,12 +153,20 @@ class _Prefill:
 
 
 @dataclass(slots=True)
+class _Carried(Rider):
+    """The rows' decode step offered to a prefill piece, with the request ids of its rows."""
+
+    batch_keys: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class DecodeCounters:
     """Where the scheduler's decode time goes (for benchmarks: ms per token outside the forward pass)."""
 
-    steps: int = 0  # batched decode steps taken
+    steps: int = 0  # batched decode steps taken, carried ones included
+    carried_steps: int = 0  # of those, steps that rode on a prefill piece's forward pass
     tokens: int = 0  # tokens those steps produced (one per row per step)
-    forward_s: float = 0.0  # inside the batched forward pass (model layers and LM head)
+    forward_s: float = 0.0  # inside the batched forward pass (model layers and LM head) of steps of their own
     outside_s: float = 0.0  # the rest of the steps: sampling, detokenizing, stop strings, posting events
     prefill_pieces: int = 0  # prefill pieces run between steps
 
@@ -164,11 +175,12 @@ class DecodeCounters:
         per = 1000 / max(1, self.tokens)
         return {
             "steps": self.steps,
+            "carried_steps": self.carried_steps,
             "tokens": self.tokens,
             "prefill_pieces": self.prefill_pieces,
             "forward_s": round(self.forward_s, 6),
             "outside_s": round(self.outside_s, 6),
-            "forward_ms_per_step": round(1000 * self.forward_s / max(1, self.steps), 3),
+            "forward_ms_per_step": round(1000 * self.forward_s / max(1, self.steps - self.carried_steps), 3),
             "outside_ms_per_token": round(self.outside_s * per, 3),
         }
 
@@ -193,6 +205,8 @@ class Scheduler:
         decode_weights: the weights decode steps read (the engine's ``decoder.weights``).
         step_tokens: a prefill piece's size in prompt tokens (run between two decode steps);
             None: each prefill runs whole between two steps.
+        carry: let the rows' decode step ride on a prefill piece's forward pass where it can
+            (``DecodeBatch.can_carry``); False: every step runs on its own.
     """
 
     def __init__(
@@ -203,6 +217,7 @@ class Scheduler:
         max_queue: int = 32,
         decode_weights: str = "model",
         step_tokens: int | None = 256,
+        carry: bool = True,
     ) -> None:
         if max_batch < 1 or max_queue < max_batch:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch")
@@ -210,6 +225,7 @@ class Scheduler:
             raise ValueError(f"step_tokens must be >= 1 (or None: whole prefills), got {step_tokens}")
         self.adapter, self.max_batch, self.max_queue = adapter, max_batch, max_queue
         self.step_tokens = step_tokens
+        self.carry = carry
         self._waiting: deque[Job] = deque()
         self._rows: dict[str, _Row] = {}
         self._batch = DecodeBatch(adapter, weights=decode_weights)
@@ -295,15 +311,16 @@ class Scheduler:
                 # neither waiting nor a row yet: _fail_all must still find it
                 self._prefill = _Prefill(job, self._start(job))
         self._drop_cancelled()
-        if self._prefill is not None:
-            self._advance(self._prefill)
-        if len(self._batch):
-            try:
+        rider = self._advance(self._prefill) if self._prefill is not None else None
+        try:
+            if rider is not None and rider.logits is not None:  # the piece carried the rows' step
+                self._picks(list(rider.batch_keys), rider.logits, time.perf_counter(), carried=True)
+            elif len(self._batch):
                 self._step()
-            except Exception as e:  # one bad step fails the rows decoding now, not the server
-                logger.exception("a decode step failed")
-                for key in list(self._rows):
-                    self._finish(key, "error", e)
+        except Exception as e:  # one bad step fails the rows decoding now, not the server
+            logger.exception("a decode step failed")
+            for key in list(self._rows):
+                self._finish(key, "error", e)
         return True
 
     def _fail_all(self, why: str) -> None:
@@ -340,16 +357,21 @@ class Scheduler:
         with self._cond:
             self._prefill = None
 
-    def _advance(self, pending: _Prefill) -> None:
-        """Run one piece of ``pending``'s prefill; after its last, it becomes a decoding row."""
+    def _advance(self, pending: _Prefill) -> _Carried | None:
+        """Run one piece of ``pending``'s prefill; after its last, it becomes a decoding row.
+
+        Returns the decode step offered to the piece (its ``logits`` set when the piece carried it).
+        """
         job = pending.job
+        rider = self._rider()
         # everything a request brings is set up inside the try: its bad input fails it, not the thread
         try:
             pending.done += 1
             self.counters.prefill_pieces += 1
             try:
-                next(pending.pieces)
-                return  # more pieces to come, one per turn
+                with riding(rider):
+                    next(pending.pieces)
+                return rider  # more pieces to come, one per turn
             except StopIteration as finished:
                 pre: Prefilled = finished.value
             gen = job.generation
@@ -362,7 +384,7 @@ class Scheduler:
             self._end_prefill()
             job.post(Event("error", error=e))
             self.on_finish(job, None, "error")
-            return
+            return rider  # a step it carried before failing still counts for the rows
         with self._cond:
             self._rows[job.id] = row
             self._prefill = None
@@ -374,6 +396,14 @@ class Scheduler:
             except Exception as e:
                 logger.exception("adding %s to the decode batch failed", job.id)
                 self._finish(job.id, "error", e)
+        return rider
+
+    def _rider(self) -> _Carried | None:
+        """The rows' next decode step, offered to the coming prefill piece (None: it cannot ride)."""
+        if not self.carry or not self._batch.can_carry():
+            return None
+        keys = list(self._batch.keys)
+        return _Carried(self._batch, [self._rows[k].last for k in keys], batch_keys=keys)
 
     def _step(self) -> None:
         keys = list(self._batch.keys)
@@ -383,8 +413,13 @@ class Scheduler:
         with self._model_lock(self._rows[keys[0]].job):
             logits = self._batch.step([self._rows[k].last for k in keys])  # [B, vocab]
         forwarded = time.perf_counter()
+        self.counters.forward_s += forwarded - started
+        self._picks(keys, logits, forwarded, carried=False)
+
+    def _picks(self, keys: list[str], logits: torch.Tensor, forwarded: float, *, carried: bool) -> None:
+        """Pick and hand on each row's token from one step's ``logits`` ``[B, vocab]`` (rows in ``keys`` order)."""
         c = self.counters
-        c.steps, c.tokens, c.forward_s = c.steps + 1, c.tokens + len(keys), c.forward_s + forwarded - started
+        c.steps, c.tokens, c.carried_steps = c.steps + 1, c.tokens + len(keys), c.carried_steps + carried
         for i, key in enumerate(keys):
             row = self._rows[key]
             try:  # one row's bad pick (its own settings) fails that request, not the batch
@@ -403,7 +438,7 @@ class Scheduler:
     def _take(self, key: str, token: int) -> bool:
         """Hand ``token`` to its request; False when the request is finished (and gone from the rows)."""
         row = self._rows[key]
-        if token in self.adapter.eos_token_ids:
+        if token in self.adapter.eos_token_ids and not row.job.generation.ignore_eos:
             self._finish(key, "stop")
             return False
         if row.count == 0:

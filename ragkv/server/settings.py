@@ -20,6 +20,7 @@ class ServerSettings:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # bearer key -> tenant; {} = no auth
     max_batch: int = 8  # requests decoded together in one forward pass
     step_tokens: int = 256  # prompt tokens a prefill piece runs between two decode steps; 0: whole prefills
+    carry_steps: bool = True  # decode steps ride on full-prefill pieces where they can (Scheduler carry)
     max_queue: int = 32  # requests held (waiting + decoding); past it, 429 with Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # larger /v1/documents bodies (uploads) get 413
     max_json_bytes: int = 1024 * 1024  # larger JSON bodies on the other /v1 routes get 413

@@ -44,6 +44,7 @@ class ServerState:
             max_queue=settings.max_queue,
             decode_weights=engine.decoder.weights,  # every tenant's engine shares the base engine's model
             step_tokens=settings.step_tokens or None,
+            carry=settings.carry_steps,
         )
         self.scheduler.on_finish = self._finished
         self._engines: dict[str, Any] = {engine.config.tenant: engine}

@@ -113,3 +113,84 @@ def test_joining_and_leaving_moves_no_other_row(llama_adapter):
         assert got[str(i)][:steps] == want[i], f"request {i}"
     batch.remove("0"), batch.remove("2"), batch.remove("3")
     assert len(batch) == 0 and batch.capacity == 0  # an empty batch holds no buffers
+
+
+def _rows(adapter, prompts: list[list[int]], free_slot: bool) -> tuple[DecodeBatch, list[int]]:
+    """A batch of ``prompts`` (the second's slot freed again when ``free_slot``) and each row's next token."""
+    batch = DecodeBatch(adapter)
+    tokens = []
+    for i, ids in enumerate(prompts):
+        cache, tok = _prefilled(adapter, ids)
+        batch.add(str(i), cache, len(ids), reserve=8)
+        tokens.append(tok)
+    if free_slot:
+        batch.remove("1")
+        del tokens[1]
+    return batch, tokens
+
+
+def test_a_carried_step_equals_a_piece_then_a_step_of_its_own(llama_adapter):
+    """The slow path: the piece's own forward pass, then the batch's own step. The carried step computes both."""
+    adapter = llama_adapter
+    prompts = _prompts(adapter, 3)
+    piece_ids = adapter.encode("Background notes follow. " + "The orchard keeps many apple trees. " * 6)
+    head, tail = piece_ids[:9], piece_ids[9:]  # the piece runs on top of an earlier piece's cache
+    with torch.inference_mode():
+        for free_slot in (False, True):  # a freed slot between live rows decodes a dummy token
+            for logits in ("last", "all", "none"):
+                slow_batch, tokens = _rows(adapter, prompts, free_slot)
+                slow_cache = adapter.build_cache([])
+                adapter.forward(head, slow_cache, 0, logits="none")
+                want_piece = adapter.forward(tail, slow_cache, len(head), logits=logits)
+                want_rows = slow_batch.step(tokens)
+
+                fast_batch, _ = _rows(adapter, prompts, free_slot)
+                fast_cache = adapter.build_cache([])
+                adapter.forward(head, fast_cache, 0, logits="none")
+                assert fast_batch.can_carry()
+                got_piece, got_rows = fast_batch.carried_step(
+                    tokens, torch.tensor(tail), fast_cache, len(head), logits
+                )
+                assert got_piece.shape == want_piece.shape and got_rows.shape == want_rows.shape
+                torch.testing.assert_close(got_piece, want_piece, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(got_rows, want_rows, atol=1e-4, rtol=1e-4)
+                for slow, fast in zip(slow_cache.layers, fast_cache.layers, strict=True):
+                    torch.testing.assert_close(fast.keys, slow.keys, atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(fast.values, slow.values, atol=1e-5, rtol=1e-5)
+                for slow, fast in zip(slow_batch._layers, fast_batch._layers, strict=True):
+                    torch.testing.assert_close(fast.keys, slow.keys, atol=1e-5, rtol=1e-5)
+                # both batches go on identically: the rows' next steps agree
+                nxt = [int(t) for t in torch.argmax(want_rows, dim=-1)]
+                torch.testing.assert_close(fast_batch.step(nxt), slow_batch.step(nxt), atol=1e-4, rtol=1e-4)
+
+
+def test_a_rider_is_carried_once_by_the_next_plain_forward_pass(llama_adapter):
+    from ragkv.model.batch import Rider, riding
+
+    adapter = llama_adapter
+    prompts = _prompts(adapter, 2)
+    with torch.inference_mode():
+        batch, tokens = _rows(adapter, prompts, free_slot=False)
+        want_batch, _ = _rows(adapter, prompts, free_slot=False)
+        want = want_batch.step(tokens)
+        ids = adapter.encode("Some words of a prompt to prefill")
+        cache = adapter.build_cache([])
+        with riding(Rider(batch, tokens)) as rider:
+            adapter.forward(ids[:4], cache, 0, logits="none")
+            assert rider is not None and rider.logits is not None
+            first = rider.logits
+            adapter.forward(ids[4:], cache, 4, logits="last")  # carries nothing more
+        assert rider.logits is first
+        torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-4)
+        assert batch._length == want_batch._length
+
+
+def test_int8_steps_are_not_carried(llama_adapter):
+    from ragkv.model.quant import install
+
+    install(llama_adapter.model, "int8")
+    batch = DecodeBatch(llama_adapter, weights="int8")
+    cache, _ = _prefilled(llama_adapter, _prompts(llama_adapter, 1)[0])
+    batch.add("0", cache, 5)
+    assert not batch.can_carry()  # its steps read other weights than a prefill piece
+    assert not DecodeBatch(llama_adapter).can_carry()  # nothing to carry

@@ -121,3 +121,39 @@ def test_a_request_cancelled_during_its_prefill_ends_and_the_stream_goes_on(engi
     assert long_events == ["error"]
     assert [what for who, what, _ in log.entries if who == "short"][-1] == "done"
     assert scheduler.alive and scheduler.depth == (0, 0)
+
+
+def _answers(engine, carry: bool) -> tuple[dict[str, str], Scheduler]:
+    """Both requests queued before the scheduler starts (a fixed order of turns); their texts."""
+    log = _Log()
+    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16, carry=carry)
+    texts = {"short": "", "long": ""}
+    for who, segments, tokens in (("short", ["Hello there, tell me a story"], 60), ("long", LONG, 6)):
+        post = log.post(who)
+
+        def collect(event: Event, who=who, post=post) -> None:
+            if event.kind == "delta":
+                texts[who] += event.text
+            post(event)
+
+        gen = GenerationConfig(max_new_tokens=tokens)
+        scheduler.submit(Job(_Counted(engine, log, who), segments, None, "full", gen, collect))
+    scheduler.start()
+    try:
+        assert log.finished["long"].wait(120) and log.finished["short"].wait(120)
+    finally:
+        scheduler.stop()
+    assert log.last["short"].kind == log.last["long"].kind == "done"
+    return texts, scheduler
+
+
+def test_decode_steps_carried_on_prefill_pieces_give_the_same_answers(engine):
+    """The slow path: every step on its own. Carried on the long prompt's pieces, the texts are the same."""
+    alone, plain = _answers(engine, carry=False)
+    carried, mixed = _answers(engine, carry=True)
+    assert carried == alone and all(carried.values())
+    assert plain.counters.carried_steps == 0
+    # the short stream takes 59 steps (its first token comes from its prefill); all but the one in the turn of
+    # its own prefill rode on the long prompt's pieces (there are more of them than 60)
+    assert mixed.counters.prefill_pieces > 60 and mixed.counters.carried_steps == 59 - 1
+    assert mixed.counters.steps == plain.counters.steps and mixed.counters.tokens == plain.counters.tokens
