@@ -30,6 +30,7 @@ from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter
+from ragkv.model.decode import StaticDecoder
 from ragkv.selection import strategy_class
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,21 @@ def _answer_logits(
     return torch.cat([prompt_logits[-1:], adapter.forward(answer[:-1], cache, start)])[: len(answer)]
 
 
+def _greedy(
+    adapter: ModelAdapter,
+    cache: Any,
+    logits: torch.Tensor,
+    start: int,
+    gen: GenerationConfig,
+    decoder: StaticDecoder | None,
+) -> list[int]:
+    """Greedy answer ids after a prompt of ``start`` tokens in ``cache`` (its last ``logits`` ``[vocab]``)."""
+    if decoder is None:
+        return list(decode_loop(adapter, cache, logits, start, gen))
+    session = decoder.session(cache, start, gen.max_new_tokens)
+    return list(decode_loop(adapter, cache, logits, start, gen, step=session.step))
+
+
 @torch.inference_mode()
 def compare_methods(
     adapter: ModelAdapter,
@@ -178,11 +194,14 @@ def compare_methods(
     scores: Sequence[torch.Tensor] | None = None,
     *,
     answer_tokens: int = ANSWER_TOKENS,
+    decoder: StaticDecoder | None = None,
 ) -> list[dict]:
     """One prompt, every (method, ratio) of ``grid`` against full prefill: one row per grid entry, in order.
 
     Rows hold :data:`KEYS` and ``answer`` (the method's greedy answer ids, at most ``answer_tokens``;
     full prefill's own for ``full``), so a caller can score the answers (``ragkv bench qa``).
+    ``decoder``: the answers are decoded by its steps (an int8/int4 decode copy, say); None: the
+    model's own forward. KL and top-1 always compare the model's own logits.
     """
     prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     ctx = prefix + [t for c in chunks for t in c]
@@ -195,7 +214,7 @@ def compare_methods(
     logits = adapter.forward(ctx + suffix, cache, 0)
     first = int(logits[-1].argmax())
     full_ttft = (time.perf_counter() - t0) * 1000
-    answer = list(decode_loop(adapter, cache, logits[-1], n + len(suffix), gen)) or [first]
+    answer = _greedy(adapter, cache, logits[-1], n + len(suffix), gen, decoder) or [first]
     adapter.crop_cache(cache, n + len(suffix))
     ref = _answer_logits(adapter, cache, logits, answer, n + len(suffix))
 
@@ -226,7 +245,7 @@ def compare_methods(
         logits = fused.suffix_logits
         int(logits[-1].argmax())
         ttft = (time.perf_counter() - t0) * 1000
-        own = list(decode_loop(adapter, fused.cache, logits[-1], n + len(suffix), gen))
+        own = _greedy(adapter, fused.cache, logits[-1], n + len(suffix), gen, decoder)
         adapter.crop_cache(fused.cache, n + len(suffix))
         got = _answer_logits(adapter, fused.cache, logits, answer, n + len(suffix))
         kl, top1 = _kl_top1(ref, got)

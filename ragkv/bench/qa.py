@@ -30,6 +30,7 @@ from ragkv.bench.qa_score import best_f1, contains_answer
 from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig
 from ragkv.model import ModelAdapter
+from ragkv.model.decode import StaticDecoder
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -98,8 +99,12 @@ def run_qa_bench(
     max_tokens: int = ANSWER_TOKENS,
     seed: int = 0,
     on_question: Callable[[dict[str, Any]], None] | None = None,
+    decode_weights: str = "model",
 ) -> dict[str, Any]:
     """Run the QA bench: ``{"meta", "rows", "questions"}``.
+
+    ``decode_weights``: the weights the answers are decoded with (``"model"``, or an ``"int8"``/
+    ``"int4"`` decode copy, as ``EngineConfig.decode_weights``); prefill and fusion use the model's.
 
     ``rows``: one per method (keys of :data:`TABLE`); ``questions``: per question, its documents and
     each method's answer and scores; ``meta``: model, dtype, set, question count, seed, max tokens.
@@ -121,11 +126,12 @@ def run_qa_bench(
     prompts = [build_prompt(qa, q, count, seed=seed) for q in questions]
     grid = [(m.method, m.ratio) for m in methods]
     craft = needs_stored_scores([g for g in grid if g[0] != "full"])
+    decoder = StaticDecoder(adapter, decode_weights) if decode_weights != "model" else None  # type: ignore[arg-type]
     compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per_question = []
     for i, (q, p) in enumerate(zip(tqdm(questions, desc="qa bench", unit="question"), prompts, strict=True)):
         scores = stored_scores(adapter, p, craft_contexts(prompts, i, seed=seed)) if craft else None
-        results = compare_methods(adapter, p, grid, scores, answer_tokens=max_tokens)
+        results = compare_methods(adapter, p, grid, scores, answer_tokens=max_tokens, decoder=decoder)
         answers = {}
         for m, r in zip(methods, results, strict=True):
             text = adapter.decode(r["answer"]).strip()
@@ -151,6 +157,7 @@ def run_qa_bench(
         questions=len(questions),
         seed=seed,
         max_tokens=max_tokens,
+        decode_weights=decode_weights,
         default_fusion=next((m.label for m in methods if m.default), FusionConfig().method),
     )
     return {"meta": meta, "rows": summarize(per_question, meta), "questions": per_question}
@@ -168,6 +175,8 @@ def merge_results(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     first = results[0]["meta"]
     for r in results[1:]:
         differ = [k for k in keys if r["meta"][k] != first[k]]
+        if r["meta"].get("decode_weights", "model") != first.get("decode_weights", "model"):
+            differ.append("decode_weights")
         if differ or list(r["questions"][0]["methods"]) != list(results[0]["questions"][0]["methods"]):
             raise ValueError(f"runs differ in {differ or ['methods']}; merge only runs of one configuration")
     questions = sorted((q for r in results for q in r["questions"]), key=lambda q: q["id"])
@@ -231,6 +240,7 @@ def format_qa_table(result: Mapping[str, Any]) -> str:
     m = result["meta"]
     caption = (
         f"QA bench: model {m['model']}, dtype {m['dtype']}, set {m['qa_set']} ({m['questions']} questions), "
-        f"greedy, max {m['max_tokens']} tokens, seed {m['seed']}; default fusion {m['default_fusion']}"
+        f"greedy, max {m['max_tokens']} tokens, seed {m['seed']}; default fusion {m['default_fusion']}; "
+        f"decode weights {m.get('decode_weights', 'model')}"
     )
     return caption + "\n\n" + table.format_table(result["rows"], TABLE)

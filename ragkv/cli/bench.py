@@ -122,11 +122,15 @@ def bench_qa(
     ] = "full,naive,blend,query_focus,default",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Answer tokens (greedy).")] = 24,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the distractor documents and their order.")] = 0,
+    decode_weights: Annotated[
+        str, typer.Option("--decode-weights", help="Weights the answers are decoded with: model, int8 or int4.")
+    ] = "model",
     dtype: Dtype = None,
     device: Device = None,
 ) -> None:
     """Answers scored against gold on an invented multi-document QA set, per fusion method."""
     from ragkv.bench.qa import format_qa_table, parse_methods, run_qa_bench
+    from ragkv.model.decode import DECODE_WEIGHTS
 
     try:
         grid = parse_methods(methods)
@@ -141,10 +145,19 @@ def bench_qa(
             with partial.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    if decode_weights not in DECODE_WEIGHTS:
+        raise typer.BadParameter(f"one of {', '.join(DECODE_WEIGHTS)}", param_hint="--decode-weights")
     adapter = _load_model(model, dtype, device)
     ids = [i.strip() for i in (only or "").split(",") if i.strip()]
     result = run_qa_bench(
-        adapter, methods=grid, limit=limit, only=ids, max_tokens=max_tokens, seed=seed, on_question=progress
+        adapter,
+        methods=grid,
+        limit=limit,
+        only=ids,
+        max_tokens=max_tokens,
+        seed=seed,
+        on_question=progress,
+        decode_weights=decode_weights,
     )
     typer.echo(format_qa_table(result))
     if out is not None:
