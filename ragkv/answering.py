@@ -24,6 +24,7 @@ import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
+from ragkv.model.batch import riding_tokens
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, GenerationStats
@@ -173,20 +174,27 @@ class AnswerPath:
     def _full_steps(self, ids: list[int], step_tokens: int | None) -> Pieces[tuple[Any, torch.Tensor]]:
         """A prefill from scratch, ``step_tokens`` tokens a piece; the last piece's last position gives the logits.
 
-        Its own compute time (pauses excluded) feeds the engine's prefill speed estimate.
+        A piece's budget counts the decode rows riding on its forward pass (Sarathi-Serve's token
+        budget; ``ragkv.model.batch.riding_tokens``): with B rows riding, it runs ``step_tokens - B``
+        prompt tokens, so the pass keeps the size the budget names (on a CPU a matmul one row past
+        a multiple of its blocking costs visibly more). Its own compute time (pauses excluded)
+        feeds the engine's prefill speed estimate.
         """
         a = self.parts.adapter
         cache = a.build_cache([])
-        size = step_tokens or max(1, len(ids))
-        starts = list(range(0, max(1, len(ids)), size))
-        busy = 0.0
-        for start in starts[:-1]:  # K/V only: the LM head runs on the last position alone
+        n = max(1, len(ids))
+        busy, start = 0.0, 0
+        while True:
+            size = max(1, step_tokens - riding_tokens()) if step_tokens else n
+            if start + size >= n:
+                break
             began = time.perf_counter()
-            a.forward(ids[start : start + size], cache, start, logits="none")
+            a.forward(ids[start : start + size], cache, start, logits="none")  # K/V only: no LM head
             busy += time.perf_counter() - began
+            start += size
             yield
         began = time.perf_counter()
-        logits = a.forward(ids[starts[-1] :], cache, starts[-1], logits="last")
+        logits = a.forward(ids[start:], cache, start, logits="last")
         self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
         self.parts.save_rates_soon()
         return cache, logits

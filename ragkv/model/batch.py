@@ -26,7 +26,7 @@ from ragkv.model.caches import _layer_tensors, cache_kwarg
 from ragkv.model.quant import step_weights
 from ragkv.types import LogitsWanted
 
-__all__ = ["DecodeBatch", "Rider", "riding", "take_rider"]
+__all__ = ["DecodeBatch", "Rider", "riding", "riding_tokens", "take_rider"]
 
 _ALIGN = 64  # capacity is rounded up to a multiple of this many columns
 _RIDER: ContextVar[Rider | None] = ContextVar("ragkv_rider", default=None)
@@ -370,3 +370,12 @@ def take_rider() -> Rider | None:
     if rider is None or rider.logits is not None or is_probing():
         return None
     return rider
+
+
+def riding_tokens() -> int:
+    """Tokens of the decode step waiting to ride on this thread's next forward pass (0: none waiting).
+
+    A prefill piece counts them in its token budget (``AnswerPath._full_steps``).
+    """
+    rider = take_rider()
+    return len(rider.tokens) if rider is not None else 0

@@ -77,7 +77,8 @@ def _job(engine, log: _Log, who: str, segments: list[str], tokens: int) -> Job:
 
 def test_a_running_stream_gets_tokens_between_the_pieces_of_a_long_prefill(engine):
     log = _Log()
-    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16)
+    # steps of their own (carried steps would shrink the pieces by the rows riding: the next test)
+    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16, carry=False)
     scheduler.start()
     try:
         scheduler.submit(_job(engine, log, "short", ["Hello there, tell me a story"], tokens=400))
@@ -154,6 +155,10 @@ def test_decode_steps_carried_on_prefill_pieces_give_the_same_answers(engine):
     assert carried == alone and all(carried.values())
     assert plain.counters.carried_steps == 0
     # the short stream takes 59 steps (its first token comes from its prefill); all but the one in the turn of
-    # its own prefill rode on the long prompt's pieces (there are more of them than 60)
+    # its own prefill's last piece rode on the long prompt's pieces (there are more of them than 60)
     assert mixed.counters.prefill_pieces > 60 and mixed.counters.carried_steps == 59 - 1
     assert mixed.counters.steps == plain.counters.steps and mixed.counters.tokens == plain.counters.tokens
+    # a piece's budget counts its rider: 15 prompt tokens + 1 row while the short stream decodes, 16 after
+    short_ids, long_ids = (len(engine.adapter.encode(t)) for t in ("Hello there, tell me a story", LONG[0]))
+    short_pieces = -(-short_ids // 16)  # no rows yet: whole budgets
+    assert mixed.counters.prefill_pieces == short_pieces + 58 + -(-(long_ids - 15 * 58) // 16)
