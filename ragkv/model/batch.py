@@ -8,6 +8,11 @@ joins by copying its prompt's K/V into a free slot (its own row only) and leaves
 slot (no copy at all); the rows still decoding are never moved. The buffers are reallocated only
 when a joining request needs more columns or slots than they have (capacity then at least
 doubles, so that copy is amortized), and freed when the batch empties.
+
+A step may also ride on a prefill piece's forward pass (:meth:`DecodeBatch.carried_step`,
+Sarathi-Serve's mixed batch): the server's scheduler offers it (:func:`riding`) and
+``ModelAdapter.forward`` takes it (:func:`take_rider`), so the rows' tokens share the piece's
+weight reads.
 """
 
 from __future__ import annotations
