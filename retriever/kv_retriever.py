@@ -455,7 +455,7 @@ class KVRetriever:
         kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
         gone = {c.token_ids for c in chunks.values()} - kept
         # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
-        keys = {self.chunk_key(ids, spec).storage_key for ids in gone for spec in self.config.stored_codecs}
+        keys: set[str] = {self.chunk_key(ids, spec).storage_key for ids in gone for spec in self.config.stored_codecs}
         keys.update(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
         deleted = 0
         for key in sorted(keys):
