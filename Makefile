@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# vLLM pins transformers and torch apart from .venv: its own venv, .vllm-venv (about 70 s to build, 45 s of tests)
+# vLLM pins transformers and torch apart from .venv: its own venv, .vllm-venv (1-2 minutes to build, 1-3 of tests)
 test-vllm:
 	bash tools/vllm_env.sh
 

