@@ -258,8 +258,11 @@ class RagkvSide:
         transforms = self.computer.transforms
         # keys digest the channel transform (when a stored codec is coded in it): read it again when
         # none is usable yet or new chunks were indexed (an indexer may have calibrated or replaced it)
-        if self.computer.uses_transform() and (new or transforms.current() is None):
-            transforms.reload()
+        if self.computer.uses_transform() and (new or transforms.current() is None) and transforms.reload() is None:
+            self.say_once(
+                "no usable channel transform in the store for this model and tenant (ragkv's indexing "
+                "calibrates it); chunks at the levels coded in it are misses"
+            )
 
     def plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
         """What to serve for a prompt (None: nothing; vLLM computes it). Never raises for a bad store."""

@@ -4,11 +4,13 @@ transform, read from the store; a missing, damaged or foreign transform entry is
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from ragkv.codec import read_header
 from ragkv.codec.transform import transform_blob, transform_key
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.integrations._vllm_config import build_side, engine_config
@@ -128,12 +130,40 @@ def _spoil_transform(engine: RagKV, case: str) -> None:
         engine.store.put(key, transform_blob(dataclasses.replace(sound, model_fingerprint="another-model"), key=key))
 
 
+def test_a_chunk_saved_back_is_coded_in_the_stored_transform_and_loads_in_ragkv(indexed):
+    """Save-back at a level coded in the transform: the entry is coded in the one the indexer stored,
+    under the indexer's key, and ragkv's loader decodes it as a hit."""
+    held = indexed.retriever.computer.transforms.current()
+    assert held is not None
+    side = _side(indexed)
+    ids, stored = _prompt(indexed)
+    key = indexed.retriever.chunk_key(stored[0], LEVEL1)
+    indexed.store.invalidate(key.storage_key)  # evicted: vLLM computes the first chunk ...
+    assert side.plan(ids, 0, 16) is None
+    span = side.saveable(ids)  # ... and the connector stores it from vLLM's K/V
+    assert span is not None and span.chunk.stored_ids == stored[0]
+    kv = indexed.adapter.prefill_kv(ids[: span.end]).slice(span.start, span.end)  # what vLLM's cache holds
+    (entry,) = side.save_chunk(ids, span, kv.keys, kv.values)
+    assert entry.storage_key == key.storage_key
+    assert read_header(indexed.store.get(key.storage_key)).params["transform"] == held.digest
+    loaded = indexed.retriever.load(stored[0])
+    exact = indexed.adapter.prefill_kv(stored[0], past=[indexed.retriever.prefix_kv()])
+    assert loaded.hit and _rel(loaded.kv.keys, exact.keys) < 0.1 and _rel(loaded.kv.values, exact.values) < 0.1
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 @pytest.mark.parametrize("case", ["missing", "damaged", "foreign"])
-def test_a_bad_transform_entry_makes_the_connectors_chunks_misses_and_nothing_is_saved(indexed, case):
+def test_a_bad_transform_entry_makes_the_connectors_chunks_misses_and_nothing_is_saved(indexed, case, caplog):
     _spoil_transform(indexed, case)
     side = _side(indexed)  # a new connector process: its transform comes from the store
     ids, _ = _prompt(indexed)
-    assert side.plan(ids, 0, 16) is None
+    with caplog.at_level(logging.WARNING):
+        assert side.plan(ids, 0, 16) is None
+        assert side.plan(ids, 0, 16) is None
+    assert sum("no usable channel transform" in r.getMessage() for r in caplog.records) == 1  # said once
     assert side.computer.transforms.current() is None and side.computer.transforms.digest() == UNCALIBRATED
     # save-back would code the chunk in a transform no one holds: not offered, and nothing calibrated here
     assert side.saveable(ids) is None
