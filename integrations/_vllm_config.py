@@ -9,7 +9,6 @@ transform (a key digests the transform a chunk was coded in, :mod:`ragkv.retriev
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -22,8 +21,6 @@ if TYPE_CHECKING:
     from ragkv.config import EngineConfig
     from ragkv.model import ModelAdapter
     from ragkv.types import CodecSpec
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["KNOWN_SETTINGS", "build_side", "engine_config", "parse_codec"]
 

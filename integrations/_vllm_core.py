@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +71,7 @@ class ServePlan:
     context_end: int  # prompt ids 0..context_end are fused (the last chunk's end)
     start: int  # first token written into vLLM's cache (vLLM's own prefix hit, whole blocks)
     end: int  # tokens reported computed: whole blocks, <= context_end, < prompt length
+    transform: str = ""  # digest of the channel transform the keys were made with ("": none)
 
     @property
     def new_tokens(self) -> int:
@@ -281,7 +282,10 @@ class RagkvSide:
             return None
         with self._lock:
             spans = self._index.find(prompt_ids)
-        return choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+        plan = choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+        if plan is None or not self.computer.uses_transform():
+            return plan
+        return replace(plan, transform=self.computer.transforms.digest())
 
     def saveable(self, prompt_ids: Sequence[int]) -> ChunkSpan | None:
         """The chunk of this prompt vLLM will compute and ragkv can store from vLLM's K/V (None: none).
@@ -374,6 +378,9 @@ class RagkvSide:
 
         ids = list(prompt_ids)
         first = plan.spans[0].start
+        if plan.transform and self.computer.transforms.digest() != plan.transform:
+            # a worker in another process than the scheduler: read the transform the scheduler keyed with
+            self.computer.transforms.reload()
         started = time.perf_counter()
         prefix = self._head_kv(ids[:first])
         started = self.add_time("prefix", started)

@@ -182,3 +182,19 @@ def test_the_connector_reads_the_transform_an_indexer_calibrates_after_it_starte
         assert plan is not None and [s.chunk.stored_ids for s in plan.spans] == stored
         held = engine.retriever.computer.transforms.current()
         assert held is not None and side.computer.transforms.digest() == held.digest
+
+
+def test_a_worker_in_another_process_reads_the_transform_the_scheduler_keyed_with(tmp_path, llama_adapter, caplog):
+    with _engine(tmp_path, llama_adapter) as engine:
+        worker = _side(engine)  # its own side (another process): it looked before any transform existed
+        assert worker.computer.transforms.current() is None
+        engine.index(DOCS, progress=False)
+        scheduler = _side(engine)
+        ids, _ = _prompt(engine)
+        plan = scheduler.plan(ids, 0, 16)
+        held = engine.retriever.computer.transforms.current()
+        assert plan is not None and held is not None and plan.transform == held.digest
+        with caplog.at_level(logging.WARNING):
+            worker.fused_kv(ids, plan)
+        assert worker.computer.transforms.digest() == held.digest
+        assert not any("vanished" in r.getMessage() for r in caplog.records)  # every chunk loaded, none recomputed
