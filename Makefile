@@ -1,11 +1,12 @@
 # Two entry points for a fresh clone: `make demo` (install + run the demo) and `make test`.
 # Both create or reuse .venv. torch is installed first, pinned to the CPU wheel this machine has.
+# `make test-vllm` runs the vLLM connector's tests in vLLM's own venv (CI runs it after `make test`).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ragkv-installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-vllm lint clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# vLLM pins transformers and torch apart from .venv: its own venv, .vllm-venv (1-2 minutes to build, 1-3 of tests)
+test-vllm:
+	bash tools/vllm_env.sh
+
 # mypy runs on the package laid out as installed (ragkv.codec is codec/, ...): see tools/typecheck.py.
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -32,4 +37,4 @@ lint: $(STAMP)
 	$(BIN)/python tools/layers.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .typecheck
+	rm -rf $(VENV) .vllm-venv build dist *.egg-info .typecheck

@@ -346,6 +346,21 @@ class Catalog:
         with self._read() as conn:
             return [EntryRecord(**dict(r)) for r in conn.execute(query).mappings()]
 
+    def entry_keys_for_tokens(self, tokens_digests: Sequence[str], tenant: str) -> list[str]:
+        """The storage keys of ``tenant``'s entries of these chunks (token digests), at any codec, level,
+        prefix or channel transform they were stored with; sorted."""
+        validate_tenant(tenant)
+        digests = sorted(set(tokens_digests))
+        found: set[str] = set()
+        with self._read() as conn:
+            for start in range(0, len(digests), _BATCH):
+                batch = digests[start : start + _BATCH]
+                query = select(entries.c.storage_key).where(
+                    and_(entries.c.tenant == tenant, entries.c.tokens_digest.in_(batch))
+                )
+                found.update(r.storage_key for r in conn.execute(query))
+        return sorted(found)
+
     def remove_entry(self, storage_key: str) -> None:
         """Forget ``storage_key`` (no error if it was not recorded)."""
         with self._write() as conn:

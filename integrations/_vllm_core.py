@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +71,7 @@ class ServePlan:
     context_end: int  # prompt ids 0..context_end are fused (the last chunk's end)
     start: int  # first token written into vLLM's cache (vLLM's own prefix hit, whole blocks)
     end: int  # tokens reported computed: whole blocks, <= context_end, < prompt length
+    transform: str = ""  # digest of the channel transform the keys were made with ("": none)
 
     @property
     def new_tokens(self) -> int:
@@ -191,7 +192,8 @@ class RagkvSide:
 
     Args:
         adapter: ragkv's own copy of the model (the one chunk caches were computed with).
-        computer: keys, prefix and store of the chunk caches (tenant and secret included).
+        computer: keys, prefix and store of the chunk caches (tenant, secret and channel transform included;
+            the transform is read from the store, never calibrated here).
         codec: the (codec, level) chunks are read at.
         fusion: how chunk caches are fused (selection strategy and ratio).
         texts: a callable returning chunk texts indexed since its last call (called every ``refresh_s``).
@@ -254,6 +256,14 @@ class RagkvSide:
             for text in new:
                 self._known.add(text)
                 self._index.add(self.adapter.encode(layout.chunk_text(text)), self.adapter.encode(text.strip()))
+        transforms = self.computer.transforms
+        # keys digest the channel transform (when a stored codec is coded in it): read it again when
+        # none is usable yet or new chunks were indexed (an indexer may have calibrated or replaced it)
+        if self.computer.uses_transform() and (new or transforms.current() is None) and transforms.reload() is None:
+            self.say_once(
+                "no usable channel transform in the store for this model and tenant (ragkv's indexing "
+                "calibrates it); chunks at the levels coded in it are misses"
+            )
 
     def plan(self, prompt_ids: Sequence[int], num_computed: int, block_size: int) -> ServePlan | None:
         """What to serve for a prompt (None: nothing; vLLM computes it). Never raises for a bad store."""
@@ -272,7 +282,10 @@ class RagkvSide:
             return None
         with self._lock:
             spans = self._index.find(prompt_ids)
-        return choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+        plan = choose_span(spans, len(prompt_ids), num_computed, block_size, lambda c: self.load(c) is not None)
+        if plan is None or not self.computer.uses_transform():
+            return plan
+        return replace(plan, transform=self.computer.transforms.digest())
 
     def saveable(self, prompt_ids: Sequence[int]) -> ChunkSpan | None:
         """The chunk of this prompt vLLM will compute and ragkv can store from vLLM's K/V (None: none).
@@ -290,7 +303,13 @@ class RagkvSide:
             spans = self._index.find(prompt_ids)
         if not spans or not self._after_prefix(prompt_ids, spans[0].start) or self.load(spans[0].chunk) is not None:
             return None
+        if not self._can_code(self.key(spans[0].chunk)):
+            return None  # ragkv's indexing calibrates the transform; until then such chunks are not stored
         return spans[0]
+
+    def _can_code(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s entry can be written here: plain, or coded in a transform this process holds."""
+        return not key.transform_digest or self.computer.transforms.find(key.transform_digest) is not None
 
     def _after_prefix(self, prompt_ids: Sequence[int], start: int) -> bool:
         """Whether prompt ids ``0..start`` are ragkv's shared prefix, as ids or as text (special tokens kept)."""
@@ -307,7 +326,11 @@ class RagkvSide:
         return self.computer.chunk_key(chunk.stored_ids, self.codec)
 
     def load(self, chunk: KnownChunk) -> ChunkKV | None:
-        """The chunk's stored cache, checked against its key and the model; None when missing or unusable."""
+        """The chunk's stored cache, checked against its key and the model; None when missing or unusable.
+
+        A key at a codec coded in the channel transform digests the transform held here: with none
+        (missing, damaged or foreign in the store) it is a key no entry has, so a miss.
+        """
         from ragkv import codec
         from ragkv.errors import CodecError
         from ragkv.retriever.loader import expected_blob
@@ -326,9 +349,13 @@ class RagkvSide:
         if blob is None:
             return None
         expect = expected_blob(key, self.adapter.spec, len(chunk.stored_ids), self.computer.store_secret)
+        # the key digests the transform the chunk was coded in: the one it names is the one held here
+        transform = self.computer.transforms.find(key.transform_digest) if key.transform_digest else None
         try:
-            kv = codec.decode(blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype)
-        except CodecError as e:  # damaged, or made for another key, model or tenant
+            kv = codec.decode(
+                blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype, transform=transform
+            )
+        except CodecError as e:  # damaged, made for another key, model or tenant, or coded in another transform
             self.say_once(f"unusable cache entry ({e})")
             return None
         with self._lock:
@@ -351,6 +378,9 @@ class RagkvSide:
 
         ids = list(prompt_ids)
         first = plan.spans[0].start
+        if plan.transform and self.computer.transforms.digest() != plan.transform:
+            # a worker in another process than the scheduler: read the transform the scheduler keyed with
+            self.computer.transforms.reload()
         started = time.perf_counter()
         prefix = self._head_kv(ids[:first])
         started = self.add_time("prefix", started)
@@ -432,6 +462,8 @@ class RagkvSide:
         written = []
         for spec in self.computer.codecs:
             key = self.computer.chunk_key(chunk.stored_ids, spec)
+            if not self._can_code(key):
+                continue  # coded in a transform the store holds none of: no reader would look it up
             if spec != self.codec and self.store.contains(key.storage_key):
                 continue  # the primary was missing or unusable; other levels stored already are kept
             entry = self.computer.put(kv, key)

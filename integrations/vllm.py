@@ -11,7 +11,8 @@ Load it with::
         kv_connector_extra_config={"store": "redis://host:6379/0", "catalog": "postgresql://..."}))
 
 The extra config takes ragkv's ``EngineConfig`` fields (``store``, ``catalog``, ``tenant``,
-``data_dir``, ``model``, ``dtype``, ``device``) and ``fusion_method`` / ``fusion_ratio``, over the
+``data_dir``, ``model``, ``dtype``, ``device``), ``fusion_method`` / ``fusion_ratio``, and the
+indexer's ``codec`` / ``index_codecs`` / ``transform_levels`` (they decide the chunk keys), over the
 ``RAGKV_*`` environment variables; ``model`` defaults to vLLM's own model folder, ``device`` to cpu.
 
 Scheduler side: a prompt whose token ids hold chunks indexed in ragkv's catalog is reported
@@ -34,13 +35,13 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ragkv.integrations._lazy import missing_framework
+from ragkv.integrations._vllm_config import build_side, engine_config
 from ragkv.integrations._vllm_core import ChunkSpan, RagkvSide, ServePlan, slot_mapping
 from ragkv.integrations._vllm_paged import read_paged, write_paged
 
@@ -121,33 +122,6 @@ class ConnectorCounts:
 COUNTS = ConnectorCounts()
 
 
-def engine_config(model: str, extra: Mapping[str, Any]) -> EngineConfig:
-    """ragkv's settings from the connector's extra config (over ``RAGKV_*``), model defaulting to vLLM's."""
-    from ragkv.engine import EngineConfig
-    from ragkv.fusion import FusionConfig
-
-    known = {"store", "catalog", "tenant", "data_dir", "model", "dtype", "device", "fusion_method", "fusion_ratio"}
-    unknown = set(extra) - known
-    if unknown:
-        raise ValueError(
-            f"unknown ragkv settings in kv_connector_extra_config: {sorted(unknown)}; known: {sorted(known)}"
-        )
-    over = {k: v for k, v in extra.items() if k in {"catalog", "tenant", "data_dir", "model", "dtype", "device"}}
-    if "store" in extra:
-        store = extra["store"]
-        over["store"] = tuple(u.strip() for u in store.split(",")) if isinstance(store, str) else tuple(store)
-    over.setdefault("model", model)
-    over.setdefault("device", "cpu")
-    cfg = EngineConfig.from_env(**over)
-    if "fusion_method" in extra or "fusion_ratio" in extra:
-        fusion = FusionConfig(
-            method=str(extra.get("fusion_method", cfg.fusion.method)),
-            ratio=float(extra.get("fusion_ratio", cfg.fusion.ratio)),
-        )
-        cfg = replace(cfg, fusion=fusion)
-    return cfg
-
-
 def _side(cfg: EngineConfig) -> RagkvSide:
     """The process's RagkvSide for ``cfg`` (built once: one model copy for the scheduler and the worker)."""
     key = repr(cfg)
@@ -162,29 +136,11 @@ def _build_side(cfg: EngineConfig) -> RagkvSide:
     from ragkv.cache.catalog import Catalog
     from ragkv.cache.store import open_store
     from ragkv.model import load_model
-    from ragkv.retriever.precompute import ChunkComputer, StoredEntry, record_stored
 
     adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
-    store = open_store(cfg.store_urls())
-    prefix_ids = adapter.encode(adapter.layout(cfg.retriever.system).prefix)
-    computer = ChunkComputer(
-        adapter, store, prefix_ids, cfg.retriever.stored_codecs, tenant=cfg.tenant, store_secret=cfg.store_secret
-    )
-    catalog = Catalog(cfg.catalog_url())
-    seen: set[int] = set()
-
-    def new_texts() -> list[str]:
-        rows = [r for r in catalog.all_chunk_rows(cfg.tenant) if r not in seen]
-        seen.update(rows)
-        return [c.text for c in catalog.chunks_by_rows(rows, cfg.tenant)]
-
-    def record(entry: StoredEntry) -> None:
-        record_stored(catalog, entry, tenant=cfg.tenant)
-
+    side = build_side(adapter, open_store(cfg.store_urls()), Catalog(cfg.catalog_url()), cfg)
     logger.info("ragkv vLLM connector: model %s on %s, store %s", adapter.name, adapter.device, cfg.store_urls())
-    return RagkvSide(
-        adapter, computer, cfg.retriever.codec, cfg.fusion, new_texts, system=cfg.retriever.system, record=record
-    )
+    return side
 
 
 class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]

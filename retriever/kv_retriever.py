@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
-from ragkv.digests import Digest, fields_digest, text_digest
+from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
 from ragkv.errors import DocumentNotFoundError
 from ragkv.model import ModelAdapter
 from ragkv.planner.session import LoadPlanning
@@ -434,8 +434,11 @@ class KVRetriever:
         """Forget document ``source`` of this tenant: catalog rows, FAISS entries and its stored caches.
 
         A cache entry goes only when no other document of the tenant still has a chunk with the same
-        tokens (entries are keyed by content, so two documents may share one). The caller keeps
-        retrieval off the FAISS index meanwhile (``RagKV.remove`` holds its index lock).
+        tokens (entries are keyed by content, so two documents may share one). Every entry of such a
+        chunk goes, whatever it was coded with: the keys this retriever makes now, and every entry the
+        catalog recorded for the chunk's tokens (other levels, a channel transform replaced since, an
+        older system prompt). The caller keeps retrieval off the FAISS index meanwhile (``RagKV.remove``
+        holds its index lock).
         """
         tenant, catalog = self.tenant, self.catalog
         # a file is indexed under its resolved path: accept the path as typed too
@@ -450,14 +453,14 @@ class KVRetriever:
             self.index.remove(rows)
             self.index.save()
         kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
+        gone = {c.token_ids for c in chunks.values()} - kept
+        # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
+        keys: set[str] = {self.chunk_key(ids, spec).storage_key for ids in gone for spec in self.config.stored_codecs}
+        keys.update(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
         deleted = 0
-        for chunk in chunks.values():
-            if chunk.token_ids in kept:
-                continue
-            for spec in self.config.stored_codecs:
-                key = self.chunk_key(chunk.token_ids, spec).storage_key
-                deleted += self.store.delete(key)
-                catalog.remove_entry(key)
+        for key in sorted(keys):
+            deleted += self.store.delete(key)
+            catalog.remove_entry(key)
         return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
 
     def retrieve(self, query: str, k: int | None = None) -> list[Chunk]:

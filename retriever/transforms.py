@@ -118,6 +118,15 @@ class TransformSource:
             self._transform = self._read()
         return self._transform
 
+    def reload(self) -> ChannelTransform | None:
+        """Read the store's entry again (another process may have calibrated or replaced it since) and use it.
+
+        For readers that never calibrate (the vLLM connector). Until the read returns, other threads
+        keep the transform read before.
+        """
+        self._transform, self._looked = self._read(), True
+        return self._transform
+
     def digest(self) -> str:
         """The current transform's digest, or :data:`UNCALIBRATED` (keys that always miss)."""
         current = self.current()

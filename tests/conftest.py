@@ -14,11 +14,19 @@ import torch
 # the server, Ray workers) inherits them. A conversion made by `make demo` in either dtype is never
 # seen. The default model is converted once per session into this folder.
 _SESSION_CACHES = tempfile.mkdtemp(prefix="ragkv-tests-")
-for _var, _sub in (("RAGKV_MODEL_CACHE", "models"), ("HF_HOME", "hf"), ("RAGKV_DATA_DIR", "data")):
+_CACHES = (
+    ("RAGKV_MODEL_CACHE", "models"),
+    ("HF_HOME", "hf"),
+    ("RAGKV_DATA_DIR", "data"),
+    ("VLLM_CACHE_ROOT", "vllm-cache"),  # vLLM's venv (tools/vllm_env.sh): its caches default to ~/.cache/vllm
+    ("VLLM_CONFIG_ROOT", "vllm-config"),  # ... and its usage record to ~/.config/vllm
+)
+for _var, _sub in _CACHES:
     os.environ[_var] = os.path.join(_SESSION_CACHES, _sub)
 os.environ.pop("HF_HUB_CACHE", None)
 os.environ.pop("RAGKV_MODEL", None)
 os.environ["HF_HUB_OFFLINE"] = "1"  # the tests download nothing
+os.environ["VLLM_NO_USAGE_STATS"] = "1"  # ... and send nothing (vLLM posts usage stats by default)
 # torch's thread count stays as it is: an adaptive count (RAGKV_THREADS=auto, the default) would
 # follow the CI machine's load, and two runs compared for equality could then round differently.
 # tests/core/test_threads.py tests the policy itself.

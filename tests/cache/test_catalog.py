@@ -117,6 +117,24 @@ def test_entries_are_recorded_idempotently_and_touched(catalog: Catalog) -> None
     assert catalog.entries("default") == []
 
 
+def test_entry_keys_for_tokens_are_a_tenants_entries_of_those_chunks_at_any_codec(catalog: Catalog) -> None:
+    def record(key: str, tenant: str, tokens: str, level: int) -> None:
+        catalog.record_entry(
+            key, tenant=tenant, tokens_digest=tokens, codec="cachegen", level=level, nbytes=1, num_tokens=1
+        )
+
+    record(make_key(1), "default", "a" * 64, 0)
+    record(make_key(2), "default", "a" * 64, 1)  # the same chunk at another level (or transform)
+    record(make_key(3), "default", "b" * 64, 0)
+    record(make_key(4, "alice"), "alice", "a" * 64, 0)  # the same chunk in another tenant
+    assert catalog.entry_keys_for_tokens(["a" * 64], "default") == sorted([make_key(1), make_key(2)])
+    assert catalog.entry_keys_for_tokens(["a" * 64, "b" * 64, "c" * 64], "default") == sorted(
+        [make_key(1), make_key(2), make_key(3)]
+    )
+    assert catalog.entry_keys_for_tokens(["a" * 64], "alice") == [make_key(4, "alice")]
+    assert catalog.entry_keys_for_tokens([], "default") == []
+
+
 def test_an_entry_must_live_in_its_tenants_namespace(catalog: Catalog) -> None:
     with pytest.raises(ValueError, match="namespace"):
         catalog.record_entry(

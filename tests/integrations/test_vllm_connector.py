@@ -3,8 +3,9 @@
 The first part runs everywhere: chunk spans found in token ids, the block-aligned span, slot
 mapping, and ragkv's side of the connector on the tiny model (misses on bad entries, fused K/V
 against a plain prefill). The second part needs vLLM, which lives in its own virtual environment
-(its pins clash with the main one's); it is skipped elsewhere. Set it up and run it with
-``bash tools/vllm_env.sh`` (over 10 minutes of installing: CI does not run it).
+(its pins clash with the main one's); it is skipped elsewhere. ``make test-vllm`` (CI runs it)
+builds that venv with ``tools/vllm_env.sh`` and runs this file there with ``RAGKV_REQUIRE_VLLM=1``,
+which turns the skip into a failure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ragkv.integrations._vllm_core import (
 )
 from ragkv.retriever.kv_retriever import RetrieverConfig
 from ragkv.retriever.precompute import ChunkComputer
+from ragkv.types import CodecSpec
 
 CHUNK_A = "Apples grow on trees in orchards across the valley, and the harvest comes in late autumn each year."
 CHUNK_B = "Boats float on the water of the bay and carry people and their goods between the small islands."
@@ -388,11 +390,20 @@ def test_real_tokenizer_chunk_one_position_later_is_rotated_back(real_adapter):
 
 # ---- inside vLLM (its own venv: bash tools/vllm_env.sh) -----------------------------------------
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# tools/vllm_env.sh (`make test-vllm`, CI) sets it: there a missing vLLM fails these tests, never skips them
+REQUIRE_VLLM = os.environ.get("RAGKV_REQUIRE_VLLM") == "1"
 needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM,
-    reason="vLLM is not installed here; it lives in its own venv: bash tools/vllm_env.sh (builds it, runs these tests)",
+    not HAS_VLLM and not REQUIRE_VLLM,
+    reason="vLLM is not installed here; it lives in its own venv: make test-vllm (builds it, runs these tests)",
 )
 
+
+def test_vllm_is_importable_where_it_is_required():
+    if REQUIRE_VLLM and not HAS_VLLM:
+        pytest.fail("RAGKV_REQUIRE_VLLM=1 but vLLM is not importable: run these tests with make test-vllm")
+
+
+LEVEL1 = CodecSpec("cachegen", 1)
 QA = os.path.join(os.path.dirname(__file__), "..", "..", "ragkv", "bench", "data", "qa_invented.json")
 
 
@@ -414,7 +425,8 @@ def vllm_rig(tmp_path_factory):
     with open(QA) as f:
         qa = json.load(f)
     engine = RagKV(EngineConfig(data_dir=data_dir, model=folder, device="cpu"))
-    engine.index([Document(f"qa:{d['id']}", d["text"], d["title"]) for d in qa["documents"][:3]], progress=False)
+    documents = [Document(f"qa:{d['id']}", d["text"], d["title"]) for d in qa["documents"][:3]]
+    engine.index(documents, progress=False)
     question = qa["questions"][0]["question"]
     layout = engine.retriever.layout
     chunks = engine.retrieve(question)
@@ -438,7 +450,14 @@ def vllm_rig(tmp_path_factory):
         # prompts prefill over several steps: a chunk is saved back from the step that computes its end
         max_num_batched_tokens=256,
     )
-    yield {"llm": llm, "ids": ids, "first_key": first_key, "engine": engine, "question": question}
+    yield {
+        "llm": llm,
+        "ids": ids,
+        "first_key": first_key,
+        "engine": engine,
+        "question": question,
+        "documents": documents,
+    }
     engine.close()
 
 
@@ -513,6 +532,58 @@ def test_damaged_entry_is_computed_by_vllm(vllm_rig):
     finally:
         side.store.invalidate(key)
         side.store.put(key, blob, cost=1.0)
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """Leading tokens two greedy answers share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_transform_coded_chunks_are_served_and_a_damaged_transform_is_a_miss(vllm_rig, tmp_path, monkeypatch):
+    """Chunks indexed at cachegen level 1, coded in the channel transform: a connector set up with the
+    indexer's ``codec: cachegen:1`` keys and decodes them with the store's transform and vLLM skips
+    them; once the transform entry it reads is damaged they are misses and vLLM computes the prompt."""
+    from ragkv.codec.transform import transform_key
+    from ragkv.engine import EngineConfig, RagKV
+    from ragkv.integrations import vllm as connector
+    from ragkv.integrations._vllm_config import build_side, engine_config
+    from ragkv.integrations.vllm import COUNTS
+    from ragkv.retriever.embedder import HashingEmbedder
+
+    llm, ids, engine = vllm_rig["llm"], vllm_rig["ids"], vllm_rig["engine"]
+    # the rig's documents indexed again, at level 1 (the transform is on there by default), same model
+    coded_cfg = EngineConfig(data_dir=tmp_path, model=engine.config.model, retriever=RetrieverConfig(codec=LEVEL1))
+    with RagKV(coded_cfg, adapter=engine.adapter, embedder=HashingEmbedder(dim=64)) as coded_engine:
+        coded_engine.index(vllm_rig["documents"], progress=False)
+        held = coded_engine.retriever.computer.transforms.current()
+        assert held is not None
+        _generate(llm, ids, max_tokens=1)  # the connector's side exists from here on
+        (side,) = connector._SIDES.values()
+        cfg = engine_config(str(engine.config.model), {"data_dir": str(tmp_path), "codec": "cachegen:1"})
+        coded = build_side(side.adapter, coded_engine.store, coded_engine.catalog, cfg)  # what that config builds
+        for name in ("codec", "computer", "store"):
+            monkeypatch.setattr(side, name, getattr(coded, name))
+        side._decoded.clear()
+        try:
+            base, _ = _generate(llm, ids, ragkv=False)
+            served = COUNTS.served_tokens
+            got, cached = _generate(llm, ids)
+            assert coded.computer.transforms.digest() == held.digest
+            assert cached >= len(ids) // 2 and cached == COUNTS.served_tokens - served
+            assert _agreement(base, got) >= min(len(base), 16), (base, got)  # 14 of 14 measured
+            key = transform_key(coded_engine.retriever.tenant, engine.adapter.fingerprint)
+            blob = bytearray(coded_engine.store.get(key) or b"")
+            blob[len(blob) // 2] ^= 0x40
+            coded_engine.store.invalidate(key)
+            coded_engine.store.put(key, bytes(blob))
+            assert coded.computer.transforms.reload() is None  # as its refresh does when chunks are indexed
+            side._decoded.clear()
+            got, cached = _generate(llm, ids)
+            assert cached == 0 and got == base
+        finally:
+            side._decoded.clear()
 
 
 @needs_vllm

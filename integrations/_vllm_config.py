@@ -1,0 +1,136 @@
+"""The vLLM connector's settings and the ragkv side built from them (no vLLM import: CI tests them).
+
+A connector must make the keys the indexer made: same model, prefix, tenant, codecs and channel
+transform (a key digests the transform a chunk was coded in, :mod:`ragkv.retriever.transforms`).
+``kv_connector_extra_config`` therefore takes the indexer's ``codec``, ``index_codecs`` and
+``transform_levels`` besides ``EngineConfig``'s fields; :func:`build_side` turns the settings into a
+:class:`~ragkv.integrations._vllm_core.RagkvSide` over an open store and catalog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ragkv.integrations._vllm_core import RagkvSide
+
+if TYPE_CHECKING:
+    from ragkv.cache.catalog import Catalog
+    from ragkv.cache.store import TieredStore
+    from ragkv.config import EngineConfig
+    from ragkv.model import ModelAdapter
+    from ragkv.types import CodecSpec
+
+__all__ = ["KNOWN_SETTINGS", "build_side", "engine_config", "parse_codec"]
+
+_ENGINE_FIELDS = ("catalog", "tenant", "data_dir", "model", "dtype", "device")
+KNOWN_SETTINGS = frozenset(
+    {"store", *_ENGINE_FIELDS, "fusion_method", "fusion_ratio", "codec", "index_codecs", "transform_levels"}
+)
+
+
+def parse_codec(text: str) -> CodecSpec:
+    """A ``CodecSpec`` from ``"name:level"`` (``str(spec)``'s form).
+
+    >>> parse_codec("cachegen:1")
+    CodecSpec(name='cachegen', level=1)
+    """
+    from ragkv.types import CodecSpec
+
+    name, sep, level = str(text).strip().partition(":")
+    if not sep or not level.strip().isdigit():
+        raise ValueError(f"a codec is written 'name:level', e.g. 'cachegen:1'; got {text!r}")
+    return CodecSpec(name.strip(), int(level))
+
+
+def _codecs(value: Any) -> tuple[CodecSpec, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(parse_codec(v) for v in items if str(v).strip())
+
+
+def _levels(value: Any) -> tuple[int, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, Sequence) or isinstance(items, bytes):
+        raise ValueError(f"transform_levels takes a list of codec levels ([] for off); got {value!r}")
+    out = []
+    for v in items:
+        if isinstance(v, bool) or not str(v).strip().isdigit():
+            raise ValueError(f"transform_levels takes codec levels >= 0 ([] for off); got {value!r}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def engine_config(model: str, extra: Mapping[str, Any]) -> EngineConfig:
+    """ragkv's settings from the connector's extra config (over ``RAGKV_*``), model defaulting to vLLM's.
+
+    ``codec`` (``"cachegen:1"``), ``index_codecs`` and ``transform_levels`` must be the indexer's
+    ``RetrieverConfig.codec``, ``index_codecs`` and ``transform.levels``: they decide the keys.
+
+    Raises:
+        ValueError: an unknown setting, or one written wrong (the message names the form).
+    """
+    from ragkv.engine import EngineConfig
+    from ragkv.fusion import FusionConfig
+
+    unknown = set(extra) - KNOWN_SETTINGS
+    if unknown:
+        raise ValueError(
+            f"unknown ragkv settings in kv_connector_extra_config: {sorted(unknown)}; known: {sorted(KNOWN_SETTINGS)}"
+        )
+    over = {k: v for k, v in extra.items() if k in _ENGINE_FIELDS}
+    if "store" in extra:
+        store = extra["store"]
+        over["store"] = tuple(u.strip() for u in store.split(",")) if isinstance(store, str) else tuple(store)
+    over.setdefault("model", model)
+    over.setdefault("device", "cpu")
+    cfg = EngineConfig.from_env(**over)
+    if "fusion_method" in extra or "fusion_ratio" in extra:
+        fusion = FusionConfig(
+            method=str(extra.get("fusion_method", cfg.fusion.method)),
+            ratio=float(extra.get("fusion_ratio", cfg.fusion.ratio)),
+        )
+        cfg = replace(cfg, fusion=fusion)
+    retriever = cfg.retriever
+    if "codec" in extra:
+        retriever = replace(retriever, codec=parse_codec(extra["codec"]))
+    if "index_codecs" in extra:
+        retriever = replace(retriever, index_codecs=_codecs(extra["index_codecs"]))
+    if "transform_levels" in extra:
+        retriever = replace(
+            retriever, transform=replace(retriever.transform, levels=_levels(extra["transform_levels"]))
+        )
+    return replace(cfg, retriever=retriever)
+
+
+def build_side(adapter: ModelAdapter, store: TieredStore, catalog: Catalog, cfg: EngineConfig) -> RagkvSide:
+    """The connector's ragkv side: ``adapter`` (the indexer's model), the store and catalog, keyed as ``cfg`` says.
+
+    Its chunk keys digest the channel transform the store holds for the model and tenant (read,
+    never calibrated here: a missing, damaged or foreign one makes the chunks coded in it misses).
+    """
+    from ragkv.retriever.precompute import ChunkComputer, StoredEntry, record_stored
+
+    prefix_ids = adapter.encode(adapter.layout(cfg.retriever.system).prefix)
+    computer = ChunkComputer(
+        adapter,
+        store,
+        prefix_ids,
+        cfg.retriever.stored_codecs,
+        tenant=cfg.tenant,
+        store_secret=cfg.store_secret,
+        transform=cfg.retriever.transform,
+    )
+    seen: set[int] = set()
+
+    def new_texts() -> list[str]:
+        rows = [r for r in catalog.all_chunk_rows(cfg.tenant) if r not in seen]
+        seen.update(rows)
+        return [c.text for c in catalog.chunks_by_rows(rows, cfg.tenant)]
+
+    def record(entry: StoredEntry) -> None:
+        record_stored(catalog, entry, tenant=cfg.tenant)
+
+    return RagkvSide(
+        adapter, computer, cfg.retriever.codec, cfg.fusion, new_texts, system=cfg.retriever.system, record=record
+    )
