@@ -179,6 +179,11 @@ class DecodeBatch:
         return [k for k in self._owner if k is not None]
 
     @property
+    def step_rows(self) -> int:
+        """Rows a step runs: every slot up to the last live one (a free slot among them decodes a dummy token)."""
+        return len(self._owner)
+
+    @property
     def capacity(self) -> int:
         """Columns per slot (0 while empty)."""
         return int(self._layers[0].keys.shape[2]) if self._layers else 0
@@ -378,9 +383,10 @@ def take_rider() -> Rider | None:
 
 
 def riding_tokens() -> int:
-    """Tokens of the decode step waiting to ride on this thread's next forward pass (0: none waiting).
+    """Tokens the decode step waiting to ride on this thread's next forward pass adds to it (0: none waiting).
 
+    One per row the step runs, free slots among the live ones included (``DecodeBatch.step_rows``).
     A prefill piece counts them in its token budget (``AnswerPath._full_steps``).
     """
     rider = take_rider()
-    return len(rider.tokens) if rider is not None else 0
+    return rider.batch.step_rows if rider is not None else 0

@@ -194,3 +194,15 @@ def test_int8_steps_are_not_carried(llama_adapter):
     batch.add("0", cache, 5)
     assert not batch.can_carry()  # its steps read other weights than a prefill piece
     assert not DecodeBatch(llama_adapter).can_carry()  # nothing to carry
+
+
+def test_a_piece_budget_counts_every_row_the_step_runs_free_slots_included(llama_adapter):
+    """The pass is piece + step_rows tokens: a freed slot between live rows still runs (a dummy token)."""
+    from ragkv.model.batch import Rider, riding, riding_tokens
+
+    with torch.inference_mode():
+        batch, tokens = _rows(llama_adapter, _prompts(llama_adapter, 3), free_slot=True)
+        assert len(batch) == 2 and batch.step_rows == 3
+        assert riding_tokens() == 0
+        with riding(Rider(batch, tokens)):
+            assert riding_tokens() == 3
