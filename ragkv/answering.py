@@ -176,16 +176,19 @@ class AnswerPath:
 
         A piece's budget counts the decode rows riding on its forward pass (Sarathi-Serve's token
         budget; ``ragkv.model.batch.riding_tokens``): with B rows riding, it runs ``step_tokens - B``
-        prompt tokens, so the pass keeps the size the budget names (on a CPU a matmul one row past
-        a multiple of its blocking costs visibly more). Its own compute time (pauses excluded)
-        feeds the engine's prefill speed estimate.
+        prompt tokens (at least half the budget), so the pass keeps the size the budget names (on a
+        CPU a matmul one row past a multiple of its blocking costs visibly more). Its own compute
+        time (pauses excluded) feeds the engine's prefill speed estimate, unless rows rode on it.
         """
         a = self.parts.adapter
         cache = a.build_cache([])
         n = max(1, len(ids))
-        busy, start = 0.0, 0
+        busy, start, carried = 0.0, 0, False
         while True:
-            size = max(1, step_tokens - riding_tokens()) if step_tokens else n
+            riders = riding_tokens()
+            carried = carried or riders > 0
+            # the rows riding take their share of the budget, never more than half of it
+            size = max(step_tokens - riders, (step_tokens + 1) // 2) if step_tokens else n
             if start + size >= n:
                 break
             began = time.perf_counter()
@@ -195,8 +198,9 @@ class AnswerPath:
             yield
         began = time.perf_counter()
         logits = a.forward(ids[start:], cache, start, logits="last")
-        self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
-        self.parts.save_rates_soon()
+        if not carried:  # a pass that carried decode rows timed their work too: not this prefill's speed
+            self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
+            self.parts.save_rates_soon()
         return cache, logits
 
     def _fused_steps(

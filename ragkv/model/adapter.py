@@ -240,7 +240,7 @@ class ModelAdapter:
             raise ValueError(f"logits must be one of {_LOGITS_WANTED}, got {logits!r}")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
         rider = take_rider() if type(cache) is DynamicCache and ids.shape[1] > 0 else None
-        if rider is not None:  # a decode step rides on this pass (the server's scheduler; ragkv.model.batch)
+        if rider is not None and rider.batch.adapter is self:  # a decode step rides on this pass (ragkv.model.batch)
             piece_logits, rider.logits = rider.batch.carried_step(rider.tokens, ids[0], cache, start, logits)
             return piece_logits
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)

@@ -153,7 +153,10 @@ def _carried_attention(
     row_k, row_v = carry.row_kv(module.layer_idx)
     b, hq, d = query.shape[2] - p, query.shape[1], query.shape[3]
     row_q = query[0, :, p:].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
-    rows, _ = _one_query_fp32(row_q, row_k, row_v, carry.rows_mask, kwargs.get("scaling"))  # [B, 1, Hq, D]
+    if _takes_fp32_decode(row_q, kwargs):  # as a step of its own would (decode_step's choice)
+        rows, _ = _one_query_fp32(row_q, row_k, row_v, carry.rows_mask, kwargs.get("scaling"))  # [B, 1, Hq, D]
+    else:
+        rows, _ = _delegate(base, module)(module, row_q, row_k, row_v, carry.rows_mask, *args, **kwargs)
     return torch.cat([piece, rows.reshape(1, b, hq, d)], dim=1), None  # [1, p + B, Hq, D]
 
 
@@ -215,7 +218,9 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         probe = _ACTIVE_PROBE.get()
         layer = getattr(module, "layer_idx", None)
         carry = _CARRY.get()
-        if carry is not None and layer is not None and query.shape[2] > carry.piece:
+        if carry is not None and query.shape[2] > carry.piece:
+            if layer is None:  # the rows' K/V are found by layer: without one they would read the piece's
+                raise RuntimeError(f"{type(module).__name__} has no layer_idx; decode steps cannot ride on its passes")
             return _carried_attention(carry, base, module, query, key, value, attention_mask, *args, **kwargs)
         if probe is not None and layer is not None and probe.layer_idx in (None, layer):
             return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ragkv.model.attention import carrying, decode_step, is_probing
+from ragkv.model.attention import carrying, decode_step, is_dispatched, is_probing
 from ragkv.model.caches import _layer_tensors, cache_kwarg
 from ragkv.model.quant import step_weights
 from ragkv.types import LogitsWanted
@@ -225,9 +225,11 @@ class DecodeBatch:
 
         Only when decode steps read the model's own weights (an int8/int4 step reads other weights
         than the prefill it would ride on) and on the CPU (where a step is the fp32 one-query path
-        either way, so a carried step computes what a step of its own would).
+        either way, so a carried step computes what a step of its own would), while the model runs
+        ragkv's attention dispatcher (which splits the pass's attention).
         """
-        return len(self) > 0 and self.weights == "model" and self.adapter.device.type == "cpu"
+        a = self.adapter
+        return len(self) > 0 and self.weights == "model" and a.device.type == "cpu" and is_dispatched(a.model)
 
     @torch.no_grad()
     def step(self, token_ids: list[int]) -> torch.Tensor:
@@ -250,8 +252,9 @@ class DecodeBatch:
                     **{cache_kwarg(type(layer)): cache},
                 )
                 hidden = out[0] if isinstance(out, tuple) else out
+        logits = a.final_logits(hidden.index_select(0, rows.live))[:, -1]  # [A, vocab]: the head on live rows only
         self._end_step(rows)
-        return a.final_logits(hidden.index_select(0, rows.live))[:, -1]  # [A, vocab]: the head on live rows only
+        return logits
 
     @torch.no_grad()
     def carried_step(
@@ -292,11 +295,11 @@ class DecodeBatch:
                     **{cache_kwarg(type(layer)): mixed},
                 )
                 hidden = out[0] if isinstance(out, tuple) else out
-        self._end_step(rows)
         wanted = {"all": torch.arange(p), "last": torch.tensor([p - 1]), "none": torch.zeros(0, dtype=torch.long)}
         at = torch.cat([wanted[logits], p + rows.live.cpu()]).to(a.device)
         out = a.final_logits(hidden.index_select(1, at))[0]  # [n, vocab]: one LM head read for both
         n_piece = out.shape[0] - rows.live.numel()
+        self._end_step(rows)  # last: a step that raised leaves the rows where they were (the next step rewrites)
         return out[:n_piece], out[n_piece:]
 
     def _start_step(self, token_ids: list[int]) -> _StepRows:

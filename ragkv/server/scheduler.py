@@ -407,7 +407,7 @@ class Scheduler:
 
     def _step(self) -> None:
         keys = list(self._batch.keys)
-        if self.counters.steps % ADAPT_EVERY_STEPS == 0:
+        if (self.counters.steps - self.counters.carried_steps) % ADAPT_EVERY_STEPS == 0:
             adapt_threads()  # another process may have taken a core (RAGKV_THREADS; ragkv.model.threads)
         started = time.perf_counter()
         with self._model_lock(self._rows[keys[0]].job):

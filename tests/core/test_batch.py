@@ -159,6 +159,7 @@ def test_a_carried_step_equals_a_piece_then_a_step_of_its_own(llama_adapter):
                     torch.testing.assert_close(fast.values, slow.values, atol=1e-5, rtol=1e-5)
                 for slow, fast in zip(slow_batch._layers, fast_batch._layers, strict=True):
                     torch.testing.assert_close(fast.keys, slow.keys, atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(fast.values, slow.values, atol=1e-5, rtol=1e-5)
                 # both batches go on identically: the rows' next steps agree
                 nxt = [int(t) for t in torch.argmax(want_rows, dim=-1)]
                 torch.testing.assert_close(fast_batch.step(nxt), slow_batch.step(nxt), atol=1e-4, rtol=1e-4)

@@ -106,3 +106,63 @@ def test_decode_steps_between_the_pieces_change_nothing(tmp_path, llama_adapter)
 def test_bad_step_tokens_are_refused(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag, pytest.raises(ValueError, match="step_tokens"):
         drain(rag.prefill_steps(PROMPT, step_tokens=0))
+
+
+def test_a_piece_gives_the_rows_riding_on_it_their_share_of_the_budget_but_at_most_half(tmp_path, llama_adapter):
+    """The first piece carries a 3-row step: with 8 tokens a piece it runs 5 prompt tokens; with 4, 2 (not 1)."""
+    from ragkv.model.batch import Rider, riding
+
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        a = rag.adapter
+        n = len(a.encode(PROMPT[0]))
+        whole = rag.prefill(PROMPT, mode="full")
+        for budget, first in ((8, 5), (4, 2)):
+            batch = DecodeBatch(a)
+            for i in range(3):
+                cache = a.build_cache([])
+                a.forward(a.encode(f"Row {i} says hello"), cache, 0, logits="none")
+                batch.add(str(i), cache, 5, reserve=4)
+            with riding(Rider(batch, [1, 2, 3])) as rider:
+                pre, pieces = _pieces(rag.prefill_steps(PROMPT, mode="full", step_tokens=budget))
+            assert rider is not None and rider.logits is not None  # the first pass carried the step
+            assert pieces == 1 + -(-(n - first) // budget)  # later pieces have no rider: whole budgets
+            torch.testing.assert_close(pre.logits, whole.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_carried_step_that_fails_leaves_the_rows_where_they_were(tmp_path, llama_adapter, monkeypatch):
+    """A pass that raises after the layers (at the LM head) has not advanced the rows: the next step is exact."""
+    a = llama_adapter
+    with torch.inference_mode():
+        batches = []
+        for _ in range(2):
+            batch = DecodeBatch(a)
+            for i in range(2):
+                cache = a.build_cache([])
+                a.forward(a.encode(f"Row {i} says hello"), cache, 0, logits="none")
+                batch.add(str(i), cache, 5, reserve=4)
+            batches.append(batch)
+        failing, clean = batches
+        before = list(failing._length)
+        with monkeypatch.context() as m:
+            m.setattr(a, "final_logits", lambda hidden: (_ for _ in ()).throw(MemoryError("out of memory")))
+            with pytest.raises(MemoryError):
+                failing.carried_step([7, 8], torch.tensor(a.encode("piece")), a.build_cache([]), 0, "none")
+        assert failing._length == before
+        torch.testing.assert_close(failing.step([7, 8]), clean.step([7, 8]), atol=1e-5, rtol=1e-5)
+
+
+def test_no_step_rides_once_the_models_attention_was_switched_away_from_ragkvs_dispatcher(tmp_path, llama_adapter):
+    a = llama_adapter
+    batch = DecodeBatch(a)
+    cache = a.build_cache([])
+    with torch.inference_mode():
+        a.forward(a.encode("Row says hello"), cache, 0, logits="none")
+    batch.add("0", cache, 5, reserve=4)
+    assert batch.can_carry()
+    cfg = a.model.config
+    name = cfg._attn_implementation
+    try:
+        cfg._attn_implementation = name.removeprefix("ragkv_")
+        assert not batch.can_carry()  # the pass's attention could not be split
+    finally:
+        cfg._attn_implementation = name
