@@ -275,6 +275,8 @@ class DecodeBatch:
         """
         if not self.can_carry():
             raise RuntimeError("this batch's steps cannot be carried (see can_carry())")
+        if cache.get_seq_length() != start:
+            raise ValueError(f"the piece starts at {start} but its cache holds {cache.get_seq_length()} tokens")
         rows = self._start_step(token_ids)
         a = self.adapter
         p = int(piece.numel())
