@@ -33,6 +33,7 @@ test-vllm:
 # mypy runs on the package laid out as installed (ragkv.codec is codec/, ...): see tools/typecheck.py.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python tools/typecheck.py
 	$(BIN)/python tools/layers.py
 

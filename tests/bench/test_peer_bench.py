@@ -94,7 +94,6 @@ def test_llama_cpp_answers_the_same_prompt_ids_cold_and_warm():
     assert cold.tokens == warm.tokens == 8 and cold.ttft_s > 0 and warm.ttft_s > 0
 
 
-
 def test_busy_processes_run_for_the_block_and_are_gone_after(monkeypatch):
     import subprocess
 

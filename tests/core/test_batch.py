@@ -148,9 +148,7 @@ def test_a_carried_step_equals_a_piece_then_a_step_of_its_own(llama_adapter):
                 fast_cache = adapter.build_cache([])
                 adapter.forward(head, fast_cache, 0, logits="none")
                 assert fast_batch.can_carry()
-                got_piece, got_rows = fast_batch.carried_step(
-                    tokens, torch.tensor(tail), fast_cache, len(head), logits
-                )
+                got_piece, got_rows = fast_batch.carried_step(tokens, torch.tensor(tail), fast_cache, len(head), logits)
                 assert got_piece.shape == want_piece.shape and got_rows.shape == want_rows.shape
                 torch.testing.assert_close(got_piece, want_piece, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(got_rows, want_rows, atol=1e-4, rtol=1e-4)
