@@ -1,6 +1,7 @@
 """What a prefill piece costs: the server's ``--step-tokens`` against one decode step.
 
     python experiments/step_tokens.py [--model smollm2-135m] [--tokens 1600] [--repeats 3]
+        [--dtype auto] [--threads 0] [--budgets 64,128,256,512]
 
 On the first built-in fusion prompt (cut to about ``--tokens`` context tokens), in the dtype the
 server would choose, it times (best of ``--repeats``): a batched decode step of 1 and 4 rows at that
@@ -68,8 +69,13 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=1600)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's own count)")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="piece budgets, comma-separated")
     args = ap.parse_args()
-    a = load_model(args.model, device="cpu", dtype="auto")
+    a = load_model(args.model, device="cpu", dtype=args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompt = builtin_prompts(a, n=1)[0]
     prefix, chunks, suffix = a.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     kept = fit_chunks(len(prefix), chunks, args.tokens)
@@ -83,7 +89,7 @@ def main() -> None:
         print(f"decode step, {rows} row(s): {min(_decode_ms(a, ids, rows) for _ in range(args.repeats)):.1f} ms")
     print("| pass | piece budget | pieces | total ms | longest piece ms |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for budget in (None, *BUDGETS):
+    for budget in (None, *(int(b) for b in args.budgets.split(","))):
         with torch.inference_mode():
             full = min((_timed(_full(a, ids, budget)) for _ in range(args.repeats)), key=lambda r: r[0])
             steps = (fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=budget) for _ in range(args.repeats))

@@ -297,8 +297,8 @@ class DecodeBatch:
                     **{cache_kwarg(type(layer)): mixed},
                 )
                 hidden = out[0] if isinstance(out, tuple) else out
-        wanted = {"all": torch.arange(p), "last": torch.tensor([p - 1]), "none": torch.zeros(0, dtype=torch.long)}
-        at = torch.cat([wanted[logits], p + rows.live.cpu()]).to(a.device)
+        piece_rows = torch.arange({"all": 0, "last": p - 1, "none": p}[logits], p)  # where the piece wants logits
+        at = torch.cat([piece_rows, p + rows.live.cpu()]).to(a.device)
         out = a.final_logits(hidden.index_select(1, at))[0]  # [n, vocab]: one LM head read for both
         n_piece = out.shape[0] - rows.live.numel()
         self._end_step(rows)  # last: a step that raised leaves the rows where they were (the next step rewrites)
