@@ -9,6 +9,7 @@ from typing import Any
 
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
+from ragkv.locations import default_catalog_url, default_data_dir, default_store_urls
 from ragkv.model.decode import DECODE_WEIGHTS
 from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
@@ -18,15 +19,6 @@ from ragkv.retriever.kv_retriever import RetrieverConfig
 from ragkv.types import DEFAULT_TENANT, validate_tenant
 
 __all__ = ["EngineConfig", "default_data_dir"]
-
-
-def default_data_dir() -> Path:
-    """``RAGKV_DATA_DIR``, else the user's cache dir (``$XDG_CACHE_HOME/ragkv`` or ``~/.cache/ragkv``)."""
-    env = os.environ.get("RAGKV_DATA_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "ragkv"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +94,10 @@ class EngineConfig:
         return f"EngineConfig({', '.join(parts)})"
 
     def store_urls(self) -> list[str]:
-        return list(self.store) or ["memory://?max_bytes=536870912", str(self.data_dir / "kv")]
+        return list(self.store) or default_store_urls(self.data_dir)
 
     def catalog_url(self) -> str:
-        return self.catalog or f"sqlite:///{self.data_dir / 'catalog.db'}"
+        return self.catalog or default_catalog_url(self.data_dir)
 
 
 def _redact(url: str | None) -> str | None:

@@ -95,9 +95,9 @@ def ask(
     slo_ms: SloMs = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
+    check_indexed(ctx.params)  # before config_from: building the config imports torch and transformers
     cfg = config_from(ctx)
     check_setup(cfg)
-    check_indexed(cfg)
     from ragkv.engine import RagKV
 
     with RagKV(cfg) as engine:

@@ -3,6 +3,7 @@ and its one way of failing: one line on stderr saying what to change, exit 2."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -10,7 +11,7 @@ import typer
 
 from ragkv.cli.options import engine_config
 
-__all__ = ["check_indexed", "check_setup", "documents", "engine", "fail", "indexed_source"]
+__all__ = ["catalog_of", "check_indexed", "check_setup", "documents", "engine", "fail", "indexed_source"]
 
 
 def engine(**options: Any) -> Any:
@@ -38,16 +39,34 @@ def check_setup(cfg: Any) -> None:
     resolve_model_dir(cfg.embedder)  # its package missing: the install command, before the generator loads
 
 
-def check_indexed(cfg: Any) -> None:
-    """Refuse a question when the tenant has nothing indexed: an empty index answers from nothing."""
-    from ragkv.cache.catalog import Catalog
+def catalog_of(options: dict[str, Any]) -> tuple[str, str, str]:
+    """(catalog URL, tenant, how the user named the catalog) from a command's options and the
+    ``RAGKV_*`` variables, as ``EngineConfig`` resolves them, without importing the engine (torch
+    and transformers take 10-40 s to import: a bad input must fail before)."""
+    from ragkv.locations import default_catalog_url, default_data_dir
+    from ragkv.types import DEFAULT_TENANT
 
-    where = f"--data-dir {cfg.data_dir}" if cfg.catalog is None else f"--catalog {cfg.catalog}"
-    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
-        if not cat.documents(cfg.tenant):
+    data_dir = Path(options.get("data_dir") or default_data_dir()).expanduser()
+    catalog = options.get("catalog") or os.environ.get("RAGKV_CATALOG") or None
+    tenant = options.get("tenant") or os.environ.get("RAGKV_TENANT") or DEFAULT_TENANT
+    where = f"--data-dir {data_dir}" if catalog is None else f"--catalog {catalog}"
+    return catalog or default_catalog_url(data_dir), tenant, where
+
+
+def check_indexed(options: dict[str, Any]) -> None:
+    """Refuse a question when the tenant has nothing indexed: an empty index answers from nothing.
+
+    Runs on the command's options (see :func:`catalog_of`), before the engine's modules load."""
+    from ragkv.cache.catalog import Catalog
+    from ragkv.types import validate_tenant
+
+    url, tenant, where = catalog_of(options)
+    validate_tenant(tenant)
+    with Catalog(url, create=False) as cat:  # no catalog: one line naming `ragkv index`
+        if not cat.documents(tenant):
             fail(
-                f"nothing is indexed for tenant {cfg.tenant!r} in {cat.url}: run `ragkv index PATH ...` "
-                f"first (with the same {where}{'' if cfg.tenant == 'default' else ' --tenant ' + cfg.tenant}), "
+                f"nothing is indexed for tenant {tenant!r} in {cat.url}: run `ragkv index PATH ...` "
+                f"first (with the same {where}{'' if tenant == 'default' else ' --tenant ' + tenant}), "
                 "or pass the --data-dir it was built in"
             )
 

@@ -51,9 +51,9 @@ def index(
     Exits 1 when some chunk caches could not be stored (no tier accepted them); their documents
     are not recorded, so running the command again retries them.
     """
+    docs = documents(paths)  # before config_from: building the config imports torch and transformers
     cfg = config_from(ctx)
     check_setup(cfg)
-    docs = documents(paths)
     run: dict[str, Any] = {}
     if ray or ray_address is not None or ray_actors is not None:
         from ragkv.retriever.ray_index import RayConfig
