@@ -190,6 +190,13 @@ class DiskTier(Tier):
 
     def _put(self, key: str, value: bytes, cost: float | None) -> bool:
         if len(value) > self._tenant_max_bytes:
+            logger.warning(
+                "disk tier %s refused a %d-byte entry: over its tenant_max_bytes=%d (max_bytes=%d); raise them",
+                self.name,
+                len(value),
+                self._tenant_max_bytes,
+                self._max_bytes,
+            )
             return False
         try:
             with self._translate("put"):
@@ -208,6 +215,15 @@ class DiskTier(Tier):
             self._add(errors=1)
             return False
         self._record_evictions(evicted)
+        if not stored:
+            logger.warning(
+                "disk tier %s refused a %d-byte entry: the tenant's entries cannot make room within "
+                "tenant_max_bytes=%d, max_bytes=%d",
+                self.name,
+                len(value),
+                self._tenant_max_bytes,
+                self._max_bytes,
+            )
         return stored
 
     def _delete(self, key: str) -> bool:

@@ -22,6 +22,7 @@ class TierStats:
     bytes_out: int = 0  # value bytes returned by get/get_many
     evictions: int = 0  # entries removed to make room (not deletes, not expiry)
     errors: int = 0  # calls that failed or timed out (the tier was down, slow or full)
+    refused: int = 0  # puts a writable tier declined (over max_bytes/tenant_max_bytes, disk full)
     entries: int | None = None  # entries stored now, all namespaces
     bytes_stored: int | None = None  # value bytes stored now, all namespaces
 

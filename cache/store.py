@@ -88,6 +88,14 @@ class TieredStore:
             )
             for i, tier in enumerate(tiers)
         ]
+        # Tiers whose entries outlive this process (disk, Redis, object stores): a put counts as
+        # stored only when one of them took the value. A document committed on the strength of a
+        # memory tier lost its caches when the process ended (issue 33). A store with no such
+        # writable tier lives and dies with its process anyway: then every tier counts.
+        lasting = [i for i, slot in enumerate(self._slots) if not slot.tier.in_process]
+        if not any(self._slots[i].tier.writable for i in lasting):
+            lasting = list(range(len(self._slots)))
+        self._lasting = frozenset(lasting)
         self._quarantine: OrderedDict[tuple[int, str], None] = OrderedDict()
         self._quarantine_lock = threading.Lock()
 
@@ -173,6 +181,16 @@ class TieredStore:
             if not self._quarantined(i, key)
         )
 
+    def persisted(self, key: str) -> bool:
+        """Whether a tier that outlives this process holds ``key`` (any tier, in a store with no
+        writable tier of that kind): what indexing asks before it counts a chunk's cache as stored."""
+        validate_key(key)
+        return any(
+            self._call(i, "contains", self._slots[i].tier.contains, key) is True
+            for i in sorted(self._lasting)
+            if not self._quarantined(i, key)
+        )
+
     def keys(self, namespace: str) -> Iterator[str]:
         """One tenant namespace's keys across all tiers, each once (tiers that fail are skipped)."""
         validate_namespace(namespace)
@@ -187,7 +205,11 @@ class TieredStore:
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, key: str, value: bytes, *, cost: float | None = None) -> bool:
-        """Write ``value`` to every writable tier. True if at least one stored it.
+        """Write ``value`` to every writable tier. True if a tier that outlives this process stored it.
+
+        A value only an in-process tier (``memory://``) took is kept there but reported as not
+        stored (with a warning): it is gone when the process ends. In a store made only of
+        in-process tiers, any tier storing it counts.
 
         Args:
             key: a storage key.
@@ -203,11 +225,17 @@ class TieredStore:
             (i for i, s in enumerate(self._slots) if s.tier.writable), key=lambda i: self._slots[i].pool is None
         )
         started = {i: self._begin(i, functools.partial(self._slots[i].tier.put, key, data, cost=cost)) for i in writers}
-        stored = False
-        for i, pending in started.items():
-            if self._settle(i, "put", pending) is True:
-                stored = True
-                self._release(i, key)
+        took = [i for i, pending in started.items() if self._settle(i, "put", pending) is True]
+        for i in took:
+            self._release(i, key)
+        stored = any(i in self._lasting for i in took)
+        if took and not stored:
+            logger.warning(
+                "no lasting tier stored %s (%d bytes): only %s took it, which ends with this process",
+                key,
+                len(data),
+                ", ".join(self._slots[i].tier.name for i in took),
+            )
         return stored
 
     def invalidate(self, key: str) -> bool:

@@ -22,7 +22,7 @@ from ragkv.errors import StoreUnavailableError
 __all__ = ["Tier"]
 
 T = TypeVar("T")
-_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions", "errors")
+_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions", "errors", "refused")
 
 
 class Tier(ABC):
@@ -116,6 +116,8 @@ class Tier(ABC):
         stored = self._call(self._put, key, data, cost)
         if stored:
             self._add(bytes_in=len(data))
+        else:
+            self._add(refused=1)
         return stored
 
     def delete(self, key: str) -> bool:

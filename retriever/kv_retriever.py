@@ -348,7 +348,7 @@ class KVRetriever:
         if len(rows) != old.num_chunks or any(row not in self.index for row in rows):
             return False
         return all(
-            self.store.contains(self.chunk_key(chunk.token_ids, spec).storage_key)
+            self.store.persisted(self.chunk_key(chunk.token_ids, spec).storage_key)
             for chunk in rows.values()
             for spec in self.config.stored_codecs
         )

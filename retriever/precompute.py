@@ -153,9 +153,10 @@ class ChunkComputer:
         )
 
     def missing(self, token_ids: Sequence[int]) -> list[ChunkKey]:
-        """The keys of the chunk's caches that no tier holds."""
+        """The keys of the chunk's caches that no lasting tier holds (a copy only in this process's
+        memory tier is missing: it ends with the process)."""
         keys = [self.chunk_key(token_ids, spec) for spec in self.codecs]
-        return [k for k in keys if not self.store.contains(k.storage_key)]
+        return [k for k in keys if not self.store.persisted(k.storage_key)]
 
     def ensure_stored(self, token_ids: Sequence[int]) -> ChunkResult:
         """Compute and store the chunk's cache at every codec unless all are stored."""
