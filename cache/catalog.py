@@ -22,7 +22,7 @@ import logging
 import os
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import (
@@ -44,8 +44,10 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 from ragkv.cache._catalog_dialects import DIALECTS, WRITE_OPTION, Dialect
+from ragkv.cache.catalog_removals import CatalogRemovals
 from ragkv.cache.catalog_schema import (
     ADDED_INDEXES,
+    ADDED_TABLES,
     SCHEMA_VERSION,
     TABLE_NAMES,
     chunks,
@@ -94,7 +96,7 @@ def _sqlite_file(sa_url: URL) -> str | None:
     return os.path.abspath(os.path.expanduser(str(sa_url.database)))
 
 
-class Catalog:
+class Catalog(CatalogRemovals):
     """The catalog of documents, chunks and stored entries.
 
     Args:
@@ -170,41 +172,70 @@ class Catalog:
             ValueError: a chunk belongs to another document, ``doc.num_chunks`` is not the
                 number of chunks given, or ``doc.tenant`` is not a valid tenant name.
         """
-        validate_tenant(doc.tenant)
-        _check_document(doc, chunks_)
-        now = time.time()
+        return self.replace_documents([(doc, chunks_)])[0]
+
+    def replace_documents(
+        self,
+        items: Sequence[tuple[DocumentRecord, Sequence[Chunk]]],
+        *,
+        before_commit: Callable[[list[int], list[list[int]]], None] | None = None,
+    ) -> list[list[int]]:
+        """Replace several documents (as :meth:`replace_document`) in one transaction.
+
+        Args:
+            items: (document, its chunks) pairs.
+            before_commit: called inside the transaction with (the chunk rows removed, the rows
+                assigned to each item's chunks); what it raises rolls everything back. The indexer
+                writes its FAISS file here: a failed write (a full disk) commits no document.
+
+        Returns:
+            The row ids assigned to each item's chunks, in order.
+        """
+        for doc, chunks_ in items:
+            validate_tenant(doc.tenant)
+            _check_document(doc, chunks_)
+        removed: list[int] = []
+        added: list[list[int]] = []
         with self._write() as conn:
-            self._dialect.lock(conn, f"document:{doc.tenant}:{doc.source}")
-            self._remove_document(conn, doc.source, doc.tenant)
-            document_row = conn.execute(
-                documents.insert().returning(documents.c.row),
-                {
-                    "doc_id": doc.doc_id,
-                    "tenant": doc.tenant,
-                    "source": doc.source,
-                    "content_digest": doc.content_digest,
-                    "title": doc.title,
-                    "num_chunks": doc.num_chunks,
-                    "updated_at": now,
-                },
-            ).scalar_one()
-            if not chunks_:
-                return []
-            params = [
-                {
-                    "document_row": document_row,
-                    "tenant": doc.tenant,
-                    "doc_id": c.doc_id,
-                    "chunk_id": c.chunk_id,
-                    "ordinal": c.ordinal,
-                    "text": c.text,
-                    "token_ids": _encode_tokens(c.token_ids),
-                    "source": c.source or doc.source,
-                }
-                for c in chunks_
-            ]
-            inserted = conn.execute(chunks.insert().returning(chunks.c.row, sort_by_parameter_order=True), params)
-            return [int(r) for r in inserted.scalars()]
+            for doc, chunks_ in items:
+                self._dialect.lock(conn, f"document:{doc.tenant}:{doc.source}")
+                removed += self._remove_document(conn, doc.source, doc.tenant)
+                added.append(self._insert_document(conn, doc, chunks_))
+                self._revive(conn, doc.tenant, [c.token_ids for c in chunks_])
+            if before_commit is not None:
+                before_commit(removed, added)
+        return added
+
+    def _insert_document(self, conn: Connection, doc: DocumentRecord, chunks_: Sequence[Chunk]) -> list[int]:
+        document_row = conn.execute(
+            documents.insert().returning(documents.c.row),
+            {
+                "doc_id": doc.doc_id,
+                "tenant": doc.tenant,
+                "source": doc.source,
+                "content_digest": doc.content_digest,
+                "title": doc.title,
+                "num_chunks": doc.num_chunks,
+                "updated_at": time.time(),
+            },
+        ).scalar_one()
+        if not chunks_:
+            return []
+        params = [
+            {
+                "document_row": document_row,
+                "tenant": doc.tenant,
+                "doc_id": c.doc_id,
+                "chunk_id": c.chunk_id,
+                "ordinal": c.ordinal,
+                "text": c.text,
+                "token_ids": _encode_tokens(c.token_ids),
+                "source": c.source or doc.source,
+            }
+            for c in chunks_
+        ]
+        inserted = conn.execute(chunks.insert().returning(chunks.c.row, sort_by_parameter_order=True), params)
+        return [int(r) for r in inserted.scalars()]
 
     def remove_document(self, source: str, tenant: str) -> list[int]:
         """Delete ``(tenant, source)``'s document and chunks. Returns the removed chunk row ids.
@@ -297,8 +328,17 @@ class Catalog:
         level: int,
         nbytes: int,
         num_tokens: int,
-    ) -> None:
+        unless_removed: bool = False,
+    ) -> bool:
         """Record (or update) a stored entry. Idempotent; keeps its hit count.
+
+        Args:
+            unless_removed: refuse (return False) when the entry's chunk belongs to a removed
+                document (see ``ragkv.cache.catalog_removals``): what the query path asks, whose
+                request may have been queued before the removal.
+
+        Returns:
+            Whether the entry is recorded.
 
         Raises:
             ValueError: ``storage_key`` is malformed or is not in ``tenant``'s namespace, or
@@ -320,7 +360,10 @@ class Catalog:
         statement = self._dialect.insert(entries).values(storage_key=storage_key, hits=0, created_at=now, **fields)
         statement = statement.on_conflict_do_update(index_elements=[entries.c.storage_key], set_=fields)
         with self._write() as conn:
+            if unless_removed and self._removed_in(conn, tenant, tokens_digest):
+                return False
             conn.execute(statement)
+        return True
 
     def has_entry(self, storage_key: str) -> bool:
         """Whether ``storage_key`` is recorded."""
@@ -409,6 +452,8 @@ class Catalog:
                         f"catalog {self._display} has schema version {found}, this ragkv uses "
                         f"{SCHEMA_VERSION}; re-index into a new catalog (or upgrade ragkv)"
                     )
+                for table in ADDED_TABLES:  # catalogs made before a table was added gain it
+                    table.create(conn, checkfirst=True)
                 for index in ADDED_INDEXES:  # catalogs made before an index was added gain it
                     index.create(conn, checkfirst=True)
             elif present:

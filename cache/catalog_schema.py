@@ -1,7 +1,7 @@
 """The catalog's tables (SQLAlchemy Core).
 
-Bump ``SCHEMA_VERSION`` with every change to a column or a constraint. An index added later
-goes into ``ADDED_INDEXES`` instead: ``Catalog`` creates it on open when it is missing, so
+Bump ``SCHEMA_VERSION`` with every change to a column or a constraint. An index or a table added
+later goes into ``ADDED_INDEXES`` / ``ADDED_TABLES`` instead: ``Catalog`` creates it on open when it is missing, so
 existing catalogs keep working (no data changes meaning, lookups just get faster).
 """
 
@@ -22,7 +22,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 
-__all__ = ["SCHEMA_VERSION", "metadata", "meta", "documents", "chunks", "entries", "TABLE_NAMES", "ADDED_INDEXES"]
+__all__ = ["SCHEMA_VERSION", "metadata", "meta", "documents", "chunks", "entries", "removed", "TABLE_NAMES",
+           "ADDED_INDEXES", "ADDED_TABLES"]  # fmt: skip
 
 SCHEMA_VERSION = 1
 
@@ -90,7 +91,24 @@ entries = Table(
     Column("last_access", Float, nullable=False),
 )
 
+# Chunks whose documents were removed (one row per tenant and token digest), until a document
+# with those tokens is indexed again. The query path records no cache entry for them (a request
+# queued before the removal must not bring a removed chunk's cache back), and the entries still
+# recorded for them are removals a tier could not finish yet ("pending": a retry finishes them).
+removed = Table(
+    "ragkv_removed",
+    metadata,
+    Column("tenant", String(256), primary_key=True),
+    Column("tokens_digest", String(64), primary_key=True),
+    Column("source", Text, nullable=False),  # the document last removed with these tokens
+    Column("removed_at", Float, nullable=False),
+    Index("ix_ragkv_removed_tenant_source", "tenant", "source"),
+)
+
 TABLE_NAMES = frozenset(t.name for t in metadata.sorted_tables)
+
+ADDED_TABLES = (removed,)
+"""Tables added after schema version 1 shipped, created on open where missing."""
 
 ADDED_INDEXES = tuple(i for i in chunks.indexes if i.name == "ix_ragkv_chunks_tenant_source")
 """Indexes added after schema version 1 shipped, created on open where missing."""

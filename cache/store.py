@@ -260,6 +260,30 @@ class TieredStore:
 
     delete = invalidate
 
+    def erase(self, key: str) -> tuple[bool, bool]:
+        """Delete ``key`` from every tier, saying whether that is done: what a removal needs.
+
+        Returns:
+            (found: some tier held it, gone: no tier holds it now, as far as the tiers can tell). Not
+            gone when a tier failed, or a read-only tier holds it or cannot say; such tiers serve
+            the key to no one in this process (as :meth:`invalidate`), and the caller keeps its
+            record of the key so a later retry finishes the job.
+        """
+        validate_key(key)
+        found, gone = False, True
+        for i, slot in enumerate(self._slots):
+            if slot.tier.writable:
+                deleted = self._call(i, "delete", slot.tier.delete, key)
+            else:  # it cannot delete: done only if it does not hold the key
+                held = self._call(i, "contains", slot.tier.contains, key)
+                deleted = _FAILED if held is not False else False
+            if deleted is True:
+                found = True
+            elif deleted is _FAILED:
+                gone = False
+                self._hold(i, key)
+        return found, gone
+
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, TierStats]:

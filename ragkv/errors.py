@@ -11,6 +11,7 @@ __all__ = [
     "UnsupportedModelError",
     "CatalogError",
     "ContextTooLongError",
+    "StorageWriteError",
 ]
 
 
@@ -48,3 +49,10 @@ class ContextTooLongError(RagkvError, ValueError):
 
 class DocumentNotFoundError(RagkvError, LookupError):
     """No document with that source in the tenant's catalog."""
+
+
+class StorageWriteError(RagkvError, OSError):
+    """A file ragkv must write (the FAISS index) could not be written (a full disk, no permission);
+    what was being committed was not.
+
+    An ``OSError`` too, with the ``errno`` of the failure (e.g. ENOSPC), for callers that handle those."""

@@ -27,7 +27,6 @@ from tqdm.auto import tqdm
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
-from ragkv.errors import DocumentNotFoundError
 from ragkv.model import ModelAdapter
 from ragkv.planner.session import LoadPlanning
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
@@ -36,10 +35,16 @@ from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
 from ragkv.retriever.loader import ChunkLoader, LoadedChunk
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry, record_stored
+from ragkv.retriever.commit import commit_documents
+from ragkv.retriever.removal import RemoveReport, remove_document
 from ragkv.retriever.transforms import TransformConfig
 from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant
 
 logger = logging.getLogger(__name__)
+
+# chunks committed together at least; more once the index is large (a quarter of it): each commit
+# re-writes the whole FAISS file, so batches that grow with it keep indexing linear in its size
+_MIN_BATCH = 64
 
 __all__ = [
     "IndexPlan",
@@ -79,15 +84,6 @@ class RetrieverConfig:
     def stored_codecs(self) -> tuple[CodecSpec, ...]:
         """Every (codec, level) written at index time: ``codec`` first, then ``index_codecs``."""
         return tuple(dict.fromkeys((self.codec, *self.index_codecs)))
-
-
-@dataclass(frozen=True, slots=True)
-class RemoveReport:
-    """What :meth:`KVRetriever.remove_document` (``RagKV.remove``) deleted."""
-
-    source: str  # the document's source, as the catalog holds it
-    chunks: int  # chunk rows (and FAISS vectors) removed
-    cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)
 
 
 @dataclass(slots=True)
@@ -130,6 +126,7 @@ class IndexPlan:
     scheduled: set[tuple[int, ...]] = field(default_factory=set)  # the chunks of ``work``
     counted: set[tuple[int, ...]] = field(default_factory=set)  # chunks already counted in the report
     finished: int = 0  # documents committed or reported failed so far
+    ready: list[tuple[Document, Digest, list[Chunk]]] = field(default_factory=list)  # complete, not committed yet
 
     def __post_init__(self) -> None:
         self.scheduled = set(self.work)
@@ -239,18 +236,27 @@ class KVRetriever:
         emit = on_progress or (lambda _: None)
         if plan.work:
             emit(IndexProgress("precompute", 0, len(plan.work)))
-        for i, result in run(plan.work):
-            for entry in result.entries:  # caches first: a killed run leaves them reusable, never half-visible
-                self._record(entry)
-            results[plan.work[i]] = result
-            bar.update(1)
-            if not result.ok:
-                bar.set_postfix(failed=sum(not r.ok for r in results.values()))
-            emit(IndexProgress("precompute", len(results), len(plan.work)))
-            waiting = self._commit_ready(plan, results, waiting, pending, emit)
-        bar.close()
+        try:
+            for i, result in run(plan.work):
+                for entry in result.entries:  # caches first: a killed run leaves them reusable, never half-visible
+                    self._record(entry)
+                results[plan.work[i]] = result
+                bar.update(1)
+                if not result.ok:
+                    bar.set_postfix(failed=sum(not r.ok for r in results.values()))
+                emit(IndexProgress("precompute", len(results), len(plan.work)))
+                waiting = self._commit_ready(plan, results, waiting, pending, emit)
+        except BaseException:  # interrupted: what is complete is committed (a failed commit stays unsaid)
+            try:
+                self._commit(plan)
+            except Exception as e:
+                logger.warning("could not commit the documents complete before the interruption: %s", e)
+            raise
+        finally:
+            bar.close()
         if self._commit_ready(plan, results, waiting, pending, emit) is not None:
             raise RuntimeError("the compute function returned before every planned chunk had a result")
+        self._commit(plan)  # the last batch
         if plan.documents:
             self._reconcile()  # rows lost from the catalog by hand leave vectors no commit removed
         plan.report.seconds = time.perf_counter() - t0
@@ -319,14 +325,16 @@ class KVRetriever:
                 report.failed += first and not result.ok  # distinct chunks not stored
                 if first and result.error is not None:
                     report.errors.append(f"{doc.source}#{chunk.ordinal}: {result.error}")
-            self._finish(report, doc, digest, chunks, failed)
+            self._finish(plan, doc, digest, chunks, failed)
             plan.finished += 1
             emit(IndexProgress("embedding", plan.finished, len(plan.documents)))
             waiting = next(pending, None)
         return None
 
-    def _finish(self, report: IndexReport, doc: Document, digest: Digest, chunks: list[Chunk], failed: int) -> None:
-        """Commit a document whose chunk caches are all stored; otherwise report it for the next run."""
+    def _finish(self, plan: IndexPlan, doc: Document, digest: Digest, chunks: list[Chunk], failed: int) -> None:
+        """Queue a document whose chunk caches are all stored for the next commit; otherwise report it
+        for the next run."""
+        report = plan.report
         if failed:
             logger.warning(
                 "%s: %d of its %d chunk caches were not stored; not indexing it (the next run retries)",
@@ -336,8 +344,9 @@ class KVRetriever:
             )
             report.failed_documents.append(doc.source)
             return
-        self._commit(doc, digest, chunks)
-        report.chunks += len(chunks)
+        plan.ready.append((doc, digest, chunks))
+        if sum(len(c) for _, _, c in plan.ready) >= max(_MIN_BATCH, len(self.index) // 4):
+            self._commit(plan)
 
     def _is_indexed(self, source: str, digest: str) -> bool:
         """Whether ``source`` is indexed with content ``digest``: document, chunk rows, vectors and caches."""
@@ -353,23 +362,25 @@ class KVRetriever:
             for spec in self.config.stored_codecs
         )
 
-    def _commit(self, doc: Document, digest: str, chunks: list[Chunk]) -> None:
-        """Make ``doc``'s chunks the ones the catalog and the FAISS index hold for its source."""
-        record = DocumentRecord(
-            doc_id=self._doc_id(doc, digest),
-            tenant=self.tenant,
-            source=doc.source,
-            content_digest=digest,
-            title=doc.title,
-            num_chunks=len(chunks),
-        )
-        removed = self.catalog.remove_document(doc.source, self.tenant)
-        if removed:
-            self.index.remove(removed)
-        rows = self.catalog.replace_document(record, chunks)
-        if rows:
-            self.index.add(rows, self.embedder.embed([c.text for c in chunks]))
-        self.index.save()
+    def _commit(self, plan: IndexPlan) -> None:
+        """Commit the ready documents to the catalog and the FAISS index, together (see
+        :func:`~ragkv.retriever.commit.commit_documents`)."""
+        batch, plan.ready = plan.ready, []
+        records = [
+            (
+                DocumentRecord(
+                    doc_id=self._doc_id(doc, digest),
+                    tenant=self.tenant,
+                    source=doc.source,
+                    content_digest=digest,
+                    title=doc.title,
+                    num_chunks=len(chunks),
+                ),
+                chunks,
+            )
+            for doc, digest, chunks in batch
+        ]
+        plan.report.chunks += commit_documents(self.catalog, self.index, self.embedder, records)
 
     def _doc_id(self, doc: Document, digest: str) -> Digest:
         return fields_digest([("source", doc.source), ("content", digest), ("tenant", self.tenant)])
@@ -439,29 +450,12 @@ class KVRetriever:
         catalog recorded for the chunk's tokens (other levels, a channel transform replaced since, an
         older system prompt). The caller keeps retrieval off the FAISS index meanwhile (``RagKV.remove``
         holds its index lock).
+
+        Cache entries a tier could not delete (read-only, down) keep their catalog rows and are
+        counted in ``pending``; removing the same source again finishes them (see
+        :mod:`ragkv.retriever.removal`).
         """
-        tenant, catalog = self.tenant, self.catalog
-        # a file is indexed under its resolved path: accept the path as typed too
-        names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
-        found = [n for n in names if n and catalog.get_document(n, tenant) is not None]
-        if not found:
-            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv list)")
-        source = found[0]
-        chunks = catalog.document_chunks(source, tenant)
-        rows = catalog.remove_document(source, tenant)
-        if rows:
-            self.index.remove(rows)
-            self.index.save()
-        kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
-        gone = {c.token_ids for c in chunks.values()} - kept
-        # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
-        keys: set[str] = {self.chunk_key(ids, spec).storage_key for ids in gone for spec in self.config.stored_codecs}
-        keys.update(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
-        deleted = 0
-        for key in sorted(keys):
-            deleted += self.store.delete(key)
-            catalog.remove_entry(key)
-        return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)
+        return remove_document(self, source)
 
     def retrieve(self, query: str, k: int | None = None) -> list[Chunk]:
         """The top-``k`` distinct chunks for ``query``, best first, with their similarity scores.

@@ -260,9 +260,18 @@ class ChunkLoader:
             return None
 
     def _put(self, kv: ChunkKV, key: ChunkKey) -> int:
-        """Encode and store a recomputed cache; record it in the catalog; bytes stored (0: no tier took it)."""
+        """Encode and store a recomputed cache; record it in the catalog; bytes stored (0: not stored).
+
+        Never for a chunk of a removed document (a request queued before a DELETE loads after it):
+        checked before storing, and again, atomically with the removal's mark, when recording; a
+        cache stored in between is erased."""
+        tenant = self.computer.tenant
+        if self.catalog.is_removed(tenant, key.tokens_digest):
+            return 0
         entry = self.computer.put(kv, key)
         if entry is None:
             return 0
-        record_stored(self.catalog, entry, tenant=self.computer.tenant)
+        if not record_stored(self.catalog, entry, tenant=tenant, unless_removed=True):
+            self.store.erase(entry.storage_key)
+            return 0
         return entry.nbytes

@@ -45,10 +45,11 @@ class StoredEntry:
     num_tokens: int  # chunk tokens the cache covers
 
 
-def record_stored(catalog: Catalog, entry: StoredEntry, *, tenant: str) -> None:
+def record_stored(catalog: Catalog, entry: StoredEntry, *, tenant: str, unless_removed: bool = False) -> bool:
     """Record a stored cache in the catalog (after its bytes are in the store): indexing and the
-    query path's recomputed misses both do."""
-    catalog.record_entry(
+    query path's recomputed misses both do; the query path passes ``unless_removed`` (see
+    ``Catalog.record_entry``). Returns whether it is recorded."""
+    return catalog.record_entry(
         entry.storage_key,
         tenant=tenant,
         tokens_digest=entry.tokens_digest,
@@ -56,6 +57,7 @@ def record_stored(catalog: Catalog, entry: StoredEntry, *, tenant: str) -> None:
         level=entry.level,
         nbytes=entry.nbytes,
         num_tokens=entry.num_tokens,
+        unless_removed=unless_removed,
     )
 
 

@@ -22,7 +22,7 @@ FOLDERS = {"ragkv": "ragkv", "ragkv.codec": "codec", "ragkv.cache": "cache",
 
 # Lowest first. A module may import from its own layer's rooms and from any lower layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("ragkv.digests", "ragkv.errors", "ragkv.types"),  # records
+    ("ragkv.digests", "ragkv.errors", "ragkv.types", "ragkv.locations"),  # records; where data lives
     ("ragkv.codec", "ragkv.cache", "ragkv.prompt"),  # bytes: encode, store; prompt layout
     ("ragkv.model",),  # the generator: loading, conversion, adapter, attention
     ("ragkv.selection", "ragkv.fusion", "ragkv.generation", "ragkv.matching", "ragkv.planner"),  # algorithms

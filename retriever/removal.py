@@ -1,0 +1,108 @@
+"""Removing a document: its catalog rows and FAISS vectors, then the stored caches no other document uses.
+
+The rule (docs/concepts.md, "Nothing lost, nothing resurrected"): the removed chunks are marked in
+the catalog before their entries are listed, so a request queued before the removal cannot record
+a recomputed cache after it; an entry's catalog row is dropped only once its blob is gone from every
+tier, otherwise it stays *pending* and removing the same source again finishes the job.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ragkv.digests import tokens_digest
+from ragkv.errors import DocumentNotFoundError
+
+if TYPE_CHECKING:
+    from ragkv.retriever.kv_retriever import KVRetriever
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RemoveReport", "remove_document"]
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveReport:
+    """What :meth:`KVRetriever.remove_document` (``RagKV.remove``) deleted."""
+
+    source: str  # the document's source, as the catalog holds it
+    chunks: int  # chunk rows (and FAISS vectors) removed
+    cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)
+    pending: int = 0  # entries a tier could not delete (read-only, down): kept in the catalog; retry
+
+
+def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
+    """Forget ``source`` of the retriever's tenant (see :meth:`KVRetriever.remove_document`).
+
+    A source with no document but pending entries (an earlier removal a tier could not finish) is
+    removed again: its pending entries are deleted now if the tiers allow.
+
+    Raises:
+        DocumentNotFoundError: no such document and nothing pending for it.
+    """
+    tenant, catalog = retriever.tenant, retriever.catalog
+    # a file is indexed under its resolved path: accept the path as typed too
+    names = list(dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())]))
+    found = [n for n in names if n and catalog.get_document(n, tenant) is not None]
+    if not found:
+        pending = [n for n in names if n and catalog.pending_entries(tenant, n)]
+        if not pending:
+            raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv list)")
+        keys = [e.storage_key for e in catalog.pending_entries(tenant, pending[0])]
+        deleted, left = _delete_entries(retriever, keys, {})
+        return RemoveReport(source=pending[0], chunks=0, cache_entries=deleted, pending=left)
+    source = found[0]
+    chunks = catalog.document_chunks(source, tenant)
+    rows = catalog.remove_document(source, tenant)
+    if rows:
+        retriever.index.remove(rows)
+        retriever.index.save()
+    kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
+    gone = {c.token_ids for c in chunks.values()} - kept
+    # marked before the entries are listed: a query-path record after this point is refused
+    catalog.mark_removed(source, tenant, [tokens_digest(ids) for ids in gone])
+    # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
+    made = {
+        retriever.chunk_key(ids, spec).storage_key: (ids, spec)
+        for ids in gone
+        for spec in retriever.config.stored_codecs
+    }
+    keys = set(made) | set(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
+    deleted, left = _delete_entries(retriever, sorted(keys), made)
+    return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted, pending=left)
+
+
+def _delete_entries(retriever: KVRetriever, keys: list[str], made: dict[str, tuple]) -> tuple[int, int]:
+    """Delete ``keys`` from every tier; drop the catalog row of each one gone everywhere, keep (or
+    add) it for the others. Returns (entries deleted, entries pending)."""
+    catalog, tenant = retriever.catalog, retriever.tenant
+    recorded = set(catalog.entry_sizes(keys))
+    deleted = pending = 0
+    for key in keys:
+        found, gone = retriever.store.erase(key)
+        deleted += found and gone
+        if gone:
+            catalog.remove_entry(key)
+            continue
+        pending += 1
+        if key not in recorded and key in made:  # an unrecorded blob a tier kept: recorded, so a retry sees it
+            ids, spec = made[key]
+            catalog.record_entry(
+                key,
+                tenant=tenant,
+                tokens_digest=tokens_digest(ids),
+                codec=spec.name,
+                level=spec.level,
+                nbytes=0,
+                num_tokens=len(ids),
+            )
+    if pending:
+        logger.warning(
+            "%d cache entries could not be deleted from every tier (read-only or unavailable); they stay in the "
+            "catalog as pending: remove the document again once the tiers can delete",
+            pending,
+        )
+    return deleted, pending
