@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, and_, delete, exists, select
@@ -90,18 +90,13 @@ class CatalogRemovals:
         with self._read() as conn:
             return [EntryRecord(**dict(r)) for r in conn.execute(query.order_by(entries.c.storage_key)).mappings()]
 
-    def removed_sources(self, tenant: str) -> list[str]:
-        """The sources of ``tenant``'s removed documents that still have pending entries."""
-        return sorted({s for s in self._pending_sources(tenant)})
-
-    def _pending_sources(self, tenant: str) -> Iterator[str]:
+    def pending_sources(self, tenant: str) -> list[str]:
+        """The removed sources of ``tenant`` that still have pending entries, sorted."""
         validate_tenant(tenant)
-        query = select(removed.c.source).where(
-            removed.c.tenant == tenant,
-            exists().where(and_(entries.c.tenant == tenant, entries.c.tokens_digest == removed.c.tokens_digest)),
-        )
+        held = and_(entries.c.tenant == tenant, entries.c.tokens_digest == removed.c.tokens_digest)
+        query = select(removed.c.source).distinct().where(removed.c.tenant == tenant, exists().where(held))
         with self._read() as conn:
-            yield from (str(s) for s in conn.execute(query).scalars())
+            return sorted(str(s) for s in conn.execute(query).scalars())
 
     def _removed_in(self, conn: Connection, tenant: str, tokens_digest: str) -> bool:
         """Inside a write: take the tenant's entries lock; whether the chunk is marked removed."""

@@ -36,7 +36,7 @@ from ragkv.cli.options import (
     engine_config,
 )
 from ragkv.cli.serve import register as register_serve
-from ragkv.errors import RagkvError
+from ragkv.errors import RagkvError, StorageWriteError
 
 try:  # typer >= 0.25 vendors click as typer._click; older ones use click itself
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
@@ -193,10 +193,17 @@ def main() -> None:
     except typer.Abort:  # Ctrl-C
         typer.echo("aborted", err=True)
         sys.exit(130)
+    except StorageWriteError as e:  # nothing was committed; not the input's fault
+        typer.echo(f"error: {e.strerror or e}", err=True)
+        sys.exit(1)
     except (RagkvError, ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     except ImportError as e:  # a missing optional package: its message carries the install hint
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except OSError as e:  # a full disk, no permission: what failed, not a traceback
+        where = f" ({e.filename})" if e.filename else ""
+        typer.echo(f"error: {e.strerror or e}{where}; free space or fix the permissions and run again", err=True)
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n

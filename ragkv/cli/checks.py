@@ -78,6 +78,8 @@ def indexed_source(cfg: Any, source: str) -> str:
     names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
     with Catalog(cfg.catalog_url(), create=False) as cat:
         found = [n for n in names if n and cat.get_document(n, cfg.tenant) is not None]
+        # a removal a tier could not finish: removing it again finishes it
+        found += [n for n in names if n and not found and cat.pending_entries(cfg.tenant, n)]
     if not found:
         fail(f"no document {source.strip()!r} in tenant {cfg.tenant!r}; `ragkv list` shows the indexed documents")
     return found[0]

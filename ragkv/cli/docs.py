@@ -102,6 +102,12 @@ def stats(
             f"({sum(e.nbytes for e in entries) / 1e6:.1f} MB, {sum(e.num_tokens for e in entries)} tokens), "
             f"reused {sum(e.hits for e in entries)} times"
         )
+        pending = cat.pending_entries(cfg.tenant)
+        if pending:  # removals a tier could not finish: `ragkv remove SOURCE` again finishes them
+            typer.echo(
+                f"{len(pending)} cache entries of removed documents are pending deletion "
+                f"({', '.join(cat.pending_sources(cfg.tenant))}): run `ragkv remove` on them again"
+            )
     st = open_store(cfg.store_urls())
     try:
         usage = st.usage(tenant_namespace(cfg.tenant))
@@ -179,6 +185,13 @@ def remove(
     with RagKV(cfg) as engine:
         r = engine.remove(found)
     typer.echo(f"removed {r.source}: {r.chunks} chunks, {r.cache_entries} cache entries")
+    if r.pending:
+        typer.echo(
+            f"error: {r.pending} cache entries could not be deleted (a tier is read-only or unavailable); "
+            f"they stay in the catalog as pending: run `ragkv remove {r.source}` again once the tiers can delete",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

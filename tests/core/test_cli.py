@@ -67,7 +67,18 @@ def test_stats_on_a_new_data_dir_is_one_line(monkeypatch, capsys, tmp_path):
     assert "ragkv index" in one_line_error(code, err)
 
 
+def _indexed(data_dir):
+    """A catalog with one document (``ask`` checks it first, before the options load the engine)."""
+    from ragkv.cache.catalog import Catalog, DocumentRecord
+    from ragkv.types import Chunk
+
+    with Catalog(f"sqlite:///{data_dir / 'catalog.db'}") as cat:
+        cat.replace_document(DocumentRecord("d" * 64, "default", "a.txt", "c" * 64, "A", 1),
+                             [Chunk("e" * 64, "d" * 64, 0, "hello", (15, 16), "a.txt")])  # fmt: skip
+
+
 def test_top_k_zero_is_refused(monkeypatch, capsys, tmp_path):
+    _indexed(tmp_path)
     code, _, err = run(monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path), "--top-k", "0")
     assert "top_k" in one_line_error(code, err)
 
@@ -119,6 +130,7 @@ def test_stats_shows_the_asking_tenants_entries(monkeypatch, capsys, tmp_path, c
 
 
 def test_unknown_dtype_is_a_one_line_error(monkeypatch, capsys, tmp_path):
+    _indexed(tmp_path)
     code, _, err = run(monkeypatch, capsys, "ask", "q?", "--data-dir", str(tmp_path), "--dtype", "int3")
     assert "float32" in one_line_error(code, err)
 

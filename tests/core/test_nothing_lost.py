@@ -4,14 +4,19 @@ a failed FAISS save commits nothing."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
+import pytest
+
+from ragkv.digests import tokens_digest
 from ragkv.engine import EngineConfig, RagKV
+from ragkv.errors import DocumentNotFoundError, StorageWriteError, StoreUnavailableError
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.embedder import HashingEmbedder
 from ragkv.retriever.kv_retriever import RetrieverConfig
 from ragkv.types import tenant_namespace
-from tests.integrations.conftest import DOCS
+from tests.integrations.conftest import DOCS, GEN
 
 
 def engine(data_dir: Path, adapter, *store: str) -> RagKV:
@@ -38,3 +43,84 @@ def test_a_document_is_not_committed_when_only_the_memory_tier_took_its_caches(t
         assert report.failed == 0 and [d.source for d in rag.catalog.documents("default")] == [DOCS[0].source]
         keys = set(rag.store.keys(tenant_namespace("default")))
         assert all(rag.store.persisted(k) for k in keys)
+
+
+def _apples(rag: RagKV) -> tuple[list, set[str]]:
+    """The apples document's chunks (as a request retrieves them) and every storage key of them."""
+    chunks = list(rag.catalog.document_chunks(DOCS[0].source, "default").values())
+    keys = {rag.retriever.chunk_key(c.token_ids, spec).storage_key for c in chunks for spec in
+            rag.config.retriever.stored_codecs}  # fmt: skip
+    return chunks, keys
+
+
+def _held(rag: RagKV, keys: set[str]) -> set[str]:
+    return {k for k in keys if any(tier.contains(k) for tier in rag.store.tiers)}
+
+
+def test_a_request_queued_before_a_delete_does_not_bring_the_caches_back(tmp_path, llama_adapter):
+    with engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS[:2], progress=False)
+        chunks, keys = _apples(rag)
+        assert _held(rag, keys) == keys
+        rag.remove(DOCS[0].source)  # DELETE acknowledged while the request waits in the queue
+        result = rag.answer("Where do apples grow?", chunks=chunks, generation=GEN)  # then it runs
+        assert result.stats.prompt_tokens > 0  # answered, from recomputed caches
+        assert _held(rag, keys) == set()  # ... which were not stored
+        digests = {e.tokens_digest for e in rag.catalog.entries("default")}
+        assert not digests & {tokens_digest(c.token_ids) for c in chunks}  # nor recorded
+        rag.index(DOCS[:1], progress=False)  # indexed again: its chunks are live again
+        assert _held(rag, keys) == keys
+
+
+def test_a_removal_between_the_check_and_the_record_erases_the_stored_cache(tmp_path, llama_adapter, monkeypatch):
+    with engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS[:2], progress=False)
+        chunks, keys = _apples(rag)
+        rag.remove(DOCS[0].source)
+        monkeypatch.setattr(rag.catalog, "is_removed", lambda tenant, digest: False)  # checked before the DELETE
+        rag.answer("Where do apples grow?", chunks=chunks, generation=GEN)
+        assert _held(rag, keys) == set()  # stored, then refused by the catalog, then erased
+        assert not {e.tokens_digest for e in rag.catalog.entries("default")} & {
+            tokens_digest(c.token_ids) for c in chunks
+        }
+
+
+def test_a_removal_a_tier_cannot_finish_stays_pending_until_a_retry(tmp_path, llama_adapter, monkeypatch):
+    with engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS[:2], progress=False)
+        chunks, keys = _apples(rag)
+        disk = rag.store.tiers[1]
+
+        def read_only(key: str) -> bool:
+            raise StoreUnavailableError("read-only file system")
+
+        monkeypatch.setattr(disk, "_delete", read_only)
+        report = rag.remove(DOCS[0].source)
+        assert report.pending == len(keys) and report.cache_entries == 0
+        assert {e.storage_key for e in rag.catalog.pending_entries("default", DOCS[0].source)} == keys
+        assert {k for k in keys if disk.contains(k)} == keys  # the blobs stayed
+        assert rag.catalog.get_document(DOCS[0].source, "default") is None  # the document itself is gone
+        monkeypatch.undo()
+        retry = rag.remove(DOCS[0].source)  # no document, but pending entries: finished now
+        assert retry.pending == 0 and retry.cache_entries == len(keys) and retry.chunks == 0
+        assert _held(rag, keys) == set() and rag.catalog.pending_entries("default") == []
+        with pytest.raises(DocumentNotFoundError):
+            rag.remove(DOCS[0].source)
+
+
+def test_a_full_disk_at_the_faiss_save_commits_nothing(tmp_path, llama_adapter, monkeypatch):
+    with engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS[:1], progress=False)
+        before = (rag.catalog.documents("default"), sorted(rag.retriever.index.ids()))
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr("ragkv.retriever.index._atomic_write", full)
+        with pytest.raises(StorageWriteError, match="No space left on device.*not committed") as caught:
+            rag.index(DOCS[1:], progress=False)
+        assert caught.value.errno == errno.ENOSPC
+        assert (rag.catalog.documents("default"), sorted(rag.retriever.index.ids())) == before
+        monkeypatch.undo()
+        assert rag.index(DOCS[1:], progress=False).chunks > 0  # room again: the retry commits it
+        assert len(rag.catalog.documents("default")) == len(DOCS)
