@@ -15,6 +15,7 @@ import diskcache
 from ragkv.cache.bytes_disk import BytesDisk
 from ragkv.cache.config import TierConfig
 from ragkv.cache.entry_meta import EntryMeta
+from ragkv.cache.fair_share import fair_victims
 from ragkv.cache.policy import EvictionPolicy, policy_for
 from ragkv.cache.tier import Tier
 from ragkv.errors import StoreUnavailableError
@@ -98,12 +99,22 @@ class _KVCache(diskcache.Cache):  # type: ignore[misc]
             old_nbytes = int(old[0][0]) if old else 0
             total = self.usage()[1] - old_nbytes + len(value)
             space = self.usage(namespace)[1] - old_nbytes + len(value)
-            need = max(total - limits[0], space - limits[1], 0)
+            need_tier, need_own = max(total - limits[0], 0), max(space - limits[1], 0)
             victims: list[EntryMeta] = []
-            if need:
-                victims = policy.victims(self._candidates(namespace, exclude=key), need)
-                if sum(v.nbytes for v in victims) < need:
+            if need_tier or need_own:
+                shares = self._shares(namespace)
+                chosen = fair_victims(
+                    policy,
+                    self._candidates(namespace, exclude=key),
+                    {ns: (held, self._candidates(ns, exclude=key)) for ns, held in shares.items()},
+                    need_tier=need_tier,
+                    need_own=need_own,
+                    fair_share=limits[0] // (len(shares) + 1),
+                    writer_after=space,
+                )
+                if chosen is None:
                     return False, 0
+                victims = chosen
             for victim in victims:
                 rows = self._sql("SELECT rowid, filename FROM Cache WHERE raw = 1 AND key = ?", (victim.key,))
                 for rowid, filename in rows.fetchall():
@@ -115,6 +126,15 @@ class _KVCache(diskcache.Cache):  # type: ignore[misc]
             if filename is not None:
                 self._disk.remove(filename)
         return True, len(victims)
+
+    def _shares(self, namespace: str) -> dict[str, int]:
+        """Bytes held by each other namespace with entries (they share the tier's budget)."""
+        low, high = _namespace_range(namespace)
+        rows = self._sql(
+            "SELECT substr(key, 1, 16), SUM(size) FROM Cache WHERE raw = 1 AND (key < ? OR key >= ?) GROUP BY 1",
+            (low, high),
+        ).fetchall()
+        return {str(ns): int(held) for ns, held in rows}
 
     def _candidates(self, namespace: str, exclude: str) -> list[EntryMeta]:
         rows = self._sql(
@@ -135,9 +155,10 @@ class DiskTier(Tier):
     or a plain path. Several processes may share the directory: writes are serialized by
     SQLite's lock, bounded by ``timeout`` (seconds).
 
-    Eviction is exact and stays inside the writing tenant's namespace, as in ``MemoryTier``. A
-    value that cannot fit (too large, or the disk itself is full) is refused: ``put`` returns
-    False and the tier is left as it was.
+    Eviction is exact and takes the writing tenant's own entries, except that a tenant within its
+    fair share of ``max_bytes`` is never locked out by tenants over theirs: the room it needs is
+    taken from them (see ``ragkv.cache.fair_share``). A value that cannot fit (too large, or the
+    disk itself is full) is refused: ``put`` returns False and the tier is left as it was.
     """
 
     accepts: ClassVar[frozenset[str]] = frozenset(

@@ -31,7 +31,7 @@ from ragkv.engine import EngineConfig, RagKV
 from ragkv.retriever.corpus import stdlib_corpus
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
-from ragkv.retriever.kv_retriever import IndexReport
+from ragkv.retriever.kv_retriever import IndexPlan, IndexReport
 from ragkv.retriever.ray_index import RayConfig
 
 REDIS = os.environ.get("RAGKV_BENCH_REDIS", "redis://127.0.0.1:6379/15")
@@ -81,8 +81,9 @@ def catalog_rate(rag: RagKV, docs: list[Document]) -> str:
     digests = [(d, text_digest(d.text)) for d in docs]
     chunked = [(d, digest, r._chunk(d, digest)) for d, digest in digests]  # what a run commits
     t0 = time.perf_counter()
-    for doc, digest, chunks in chunked:
-        r._commit(doc, digest, chunks)
+    for doc, digest, chunks in chunked:  # one commit per document, as each one's caches land
+        plan = IndexPlan(IndexReport(), [], [], ready=[(doc, digest, chunks)])
+        r._commit(plan)
     t_docs = time.perf_counter() - t0
     n_chunks = sum(len(c) for _, _, c in chunked)
     return (

@@ -35,7 +35,7 @@ def commit_documents(
     if not records:
         return 0
     texts = [c.text for _, chunks in records for c in chunks]
-    vectors = embedder.embed(texts) if texts else None
+    vectors = embedder.embed(texts) if texts else np.zeros((0, index.dim), dtype=np.float32)
 
     def write_index(removed: list[int], added: list[list[int]]) -> None:
         rows = [r for per in added for r in per]

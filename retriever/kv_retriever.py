@@ -19,23 +19,22 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, cast
 
 from tqdm.auto import tqdm
 
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
-from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
+from ragkv.digests import Digest, fields_digest, text_digest
 from ragkv.model import ModelAdapter
 from ragkv.planner.session import LoadPlanning
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
+from ragkv.retriever.commit import commit_documents
 from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
 from ragkv.retriever.loader import ChunkLoader, LoadedChunk
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry, record_stored
-from ragkv.retriever.commit import commit_documents
 from ragkv.retriever.removal import RemoveReport, remove_document
 from ragkv.retriever.transforms import TransformConfig
 from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant

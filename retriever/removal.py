@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ragkv.digests import tokens_digest
 from ragkv.errors import DocumentNotFoundError
+from ragkv.types import CodecSpec
 
 if TYPE_CHECKING:
     from ragkv.retriever.kv_retriever import KVRetriever
@@ -65,17 +66,19 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
     # marked before the entries are listed: a query-path record after this point is refused
     catalog.mark_removed(source, tenant, [tokens_digest(ids) for ids in gone])
     # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
-    made = {
+    made: dict[str, tuple[tuple[int, ...], CodecSpec]] = {
         retriever.chunk_key(ids, spec).storage_key: (ids, spec)
         for ids in gone
         for spec in retriever.config.stored_codecs
     }
-    keys = set(made) | set(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
-    deleted, left = _delete_entries(retriever, sorted(keys), made)
+    recorded = catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant)
+    deleted, left = _delete_entries(retriever, sorted(set(made) | set(recorded)), made)
     return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted, pending=left)
 
 
-def _delete_entries(retriever: KVRetriever, keys: list[str], made: dict[str, tuple]) -> tuple[int, int]:
+def _delete_entries(
+    retriever: KVRetriever, keys: list[str], made: dict[str, tuple[tuple[int, ...], CodecSpec]]
+) -> tuple[int, int]:
     """Delete ``keys`` from every tier; drop the catalog row of each one gone everywhere, keep (or
     add) it for the others. Returns (entries deleted, entries pending)."""
     catalog, tenant = retriever.catalog, retriever.tenant

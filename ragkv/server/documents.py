@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ragkv.errors import DocumentNotFoundError, RagkvError
+from ragkv.errors import DocumentNotFoundError, RagkvError, StorageWriteError
 from ragkv.retriever.kv_retriever import IndexProgress, ProgressFn
 from ragkv.server.state import ApiError, ServerState
 
@@ -40,7 +40,7 @@ def router(state: ServerState) -> APIRouter:
         engine = await state.engine(request)
         docs = await _read_documents(request)  # bad input is a 4xx before any stream starts
         size = sum(len(d.text.encode()) for d in docs)
-        await asyncio.to_thread(state.check_upload, engine, size)  # reserves size until upload_done
+        await state.admit_upload(engine, size)  # reserves size (and the tenant's turn) until upload_done
         if _wants_stream(request):
             events = _index_events(state, engine, docs, size)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -85,11 +85,33 @@ def _index(
     state: ServerState, engine: Any, docs: list[Any], on_progress: ProgressFn | None
 ) -> tuple[dict[str, Any], int]:
     """Index ``docs`` and make their chunks findable in prompts; the report body and its HTTP status."""
-    report = engine.index(docs, progress=False, on_progress=on_progress)
+    try:
+        report = engine.index(docs, progress=False, on_progress=on_progress)
+    except StorageWriteError as e:  # the FAISS file could not be written: nothing was committed
+        raise ApiError(507, str(e.strerror or e), "insufficient_storage") from e
     state.refresh(engine)
     body = asdict(report)
     body["sources"] = [d.source for d in docs]
-    return body, 201 if not report.failed else 502
+    if not report.failed:
+        return body, 201
+    # no lasting tier took some chunk caches (full, over a limit, down): those documents were not committed
+    body["error"] = {"message": _refused(engine, report.failed), "type": "insufficient_storage"}
+    return body, 507
+
+
+def _refused(engine: Any, failed: int) -> str:
+    """Why an upload's caches were not stored, naming each lasting tier's limits."""
+    limits = [
+        f"{tier.name} (max_bytes={tier.config.max_bytes or 'default'}, "
+        f"tenant_max_bytes={tier.config.tenant_max_bytes or 'max_bytes'}, refused {tier.stats().refused})"
+        for tier in engine.store.tiers
+        if not tier.in_process and tier.writable
+    ]
+    return (
+        f"the store did not take {failed} chunk caches, so their documents were not indexed: "
+        f"{'; '.join(limits) or 'no lasting tier'} had no room (or was down); "
+        "remove documents, raise the tier's limits, or retry"
+    )
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -38,6 +38,8 @@ class ServerState:
         self.quotas = Quotas(settings.quota, settings.tenant_quotas)
         self._text_bytes: dict[str, int] = {}  # per tenant: UTF-8 bytes of its indexed chunk texts
         self._uploading: dict[str, int] = {}  # per tenant: bytes of uploads admitted and still indexing
+        self._upload_turns: dict[str, asyncio.Lock] = {}  # per tenant: held by the upload indexing now
+        self._turn_loop: asyncio.AbstractEventLoop | None = None  # the loop the turns belong to
         self.scheduler = Scheduler(
             engine.adapter,
             max_batch=settings.max_batch,
@@ -123,8 +125,27 @@ class ServerState:
                 raise ApiError(e.status, str(e)) from e
             self._uploading[tenant] = self._uploading.get(tenant, 0) + adding_text
 
+    async def admit_upload(self, engine: Any, adding_text: int) -> None:
+        """Wait for the tenant's upload in progress to finish, then :meth:`check_upload`.
+
+        One upload per tenant indexes at a time (its engine indexes one at a time anyway), so each
+        one's quota check sees the caches the one before it stored: three concurrent uploads cannot
+        each pass ``cache_bytes`` on the usage from before any of them (issue 33). The turn ends
+        with :meth:`upload_done`.
+        """
+        tenant = engine.config.tenant
+        with self._lock:
+            turn = self._upload_turns.setdefault(tenant, asyncio.Lock())
+        await turn.acquire()
+        try:
+            await asyncio.to_thread(self.check_upload, engine, adding_text)
+        except BaseException:
+            turn.release()
+            raise
+        self._turn_loop = asyncio.get_running_loop()
+
     def upload_done(self, engine: Any, adding_text: int) -> None:
-        """Release what :meth:`check_upload` reserved, once the upload is indexed (or failed)."""
+        """Release what :meth:`admit_upload` reserved, once the upload is indexed (or failed); any thread."""
         tenant = engine.config.tenant
         with self._lock:
             left = self._uploading.get(tenant, 0) - adding_text
@@ -132,6 +153,9 @@ class ServerState:
                 self._uploading[tenant] = left
             else:
                 self._uploading.pop(tenant, None)
+            turn = self._upload_turns.get(tenant)
+        if turn is not None and turn.locked() and self._turn_loop is not None:
+            self._turn_loop.call_soon_threadsafe(turn.release)
 
     def registry(self, engine: Any) -> ChunkRegistry:
         """The chunk texts of ``engine``'s tenant, for finding them in client-sent prompts."""

@@ -298,3 +298,20 @@ def test_invalidating_a_tampered_entry_keeps_the_file_it_names(tmp_path: Path, o
     assert tier.delete(key)
     assert outside.exists() and key not in keys_of(tier)
     tier.close()
+
+
+def test_a_tenant_within_its_fair_share_is_never_locked_out(tmp_path: Path) -> None:
+    """Tenant A filled a shared 1 MiB disk tier (no per-tenant limit); B's small write still fits, by
+    evicting A's least recent entries, never below A's share (issue 33, finding 6)."""
+    tier = disk(tmp_path, "max_bytes=1MiB")
+    for i in range(24):  # 1.5 MiB of A's: the tier keeps the last 1 MiB
+        assert tier.put(make_key(i, "a"), b"a" * 65536)
+    assert len(keys_of(tier, "a")) == 16
+    assert tier.put(make_key(0, "b"), b"b" * 65536)
+    assert keys_of(tier, "b") == {make_key(0, "b")} and make_key(8, "a") not in keys_of(tier, "a")
+    for i in range(1, 8):  # B grows to its share (half): A's oldest go
+        assert tier.put(make_key(i, "b"), b"b" * 65536)
+    assert len(keys_of(tier, "a")) == 8 and len(keys_of(tier, "b")) == 8
+    assert tier.put(make_key(8, "b"), b"b" * 65536)  # B over its share: its own oldest goes, not A's
+    assert len(keys_of(tier, "a")) == 8 and make_key(0, "b") not in keys_of(tier, "b")
+    tier.close()

@@ -73,18 +73,26 @@ def test_put_writes_through_to_every_writable_tier(stores: Callable[..., TieredS
     assert store.contains(make_key(1))
 
 
-def test_tenants_never_read_list_or_evict_each_other(stores: Callable[..., TieredStore], tmp_path: Path) -> None:
+def test_tenants_never_read_list_push_out_or_lock_out_each_other(
+    stores: Callable[..., TieredStore], tmp_path: Path
+) -> None:
     store = stores(["memory://?max_bytes=300", f"disk://{tmp_path}?max_bytes=300"])
+    disk = store.tiers[1]
     bob = [make_key(i, "bob") for i in range(3)]
     for key in bob:
         store.put(key, b"b" * 100)
     alice = make_key(0, "alice")
-    assert store.put(alice, b"a" * 100) is False  # no room that alice may take: both tiers refuse
-    assert sorted(store.keys(tenant_namespace("bob"))) == sorted(bob)
-    assert list(store.keys(tenant_namespace("alice"))) == []
-    assert all(store.get(key) == b"b" * 100 for key in bob)
+    # bob filled the disk: alice, within her fair share (150 of 300), takes room from bob, over his
+    assert store.put(alice, b"a" * 100) is True
+    assert list(disk.keys(tenant_namespace("alice"))) == [alice]
+    assert len(list(disk.keys(tenant_namespace("bob")))) == 2
+    assert sorted(store.keys(tenant_namespace("bob"))) == sorted(bob)  # the memory tier still holds all three
+    # bob, over his share, evicts only his own entries: alice is never pushed out
+    assert store.put(make_key(3, "bob"), b"b" * 100) is True
+    assert list(disk.keys(tenant_namespace("alice"))) == [alice]
+    assert all(store.get(key) == b"b" * 100 for key in bob[1:])
     # Reading bob's entries needs bob's keys: alice's keys name a different namespace.
-    assert store.get(make_key(0, "alice")) is None and make_key(0, "alice") != make_key(0, "bob")
+    assert store.get(make_key(1, "alice")) is None and make_key(0, "alice") != make_key(0, "bob")
 
 
 def test_invalidate_removes_a_corrupt_entry_from_every_tier(stores: Callable[..., TieredStore], tmp_path: Path) -> None:

@@ -6,7 +6,10 @@ from __future__ import annotations
 import errno
 
 from ragkv.errors import StoreUnavailableError
-from tests.core.test_cli import corpus, one_line_error, run, tiny_model_dir  # noqa: F401 - fixtures
+from tests.core import test_cli
+from tests.core.test_cli import one_line_error, run
+
+corpus, tiny_model_dir = test_cli.corpus, test_cli.tiny_model_dir  # the same fixtures
 
 
 def test_index_into_a_disk_tier_that_refuses_the_caches_exits_1_and_commits_nothing(
