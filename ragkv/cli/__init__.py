@@ -167,7 +167,7 @@ def demo(
 
 
 # --help lists the commands in the order a user meets them
-_ORDER = ("index", "ask", "demo", "list", "stats", "remove", "serve")
+_ORDER = ("index", "ask", "demo", "list", "stats", "remove", "check", "serve")
 app.registered_commands.sort(key=lambda c: _ORDER.index(c.name or c.callback.__name__ if c.callback else ""))
 
 

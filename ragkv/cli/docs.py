@@ -194,9 +194,53 @@ def remove(
         raise typer.Exit(1)
 
 
+def check(
+    data_dir: DataDir = None,
+    model: Model = None,
+    store: Store = None,
+    catalog: CatalogUrl = None,
+    tenant: Tenant = None,
+    repair: Annotated[
+        bool, typer.Option("--repair", help="Recompute missing caches, drop dangling rows, retry pending removals.")
+    ] = False,
+) -> None:
+    """Check that the catalog, the FAISS index and the stored caches agree; repair them with --repair.
+
+    Exits 1 when a disagreement is left (without --repair, any found). The FAISS index is rebuilt
+    from the catalog whenever it is opened, so that part is repaired by running the check at all.
+    """
+    from ragkv.cache.catalog import Catalog
+    from ragkv.types import tenant_namespace
+
+    cfg = engine_config(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant)
+    check_setup(cfg)
+    from ragkv.retriever.check import check as run_check
+    from ragkv.retriever.check import faiss_disagreement
+
+    path = cfg.data_dir / f"chunks-{tenant_namespace(cfg.tenant)}.faiss"
+    with Catalog(cfg.catalog_url(), create=False) as cat:  # no catalog: one line naming `ragkv index`
+        before = faiss_disagreement(cat, cfg.tenant, path)  # as on disk: opening the engine reconciles it
+    from ragkv.engine import RagKV
+
+    with RagKV(cfg) as engine:
+        r = run_check(engine.retriever, repair=repair, before=before)
+    typer.echo(
+        f"tenant {cfg.tenant!r}: {r.documents} documents; FAISS: {r.vectors_missing} rows without a vector, "
+        f"{r.vectors_stale} vectors without a row (rebuilt from the catalog); {len(r.caches_missing)} chunk "
+        f"caches missing, {len(r.entries_dangling)} entries whose blob is gone, {len(r.pending)} pending deletions"
+        + (f"; repaired {r.repaired}" if repair else "")
+    )
+    for what in (*r.caches_missing, *r.entries_dangling, *r.pending):
+        typer.echo(f"  {what}")
+    left = len(r.caches_missing) + len(r.entries_dangling) + len(r.pending)
+    if left or (not repair and r.problems):
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     """Add these commands to the ``ragkv`` app."""
     app.command()(index)
     app.command("list")(list_documents)
     app.command()(stats)
     app.command()(remove)
+    app.command("check")(check)

@@ -63,3 +63,20 @@ def test_remove_with_a_tier_that_cannot_delete_exits_1_and_a_retry_finishes(
     assert "0 cache entries" in out and "pending" not in out
     code, _, err = run(monkeypatch, capsys, "remove", source, *base)
     assert code == 2 and "no document" in one_line_error(code, err)
+
+
+def test_check_reports_a_lost_faiss_file_and_the_repair_leaves_nothing(
+    monkeypatch, capsys, tmp_path, corpus, tiny_model_dir
+):
+    data = tmp_path / "d"
+    base = ["--data-dir", str(data), "--model", str(tiny_model_dir), "--store", str(data / "kv")]
+    assert run(monkeypatch, capsys, "index", str(corpus), *base)[0] == 0
+    assert run(monkeypatch, capsys, "check", *base)[0] == 0
+    for faiss_file in data.glob("chunks-*.faiss"):
+        faiss_file.unlink()  # lost: the catalog's rows have no vectors
+    code, out, _ = run(monkeypatch, capsys, "check", *base)
+    assert code == 1 and "1 documents" in out and "rows without a vector" in out and "0 rows" not in out
+    code, out, _ = run(monkeypatch, capsys, "check", "--repair", *base)
+    assert code == 0, out
+    code, out, _ = run(monkeypatch, capsys, "check", *base)
+    assert code == 0 and "0 rows without a vector, 0 vectors without a row" in out

@@ -45,9 +45,9 @@ def test_a_document_is_not_committed_when_only_the_memory_tier_took_its_caches(t
         assert all(rag.store.persisted(k) for k in keys)
 
 
-def _apples(rag: RagKV) -> tuple[list, set[str]]:
+def _apples(rag: RagKV, source: str = DOCS[0].source) -> tuple[list, set[str]]:
     """The apples document's chunks (as a request retrieves them) and every storage key of them."""
-    chunks = list(rag.catalog.document_chunks(DOCS[0].source, "default").values())
+    chunks = list(rag.catalog.document_chunks(source, "default").values())
     keys = {rag.retriever.chunk_key(c.token_ids, spec).storage_key for c in chunks for spec in
             rag.config.retriever.stored_codecs}  # fmt: skip
     return chunks, keys
@@ -124,3 +124,35 @@ def test_a_full_disk_at_the_faiss_save_commits_nothing(tmp_path, llama_adapter, 
         monkeypatch.undo()
         assert rag.index(DOCS[1:], progress=False).chunks > 0  # room again: the retry commits it
         assert len(rag.catalog.documents("default")) == len(DOCS)
+
+
+def test_check_reports_and_repairs_what_disagrees(tmp_path, llama_adapter, monkeypatch):
+    from ragkv.retriever.check import check
+
+    with engine(tmp_path, llama_adapter) as rag:
+        rag.index(DOCS, progress=False)
+        assert check(rag.retriever).problems == 0
+        chunks, keys = _apples(rag)
+        lost = sorted(keys)[0]
+        rag.store.invalidate(lost)  # a lost cache: the document is committed without it
+        ghost = rag.retriever.chunk_key((1, 2, 3), rag.config.retriever.codec)
+        rag.catalog.record_entry(ghost.storage_key, tenant="default", tokens_digest=ghost.tokens_digest,
+                                 codec="cachegen", level=0, nbytes=10, num_tokens=3)  # fmt: skip
+        disk = rag.store.tiers[1]
+        stuck = sorted(_apples(rag, DOCS[1].source)[1])[0]
+        deleting = disk._delete
+
+        def read_only(key: str) -> bool:  # one blob cannot go (more would open the tier's breaker)
+            if key == stuck:
+                raise StoreUnavailableError("read-only file system")
+            return deleting(key)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(disk, "_delete", read_only)
+            assert rag.remove(DOCS[1].source).pending == 1
+        found = check(rag.retriever)
+        assert found.caches_missing and all(c.startswith(DOCS[0].source + "#") for c in found.caches_missing)
+        assert sorted(found.entries_dangling) == sorted([ghost.storage_key, lost]) and found.pending == [stuck]
+        fixed = check(rag.retriever, repair=True)
+        assert fixed.problems == 0 and fixed.repaired >= 3
+        assert rag.store.persisted(lost) and check(rag.retriever).problems == 0
