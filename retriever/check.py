@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import faiss
 import numpy as np
@@ -103,7 +103,7 @@ def faiss_disagreement(catalog: Catalog, tenant: str, path: Path) -> tuple[int, 
     it is on disk (before a retriever opens, and so reconciles, it). (0, 0) when there is no file."""
     if not path.is_file():
         return len(catalog.all_chunk_rows(tenant)), 0
-    raw = faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
+    raw: Any = faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
     have = {int(i) for i in faiss.vector_to_array(raw.id_map)}
     rows = set(catalog.all_chunk_rows(tenant))
     return len(rows - have), len(have - rows)
