@@ -41,9 +41,17 @@ from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, vali
 
 logger = logging.getLogger(__name__)
 
-# chunks committed together at least; more once the index is large (a quarter of it): each commit
-# re-writes the whole FAISS file, so batches that grow with it keep indexing linear in its size
-_MIN_BATCH = 64
+
+
+def batch_chunks(index_size: int) -> int:
+    """How many chunks of ready documents to commit together, for an index of ``index_size`` vectors.
+
+    Each commit re-writes (and fsyncs) the whole FAISS file: one commit per document made indexing
+    10,000 small files quadratic. Batches of a quarter of the index keep the total written linear in
+    its final size, at the price of redoing up to that many documents' embeddings after a crash
+    (their caches are stored and recorded already).
+    """
+    return max(64, index_size // 4)
 
 __all__ = [
     "IndexPlan",
@@ -344,7 +352,7 @@ class KVRetriever:
             report.failed_documents.append(doc.source)
             return
         plan.ready.append((doc, digest, chunks))
-        if sum(len(c) for _, _, c in plan.ready) >= max(_MIN_BATCH, len(self.index) // 4):
+        if sum(len(c) for _, _, c in plan.ready) >= batch_chunks(len(self.index)):
             self._commit(plan)
 
     def _is_indexed(self, source: str, digest: str) -> bool:
