@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import faiss
 import numpy as np
 
-from ragkv.retriever.removal import remove_document
+from ragkv.retriever.removal import retry_pending
 
 if TYPE_CHECKING:
     from ragkv.cache.catalog import Catalog
@@ -92,8 +92,7 @@ def check(retriever: KVRetriever, *, repair: bool = False, before: tuple[int, in
         else:
             report.entries_dangling.append(entry.storage_key)
     if repair:
-        for source in catalog.pending_sources(tenant):
-            report.repaired += remove_document(retriever, source).cache_entries
+        report.repaired += retry_pending(retriever)[0]
     report.pending = [e.storage_key for e in catalog.pending_entries(tenant)]
     return report
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoveReport", "remove_document"]
+__all__ = ["RemoveReport", "remove_document", "retry_pending"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +52,7 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
         pending = [n for n in names if n and catalog.pending_entries(tenant, n)]
         if not pending:
             raise DocumentNotFoundError(f"no document {source.strip()!r} in tenant {tenant!r} (list them: ragkv list)")
-        keys = [e.storage_key for e in catalog.pending_entries(tenant, pending[0])]
-        deleted, left = _delete_entries(retriever, keys, {})
+        deleted, left = retry_pending(retriever, pending[0])
         return RemoveReport(source=pending[0], chunks=0, cache_entries=deleted, pending=left)
     source = found[0]
     chunks = catalog.document_chunks(source, tenant)
@@ -74,6 +73,13 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
     recorded = catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant)
     deleted, left = _delete_entries(retriever, sorted(set(made) | set(recorded)), made)
     return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted, pending=left)
+
+
+def retry_pending(retriever: KVRetriever, source: str | None = None) -> tuple[int, int]:
+    """Delete the pending entries of removed documents (of ``source`` only, if given), now, if the
+    tiers allow; live documents are left alone. Returns (entries deleted, entries still pending)."""
+    keys = [e.storage_key for e in retriever.catalog.pending_entries(retriever.tenant, source)]
+    return _delete_entries(retriever, keys, {})
 
 
 def _delete_entries(
