@@ -71,17 +71,21 @@ def check_indexed(options: dict[str, Any]) -> None:
             )
 
 
-def indexed_source(cfg: Any, source: str) -> str:
-    """The catalog's name for ``source`` as typed (a name, or a path indexed under its resolved form)."""
+def indexed_source(options: dict[str, Any], source: str) -> str:
+    """The catalog's name for ``source`` as typed (a name, or a path indexed under its resolved form),
+    from the command's options (see :func:`catalog_of`: before the engine's modules load)."""
     from ragkv.cache.catalog import Catalog
+    from ragkv.types import validate_tenant
 
+    url, tenant, _ = catalog_of(options)
+    validate_tenant(tenant)
     names = dict.fromkeys([source.strip(), str(Path(source.strip()).expanduser().resolve())])
-    with Catalog(cfg.catalog_url(), create=False) as cat:
-        found = [n for n in names if n and cat.get_document(n, cfg.tenant) is not None]
+    with Catalog(url, create=False) as cat:
+        found = [n for n in names if n and cat.get_document(n, tenant) is not None]
         # a removal a tier could not finish: removing it again finishes it
-        found += [n for n in names if n and not found and cat.pending_entries(cfg.tenant, n)]
+        found += [n for n in names if n and not found and cat.pending_entries(tenant, n)]
     if not found:
-        fail(f"no document {source.strip()!r} in tenant {cfg.tenant!r}; `ragkv list` shows the indexed documents")
+        fail(f"no document {source.strip()!r} in tenant {tenant!r}; `ragkv list` shows the indexed documents")
     return found[0]
 
 

@@ -177,9 +177,10 @@ def remove(
     tenant: Tenant = None,
 ) -> None:
     """Remove a document: its catalog rows, FAISS entries and the cache entries no other document uses."""
+    # before config: building it imports torch and transformers (a typo must fail at once)
+    found = indexed_source({"data_dir": data_dir, "catalog": catalog, "tenant": tenant}, source)
     cfg = engine_config(data_dir=data_dir, model=model, store=store, catalog=catalog, tenant=tenant)
     check_setup(cfg)
-    found = indexed_source(cfg, source)  # before the generator and the embedder load
     from ragkv.engine import RagKV
 
     with RagKV(cfg) as engine:

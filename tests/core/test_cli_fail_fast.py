@@ -34,6 +34,7 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, str]:
     [
         (("index", "/no/such/path"), "no such file or directory: /no/such/path"),
         (("ask", "what grows?"), "no catalog at"),
+        (("remove", "notes.txt"), "no catalog at"),
     ],
 )
 def test_rejected_input_fails_before_the_model_libraries_load(tmp_path, args, message):
