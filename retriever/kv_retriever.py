@@ -42,7 +42,6 @@ from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, vali
 logger = logging.getLogger(__name__)
 
 
-
 def batch_chunks(index_size: int) -> int:
     """How many chunks of ready documents to commit together, for an index of ``index_size`` vectors.
 
@@ -52,6 +51,7 @@ def batch_chunks(index_size: int) -> int:
     (their caches are stored and recorded already).
     """
     return max(64, index_size // 4)
+
 
 __all__ = [
     "IndexPlan",
