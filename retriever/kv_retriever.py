@@ -114,7 +114,7 @@ class IndexProgress:
     """One step of an indexing run, for a progress display (``ragkv serve`` streams them)."""
 
     # "chunking": new or changed documents cut into chunks; "precompute": distinct chunk caches
-    # prefilled (the long part); "embedding": documents embedded and committed to catalog and index
+    # prefilled (the long part); "embedding": documents ready to commit (committed to catalog and index in batches)
     phase: str
     done: int
     total: int
