@@ -62,6 +62,10 @@ class _Entry:
     nbytes: int
     cost_per_gib: float  # load seconds per GiB: GreedyDual-Size's cost over size
     priority: float
+    used: int  # use counter at the last use: breaks ties between equal priorities, least recent first
+
+    def rank(self) -> tuple[float, int]:
+        return self.priority, self.used
 
 
 _TIERS: weakref.WeakSet[DeviceTier] = weakref.WeakSet()
@@ -85,6 +89,7 @@ class DeviceTier:
         self._entries: dict[str, _Entry] = {}
         self._pending = 0  # bytes reserved by entries still being filled
         self._clock = 0.0
+        self._uses = 0
         self._lock = threading.Lock()
         self.hits = self.misses = self.evictions = self.refused = 0
         _TIERS.add(self)
@@ -109,6 +114,8 @@ class DeviceTier:
                 self.misses += 1
                 return None
             entry.priority = self._clock + entry.cost_per_gib
+            self._uses += 1
+            entry.used = self._uses
             self.hits += 1
             return kv
 
@@ -196,12 +203,13 @@ class DeviceTier:
     def keys(self) -> list[str]:
         """The keys held, the next to be evicted first."""
         with self._lock:
-            return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].priority)]
+            return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].rank())]
 
     # ---- internals (the lock held) ---------------------------------------------------------
     def _entry(self, kv: ChunkKV, nbytes: int, cost_s: float) -> _Entry:
         cost = max(cost_s, 0.0) / max(nbytes / _GIB, 1e-9)
-        return _Entry(kv, nbytes, cost, self._clock + cost)
+        self._uses += 1
+        return _Entry(kv, nbytes, cost, self._clock + cost, self._uses)
 
     def _make_room(self, nbytes: int, key: str) -> bool:
         """Evict the lowest-priority entries until ``nbytes`` more fit; False (nothing evicted) if they never can."""
@@ -211,7 +219,7 @@ class DeviceTier:
         self._drop(key)
         used = sum(e.nbytes for e in self._entries.values()) + self._pending
         while used + nbytes > self.budget_bytes and self._entries:
-            victim = min(self._entries, key=lambda k: self._entries[k].priority)
+            victim = min(self._entries, key=lambda k: self._entries[k].rank())
             self._clock = self._entries[victim].priority  # GreedyDual: the clock rises to the evicted priority
             used -= self._entries[victim].nbytes
             self._drop(victim)
