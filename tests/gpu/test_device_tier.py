@@ -148,3 +148,29 @@ def test_a_cpu_engine_has_no_device_tier_by_default(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
         assert rag.device_tier is None
     assert EngineConfig(data_dir=tmp_path).device_tier == DeviceTierConfig()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("level", ["raw", "cachegen"])
+def test_on_cuda_a_device_hit_answers_as_a_store_hit(tmp_path, tiny_tokenizer, level):
+    """raw: staged from the host through pinned slabs, the tier filled by a sink; cachegen: decoded
+    onto the device and kept as it is. Either way the third answer (device hits) is the first's."""
+    from ragkv.model import load_model
+    from ragkv.retriever.chunker import ChunkerConfig
+    from ragkv.retriever.embedder import HashingEmbedder
+    from ragkv.retriever.kv_retriever import RetrieverConfig
+    from ragkv.types import CodecSpec
+    from tests.conftest import make_model
+
+    a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
+    retr = RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120), codec=CodecSpec(level, 0))
+    answers = []
+    for name, tier in (("plain", DeviceTierConfig(budget_bytes=0)), ("tier", DeviceTierConfig(budget_bytes=256 << 20))):
+        cfg = EngineConfig(data_dir=tmp_path / name, retriever=retr, store=("memory://",), device_tier=tier)
+        with RagKV(cfg, adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
+            rag.index(DOCS, progress=False)
+            answers += [rag.answer("Where do apples grow?", generation=GEN) for _ in range(2)]
+    plain, _, first, second = answers
+    assert plain.text == first.text == second.text
+    assert second.stats.extra.get("device_hits") == second.stats.cache_hits > 0
