@@ -308,7 +308,8 @@ class ChunkLoader:
             # through pinned memory while earlier layers compute (ragkv.gpu.feed)
             on_host = self.adapter.device.type == "cuda" and key.codec.name == "raw"
             device = "cpu" if on_host else str(self.adapter.device)
-            return codec.decode(blob, expect=expect, device=device, dtype=self.adapter.dtype, transform=transform)
+            dtype = self.adapter.dtype
+            return codec.decode(blob, expect=expect, device=device, dtype=dtype, transform=transform, view=on_host)
         except CodecError as e:
             logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
             return None

@@ -216,6 +216,8 @@ class _Stager:
         self.landed = [threading.Event() for _ in range(feed.num_layers)]
         self.events: list[torch.cuda.Event | None] = [None] * feed.num_layers
         self.error: BaseException | None = None
+        # inference mode is per thread: the worker writes the buffer in the mode it was made in
+        self.inference = torch.is_inference_mode_enabled()
         self.thread = threading.Thread(target=self._run, name="ragkv-stage", daemon=True)
         # runs of host chunks next to each other in the buffer: one copy each per layer
         self.runs: list[tuple[int, int, int]] = []  # (buffer start, buffer end, slab column)
@@ -254,7 +256,7 @@ class _Stager:
                 keys.record_stream(stream)
                 values.record_stream(stream)
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
+            with ctx, torch.inference_mode(self.inference):
                 for layer in range(feed.num_layers):
                     if layer >= 2 and self.events[layer - 2] is not None:
                         self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # the slab's last copy is done

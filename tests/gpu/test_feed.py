@@ -166,3 +166,13 @@ def test_on_cuda_staged_host_chunks_equal_chunks_on_the_device(tiny_tokenizer, d
     got = fuse(a, host_inp, FusionConfig(), prefill_suffix=True)
     assert got.suffix_logits is not None and want.suffix_logits is not None
     assert torch.equal(got.suffix_logits, want.suffix_logits)
+
+
+def test_a_staged_feed_made_in_inference_mode_fills_its_buffer(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    with torch.inference_mode():
+        feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+        feed.all_ready()
+    want_k, _ = _slow_place(a, inp, 0)
+    assert torch.equal(feed.keys, want_k)
