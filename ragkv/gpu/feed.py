@@ -211,8 +211,11 @@ class _Stager:
     """The worker that moves host chunks into a feed's buffer, layer by layer, through pinned slabs."""
 
     def __init__(self, feed: LayerFeed, host: list[tuple[ChunkKV, tuple[int, int]]], pool: PinnedPool) -> None:
-        self.feed, self.host, self.pool = feed, host, pool
-        self.cuda = feed.keys.device.type == "cuda"
+        # the buffer's tensors, not the feed: a stager that held its feed would make a reference
+        # cycle, and the buffer (gigabytes on a GPU) would wait for the garbage collector
+        self.keys, self.values, self.host, self.pool = feed.keys, feed.values, host, pool
+        self.device = feed.keys.device
+        self.cuda = self.device.type == "cuda"
         self.landed = [threading.Event() for _ in range(feed.num_layers)]
         self.events: list[torch.cuda.Event | None] = [None] * feed.num_layers
         self.error: BaseException | None = None
@@ -238,14 +241,14 @@ class _Stager:
         """Block until ``layer`` was issued, then order the compute stream after its copy."""
         self.landed[layer].wait()
         if self.error is not None:
-            raise RuntimeError(f"staging chunk caches to {self.feed.keys.device} failed: {self.error}") from self.error
+            raise RuntimeError(f"staging chunk caches to {self.device} failed: {self.error}") from self.error
         event = self.events[layer]
         if event is not None:
-            torch.cuda.current_stream(self.feed.keys.device).wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def _run(self) -> None:
-        feed = self.feed
-        keys, values = feed.keys, feed.values
+        keys, values = self.keys, self.values
+        self.keys = self.values = None  # type: ignore[assignment]  # held by this run only, freed with it
         layer_shape = (2, keys.shape[1], self.columns, keys.shape[3])  # K and V of one layer
         nbytes = 2 * keys.shape[1] * self.columns * keys.shape[3] * keys.element_size()
         slabs: list[torch.Tensor] = []
@@ -257,7 +260,7 @@ class _Stager:
                 values.record_stream(stream)
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx, torch.inference_mode(self.inference):
-                for layer in range(feed.num_layers):
+                for layer in range(len(self.landed)):
                     if layer >= 2 and self.events[layer - 2] is not None:
                         self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # the slab's last copy is done
                     view = slabs[layer % 2][:nbytes].view(keys.dtype).view(layer_shape)
@@ -286,3 +289,4 @@ class _Stager:
                     stream.synchronize()
             for slab in slabs:
                 self.pool.give(slab)
+            self.host = []  # the host chunks' memory is theirs again

@@ -176,3 +176,21 @@ def test_a_staged_feed_made_in_inference_mode_fills_its_buffer(llama_adapter):
         feed.all_ready()
     want_k, _ = _slow_place(a, inp, 0)
     assert torch.equal(feed.keys, want_k)
+
+
+def test_a_finished_staged_feed_is_freed_without_the_garbage_collector(llama_adapter):
+    import gc
+    import weakref
+
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    gc.disable()
+    try:
+        feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+        feed.all_ready()
+        feed._worker.thread.join()  # type: ignore[union-attr]
+        gone = weakref.ref(feed.keys)
+        del feed
+        assert gone() is None  # no reference cycle holds the buffer
+    finally:
+        gc.enable()
