@@ -13,6 +13,7 @@ small, so the commit cost shows.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 import time
@@ -29,8 +30,9 @@ from ragkv.retriever.embedder import HashingEmbedder
 from ragkv.retriever.kv_retriever import RetrieverConfig
 from ragkv.retriever.transforms import TransformConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' tiny model builders
-from tests.conftest import make_model, make_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_tests = importlib.import_module("tests.conftest")  # the tests' tiny model builders (no download)
+make_model, make_tokenizer = _tests.make_model, _tests.make_tokenizer
 
 
 def _run(adapter: ModelAdapter, n: int, per_document: bool) -> tuple[float, float]:
@@ -46,7 +48,7 @@ def _run(adapter: ModelAdapter, n: int, per_document: bool) -> tuple[float, floa
         )
         batch = kv_retriever.batch_chunks
         if per_document:
-            kv_retriever.batch_chunks = lambda size: 1  # the old behaviour: one commit per document
+            kv_retriever.batch_chunks = lambda index_size: 1  # the old behaviour: one commit per document
         try:
             with RagKV(cfg, adapter=adapter, embedder=HashingEmbedder(dim=64)) as rag:
                 started, cpu = time.perf_counter(), time.process_time()

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
+from ragkv.gpu.tier import DeviceTier
 from ragkv.model import ModelAdapter
 from ragkv.planner.session import LoadPlanning
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
@@ -153,6 +154,7 @@ class KVRetriever:
         *,
         tenant: str,
         store_secret: bytes | None = None,
+        device_tier: DeviceTier | None = None,
     ) -> None:
         self.adapter, self.store, self.catalog = adapter, store, catalog
         self.index, self.embedder = index, embedder
@@ -178,6 +180,7 @@ class KVRetriever:
             codec=self.config.codec,
             stored_codecs=self.config.stored_codecs,
             store_secret=store_secret,
+            device_tier=device_tier,
         )
         self._reconcile()
 

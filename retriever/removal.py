@@ -90,7 +90,10 @@ def _delete_entries(
     catalog, tenant = retriever.catalog, retriever.tenant
     recorded = set(catalog.entry_sizes(keys))
     deleted = pending = 0
+    device_tier = retriever.loader.device_tier
     for key in keys:
+        if device_tier is not None:  # this process's GPU copy goes first: never served again
+            device_tier.discard(key)
         found, gone = retriever.store.erase(key)
         deleted += found and gone
         if gone:
