@@ -93,6 +93,8 @@ class Consistency(RuleBasedStateMachine):
         report = self.rag.index([Document(source, "\n\n".join(paragraphs), source)], progress=False)
         if source in report.failed_documents:  # a cache not stored: not committed, the older version stays
             assert self.refusing
+            # its text was offered again: this process's memory tier may keep caches of it (never recorded)
+            self.seen.pop(source, None)
             return
         self.indexed[source] = paragraphs
         self.removed.discard(source)
