@@ -330,7 +330,9 @@ class QueryFocus(Strategy):
             return torch.arange(state.num_chunk_tokens)
         share = max(p.focus_ratio, self.ratio * p.narrow_factor)
         forced = state.sink_mask(torch.arange(state.num_chunk_tokens), p.sink_tokens)
-        return top_indices(*state.skip_exact_first(p.first_chunk_exact, importance, state.budget(min(1.0, share)), forced))
+        return top_indices(
+            *state.skip_exact_first(p.first_chunk_exact, importance, state.budget(min(1.0, share)), forced)
+        )
 
     def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
         first = min(self.params.check_layer, num_layers - 1)

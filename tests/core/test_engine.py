@@ -231,13 +231,18 @@ def test_config_nests_component_records_and_validates_tenant(tmp_path):
     assert "sssss" not in repr(EngineConfig(data_dir=tmp_path, store_secret=b"s" * 32))  # never logged
 
 
-@pytest.mark.parametrize("method", ["craft", "craft_query"])
-def test_a_fusion_method_the_engine_cannot_feed_is_refused_when_the_config_is_built(method):
+def test_a_fusion_method_the_engine_cannot_feed_is_refused_when_the_config_is_built(monkeypatch):
+    from ragkv import selection
     from ragkv.engine import EngineConfig
     from ragkv.fusion import FusionConfig
 
+    class Stored(selection.Strategy):  # ranks by deviation recorded at index time, as experiments/craft.py's
+        name = "stored"
+        wants_stored_scores = True
+
+    monkeypatch.setitem(selection._REGISTRY, "stored", Stored)
     with pytest.raises(ValueError, match="index time.*query_focus"):
-        EngineConfig(fusion=FusionConfig(method=method))
+        EngineConfig(fusion=FusionConfig(method="stored"))
 
 
 def test_engine_config_repr_never_shows_a_password(tmp_path):
