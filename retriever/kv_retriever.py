@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -29,7 +29,6 @@ from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
 from ragkv.errors import DocumentNotFoundError
 from ragkv.model import ModelAdapter
-from ragkv.planner.session import LoadPlanning
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
 from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
@@ -37,7 +36,7 @@ from ragkv.retriever.index import FaissIndex
 from ragkv.retriever.loader import ChunkLoader, LoadedChunk
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry, record_stored
 from ragkv.retriever.transforms import TransformConfig
-from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant
+from ragkv.types import DEFAULT_CODEC, Chunk, CodecSpec, validate_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +135,11 @@ class IndexPlan:
 
 
 class KVRetriever:
-    """Indexes documents into chunks, embeddings and chunk caches; retrieves and loads them."""
+    """Indexes documents into chunks, embeddings and chunk caches, and retrieves them.
+
+    Its parts are public and called directly: ``computer`` (:class:`ChunkComputer`: the shared prefix's KV,
+    chunk keys, prefill + encode + store) and ``loader`` (:class:`ChunkLoader`: chunk caches at query time).
+    """
 
     def __init__(
         self,
@@ -181,14 +184,6 @@ class KVRetriever:
     @property
     def prefix_ids(self) -> list[int]:
         return list(self._prefix_ids)
-
-    def prefix_kv(self) -> ChunkKV:
-        """The exact KV of the shared prefix (computed once per process)."""
-        return self.computer.prefix_kv()
-
-    def chunk_key(self, token_ids: Sequence[int], spec: CodecSpec) -> ChunkKey:
-        """The key of the chunk ``token_ids`` encoded with ``spec``, for this model, prefix and tenant."""
-        return self.computer.chunk_key(token_ids, spec)
 
     def chunk_token_ids(self, text: str) -> tuple[int, ...]:
         """The tokens a chunk contributes to a prompt (its text as laid out, tokenized on its own)."""
@@ -348,7 +343,7 @@ class KVRetriever:
         if len(rows) != old.num_chunks or any(row not in self.index for row in rows):
             return False
         return all(
-            self.store.contains(self.chunk_key(chunk.token_ids, spec).storage_key)
+            self.store.contains(self.computer.chunk_key(chunk.token_ids, spec).storage_key)
             for chunk in rows.values()
             for spec in self.config.stored_codecs
         )
@@ -397,7 +392,7 @@ class KVRetriever:
         """Store the chunk's cache unless present (and promote it to the fast tiers); True if computed."""
         computed, _, _ = self._ensure_stored(token_ids)
         if not computed:
-            self.store.get(self.chunk_key(token_ids, self.config.codec).storage_key)
+            self.store.get(self.computer.chunk_key(token_ids, self.config.codec).storage_key)
         return computed
 
     def _ensure_stored(self, token_ids: Sequence[int]) -> tuple[bool, int, bool]:
@@ -455,7 +450,9 @@ class KVRetriever:
         kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
         gone = {c.token_ids for c in chunks.values()} - kept
         # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
-        keys: set[str] = {self.chunk_key(ids, spec).storage_key for ids in gone for spec in self.config.stored_codecs}
+        keys: set[str] = {
+            self.computer.chunk_key(ids, spec).storage_key for ids in gone for spec in self.config.stored_codecs
+        }
         keys.update(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
         deleted = 0
         for key in sorted(keys):
@@ -498,17 +495,3 @@ class KVRetriever:
             if len(hits) < ask or ask >= len(self.index):
                 return out  # every row was looked at
             ask = min(ask * 2, len(self.index))
-
-    def load(self, token_ids: Sequence[int]) -> LoadedChunk:
-        """The chunk's cache: from the store, or computed now (and stored) on a miss."""
-        return self.loader.load_many([token_ids])[0]
-
-    def load_many(self, segments: Sequence[Sequence[int]]) -> list[LoadedChunk]:
-        """Several chunks' caches, in order (:meth:`ChunkLoader.load_many`)."""
-        return self.loader.load_many(segments)
-
-    def load_planned(
-        self, segments: Sequence[Sequence[int]], plan: LoadPlanning
-    ) -> tuple[list[LoadedChunk], dict[str, Any] | None]:
-        """Chunk caches at the (codec, level) ``plan`` picks, and its report (:meth:`ChunkLoader.load_planned`)."""
-        return self.loader.load_planned(segments, plan)
