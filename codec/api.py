@@ -10,6 +10,7 @@ import zstandard
 from ragkv.codec.bitstream import FORMAT_VERSION, open_frame, pack
 from ragkv.codec.header import AUTH_HMAC_SHA256, BitstreamHeader, position_runs
 from ragkv.codec.payload import CodecPayload
+from ragkv.codec.raw import raw_views
 from ragkv.codec.registry import get_codec
 from ragkv.codec.transform import ChannelTransform
 from ragkv.codec.trust import Expected, check_expected, check_secret, key_namespace, mac_key
@@ -129,6 +130,7 @@ def decode(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     transform: ChannelTransform | None = None,
+    view: bool = False,
 ) -> ChunkKV:
     """Decode a bitstream written by :func:`encode`, if it is what ``expect`` asks for.
 
@@ -151,6 +153,9 @@ def decode(
         dtype: floating dtype of the returned keys and values.
         transform: the channel transform the bitstream was coded in, if its header names one
             (ignored otherwise).
+        view: on the CPU, a raw payload comes back as read-only views of ``data`` in its stored
+            dtype (fp16), not as copies in ``dtype``: for a caller that only reads it (staging to a
+            GPU, which converts on the way). Other codecs and devices ignore it.
 
     Returns:
         The chunk's KV: keys/values ``[layers, kv_heads, tokens, head_dim]`` on ``device``; positions
@@ -185,7 +190,10 @@ def decode(
     coded_in = _coded_in(header, transform)
     frame.verify_checksum()
     try:
-        keys, values = impl.decode(header, frame.sections(), target, dtype if coded_in is None else torch.float32)
+        if view and target.type == "cpu" and coded_in is None and header.codec == "raw":
+            keys, values = raw_views(header, frame.sections())
+        else:
+            keys, values = impl.decode(header, frame.sections(), target, dtype if coded_in is None else torch.float32)
     except CodecError:
         raise
     except _FOREIGN_ERRORS as e:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ragkv.codec._tensors import from_section, to_bytes
@@ -56,3 +58,17 @@ class RawCodec(Codec):
         keys = from_section(sections[0], torch.float16, header.shape, device, dtype)
         values = from_section(sections[1], torch.float16, header.shape, device, dtype)
         return keys, values
+
+
+def raw_views(header: BitstreamHeader, sections: Sequence[memoryview]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of a raw payload as fp16 views of its sections (no copy; read-only: the bytes
+    may be a tier's own). A misaligned section is copied once."""
+    out = []
+    for section in sections[:2]:
+        if len(section) != 2 * math.prod(header.shape):
+            raise CodecError(f"raw payload section holds {len(section)} bytes, not fp16 {header.shape}")
+        buf = section if np.frombuffer(section, dtype=np.uint8).ctypes.data % 2 == 0 else bytes(section)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffer: the caller only reads it
+            out.append(torch.frombuffer(buf, dtype=torch.float16).view(header.shape))
+    return out[0], out[1]

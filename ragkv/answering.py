@@ -24,6 +24,7 @@ import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
+from ragkv.gpu.feed import DeviceSink
 from ragkv.model.batch import riding_tokens
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
@@ -217,6 +218,7 @@ class AnswerPath:
         prefix_kv = self._prefix_kv(prompt.prefix)
         loaded: list[ChunkKV] = []
         forced: list[bool] = []
+        sinks: list[DeviceSink | None] = []  # device-tier entries filled as their chunks land (ragkv.gpu)
         hit_tokens = 0
         plan = self._load_planning(prompt, fusion, started)
         got_all, load_report = p.retriever.loader.load_planned([seg for seg, cached in middle if cached], plan)
@@ -225,16 +227,20 @@ class AnswerPath:
             if not cached:  # plain text between chunks: computed in place by fusion
                 loaded.append(a.empty_kv(len(seg)))
                 forced.append(True)
+                sinks.append(None)
                 continue
             got = next(fetched)
             loaded.append(got.kv)
             forced.append(got.recompute)
+            sinks.append(got.sink)
             # planned as text (or its tier failed): fusion computes it in place; planned LOCAL: stored,
             # but prefilled here while the other chunks were read
             if got.recompute or got.local:
                 stats.prefilled_chunk_tokens += len(seg)
             elif got.hit:
                 stats.cache_hits += 1
+                if got.device:  # shown only where a device tier serves (stats' keys stay as they were elsewhere)
+                    stats.extra["device_hits"] = stats.extra.get("device_hits", 0) + 1
                 stats.bytes_loaded += got.nbytes
                 hit_tokens += len(seg)
             else:
@@ -242,7 +248,7 @@ class AnswerPath:
                 stats.prefilled_chunk_tokens += len(seg)
         if load_report is not None:
             stats.extra["load"] = {**load_report, "deadline_ms": p.config.load.slo_ms}
-        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced)
+        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced, sinks=sinks)
         if step_tokens is not None:
             yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()

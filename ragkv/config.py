@@ -9,6 +9,7 @@ from typing import Any
 
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
+from ragkv.gpu.tier import DeviceTierConfig
 from ragkv.model.decode import DECODE_WEIGHTS
 from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
@@ -49,6 +50,7 @@ class EngineConfig:
     offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
     load: LoadConfig = field(default_factory=LoadConfig)  # TTFT deadline and load planning (ragkv.planner)
     decode_weights: str = "model"  # model | int8 | int4 (lossy): weights decode steps read (RAGKV_DECODE_WEIGHTS)
+    device_tier: DeviceTierConfig = field(default_factory=DeviceTierConfig)  # decoded chunk caches kept on a GPU
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

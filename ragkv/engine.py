@@ -23,6 +23,7 @@ from ragkv.answering import AnswerPath, AnswerStream, Prefilled
 from ragkv.config import EngineConfig, default_data_dir
 from ragkv.fusion import FusionConfig, Pieces, drain
 from ragkv.generation import GenerationConfig
+from ragkv.gpu.tier import DeviceTier, DeviceTierConfig
 from ragkv.matching import ChunkRegistry, TenantChunks
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.decode import StaticDecoder
@@ -95,10 +96,12 @@ class RagKV:
             self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
             self.catalog = Catalog(self.config.catalog_url())
             self.decoder = StaticDecoder(self.adapter, weights=self.config.decode_weights)  # type: ignore[arg-type]
+            self.device_tier = _device_tier(self.config.device_tier, self.adapter)  # every tenant's, one per process
         else:  # another tenant's engine: the model, embedder, stores and speeds are share's
             self.load_estimates, self._model_lock = share.load_estimates, share._model_lock
             self.adapter, self.embedder, self.decoder = share.adapter, share.embedder, share.decoder
             self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
+            self.device_tier = share.device_tier
         self.retriever = self._retriever(self.config.tenant)
         self.answers = AnswerPath(self)  # prefill and decode (ragkv/answering.py)
         self._chunks = TenantChunks(self.catalog, self.config.tenant)  # the prompt matcher's registry
@@ -129,6 +132,7 @@ class RagKV:
             self.config.retriever,
             tenant=tenant,
             store_secret=self.config.store_secret,
+            device_tier=self.device_tier,
         )
 
     # ---- indexing ---------------------------------------------------------------------------
@@ -429,3 +433,12 @@ class RagKV:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _device_tier(config: DeviceTierConfig, adapter: ModelAdapter) -> DeviceTier | None:
+    """The device tier for ``adapter``'s device (None when its budget is 0: a CPU model by default)."""
+    budget = config.budget_for(adapter.device)
+    if budget <= 0:
+        return None
+    logger.info("device tier on %s: up to %.1f GiB of decoded chunk caches", adapter.device, budget / 2**30)
+    return DeviceTier(budget, adapter.device)

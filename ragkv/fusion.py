@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from ragkv.gpu.feed import DeviceSink, LayerFeed
+from ragkv.gpu.tier import release
 from ragkv.model import ModelAdapter, ScatterCache
 from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
 from ragkv.types import ChunkKV
@@ -80,6 +82,8 @@ class FusionInput:
     # per chunk [tokens] deviation recorded at index time (ragkv.bench.craft.record_deviation): only the
     # craft methods read it, and they refuse to run without it
     stored_scores: Sequence[torch.Tensor] | None = None
+    # per chunk: a device-tier entry to fill as the chunk lands (ragkv.gpu), or None; () = none
+    sinks: Sequence[DeviceSink | None] = ()
 
 
 @dataclass(slots=True)
@@ -104,6 +108,7 @@ class _Placed:
     slots: torch.Tensor  # [n_chunk] cache slot of every chunk token (CPU)
     ids: torch.Tensor  # [n_chunk] token id of every chunk token (CPU)
     n_ctx: int  # prefix + chunk tokens; slots n_ctx.. are free (for the suffix)
+    feed: LayerFeed  # fills keys/values layer by layer: call feed.ready(layer) before reading a layer
 
 
 def fuse(
@@ -149,7 +154,8 @@ def fuse_steps(
     state.stored_scores = _stored_scores(inp)
     if probe and placed.slots.numel() > 0:
         slots = placed.slots.to(adapter.device, non_blocking=True)
-        state.query_attention = _question_attention(adapter, placed.keys, placed.values, suffix, placed.n_ctx, slots)
+        keys, values, n_ctx = placed.keys, placed.values, placed.n_ctx
+        state.query_attention = _question_attention(adapter, keys, values, suffix, n_ctx, slots, placed.feed)
     forced = _forced_tokens(inp)
     active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
     tail = suffix if prefill_suffix else suffix[:0]  # rides along after the active tokens
@@ -167,7 +173,12 @@ def fuse_steps(
 
 
 def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:
-    """Re-rotate chunks to their offsets into one buffer with ``extra`` free slots at the end."""
+    """The chunks re-rotated to their offsets in one buffer with ``extra`` free slots at the end.
+
+    The buffer fills layer by layer (:class:`~ragkv.gpu.feed.LayerFeed`): host chunks cross to a
+    GPU on a copy stream while earlier layers compute. Out of device memory, the device tier is
+    emptied and the buffer allocated once more before the error goes to the caller.
+    """
     if len(inp.chunks) != len(inp.chunk_ids):
         raise ValueError("FusionInput needs one token-id list per chunk")
     for kv, tok in zip(inp.chunks, inp.chunk_ids, strict=True):
@@ -176,27 +187,20 @@ def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:
     fps = {p.model_fingerprint for p in (inp.prefix, *inp.chunks)}
     if len(fps) != 1:
         raise ValueError(f"cannot fuse caches of different models: {sorted(fps)}")
-    n_prefix = inp.prefix.num_tokens
-    total = n_prefix + sum(kv.num_tokens for kv in inp.chunks)
-    s = adapter.spec
-    shape = (s.num_layers, s.num_kv_heads, total + extra, s.head_dim)
-    keys = torch.zeros(shape, dtype=adapter.dtype, device=adapter.device)
-    values = torch.zeros(shape, dtype=adapter.dtype, device=adapter.device)
-    keys[:, :, :n_prefix] = inp.prefix.keys
-    values[:, :, :n_prefix] = inp.prefix.values
-    offset = n_prefix
-    for kv in inp.chunks:
-        end = offset + kv.num_tokens
-        keys[:, :, offset:end] = adapter.rerotate(kv, offset).keys
-        values[:, :, offset:end] = kv.values
-        offset = end
+    try:
+        feed = LayerFeed(adapter, inp.prefix, inp.chunks, extra, sinks=inp.sinks)
+    except torch.OutOfMemoryError:
+        logger.warning("out of device memory placing %d chunks; emptying the device tier", len(inp.chunks))
+        release(adapter.device)
+        feed = LayerFeed(adapter, inp.prefix, inp.chunks, extra, sinks=inp.sinks)
     ids = [torch.as_tensor(list(tok), dtype=torch.long) for tok in inp.chunk_ids]
     flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
-    return _Placed(keys, values, torch.arange(n_prefix, total), flat, total)
+    return _Placed(feed.keys, feed.values, torch.arange(feed.n_prefix, feed.n_ctx), flat, feed.n_ctx, feed)
 
 
 def _reused(adapter: ModelAdapter, placed: _Placed) -> FusedContext:
     """Nothing to recompute and no tail: the placed cache as is (views, no copy)."""
+    placed.feed.all_ready()
     n_ctx = placed.n_ctx
     cache = adapter.dynamic_cache(placed.keys[:, :, :n_ctx], placed.values[:, :, :n_ctx])
     return FusedContext(cache, n_ctx, 0, int(placed.slots.numel()))
@@ -235,6 +239,7 @@ def _recompute(
             done = 0
             yield
         done += int(hidden.shape[1])
+        placed.feed.ready(layer)
         if step is None:  # the active set changed: new positions, mask and rotary tables
             step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
         if layer not in checks:
@@ -297,6 +302,7 @@ def _finish(
     adapter: ModelAdapter, placed: _Placed, active: torch.Tensor, forced: torch.Tensor, hidden: torch.Tensor, tail: int
 ) -> FusedContext:
     """The fused cache (prefix, chunks, and the tail's K/V when it rode along) and the tail's logits."""
+    placed.feed.all_ready()  # the loop stops early once no token is left to recompute
     logits = adapter.final_logits(hidden[:, hidden.shape[1] - tail :])[0] if tail else None  # [S, vocab]
     kept = placed.n_ctx + tail
     return FusedContext(
@@ -351,13 +357,15 @@ def _question_attention(
     suffix: torch.Tensor,
     n_ctx: int,
     slots: torch.Tensor,
+    feed: LayerFeed | None = None,
 ) -> torch.Tensor:
     """Attention the question pays each chunk token, per layer: ``[layers, n_chunk]``.
 
     Runs the suffix (a few dozen tokens: about 1% of a prefill) through every layer on the
     naively placed cache and records the attention weights, normalized per layer. Its K/V go to
     the free slots after the context (``keys``/``values`` have ``len(suffix)`` of them), which
-    fusion overwrites or drops; the context slots are not touched.
+    fusion overwrites or drops; the context slots are not touched. With ``feed``, each layer is
+    made ready just before it runs, so the copy of later layers overlaps it.
     """
     probe_cache = adapter.scatter_cache(keys, values)
     host_pos = torch.arange(n_ctx, n_ctx + len(suffix))  # [S]: the last S slots, so a causal bias, no mask tensor
@@ -367,6 +375,8 @@ def _question_attention(
     pe = adapter.position_embeddings(pos, hidden)
     with adapter.attention_probe() as probe:
         for layer in range(adapter.spec.num_layers):
+            if feed is not None:
+                feed.ready(layer)
             hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask)
     per_layer = torch.stack([probe.weights[i][slots].float() for i in range(adapter.spec.num_layers)])
     return (per_layer / per_layer.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()

@@ -28,6 +28,7 @@ from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest, tokens_digest
 from ragkv.errors import DocumentNotFoundError
+from ragkv.gpu.tier import DeviceTier
 from ragkv.model import ModelAdapter
 from ragkv.retriever.chunker import Chunker
 from ragkv.retriever.documents import Document, document_source
@@ -77,6 +78,7 @@ class KVRetriever:
         *,
         tenant: str,
         store_secret: bytes | None = None,
+        device_tier: DeviceTier | None = None,
     ) -> None:
         self.adapter, self.store, self.catalog = adapter, store, catalog
         self.index, self.embedder = index, embedder
@@ -102,6 +104,7 @@ class KVRetriever:
             codec=self.config.codec,
             stored_codecs=self.config.stored_codecs,
             store_secret=store_secret,
+            device_tier=device_tier,
         )
         self._reconcile()
 
@@ -381,6 +384,8 @@ class KVRetriever:
         keys.update(catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant))
         deleted = 0
         for key in sorted(keys):
+            if self.loader.device_tier is not None:  # this process's GPU copy goes first: never served again
+                self.loader.device_tier.discard(key)
             deleted += self.store.delete(key)
             catalog.remove_entry(key)
         return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted)

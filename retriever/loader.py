@@ -19,6 +19,8 @@ from ragkv import codec
 from ragkv.cache.catalog import Catalog
 from ragkv.cache.fetched import Fetched
 from ragkv.errors import CodecError
+from ragkv.gpu.feed import DeviceSink
+from ragkv.gpu.tier import DeviceTier
 from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions
 from ragkv.planner.session import LoadPlanning, LoadSession
 from ragkv.retriever.precompute import ChunkComputer, record_stored
@@ -54,6 +56,8 @@ class LoadedChunk:
     nbytes: int  # encoded bytes read (hits) or written (misses)
     recompute: bool = False  # True: not loaded (planned as text, or its tier failed); kv is a placeholder
     local: bool = False  # True: stored, but prefilled here while other chunks were fetched (planned LOCAL)
+    device: bool = False  # True: a device-tier hit (on the model's device; nothing read from the store)
+    sink: DeviceSink | None = None  # a device-tier entry fusion fills as this (host) chunk lands
 
 
 class ChunkLoader:
@@ -65,6 +69,7 @@ class ChunkLoader:
         codec: the primary (codec, level) loaded without a plan.
         stored_codecs: every (codec, level) stored per chunk, best quality first (what a plan picks from).
         store_secret: MAC key material the entries were signed with (None: unauthenticated).
+        device_tier: decoded chunk caches on the model's GPU, looked up before the store (None: none).
     """
 
     def __init__(
@@ -75,11 +80,13 @@ class ChunkLoader:
         codec: CodecSpec,
         stored_codecs: Sequence[CodecSpec],
         store_secret: bytes | None = None,
+        device_tier: DeviceTier | None = None,
     ) -> None:
         self.computer, self.catalog = computer, catalog
         self.adapter, self.store = computer.adapter, computer.store
         self.codec, self.stored_codecs = codec, tuple(stored_codecs)
         self.store_secret = store_secret
+        self.device_tier = device_tier
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
@@ -122,7 +129,8 @@ class ChunkLoader:
         primary = [key.storage_key for key in keys]  # identifies the chunk (keys[i] may move to another level)
         for i, storage_key in enumerate(primary):
             first.setdefault(storage_key, i)
-        unique = list(first.values())  # a chunk repeated in one prompt is fetched and decoded once
+        on_device = self._device_hits(primary, first, segments)  # device-tier hits skip the store entirely
+        unique = [i for i in first.values() if i not in on_device]  # a repeated chunk is fetched and decoded once
         session = None if plan is None else self._session([segments[i] for i in unique], plan)
         fixed = self.codec if plan is None or plan.config.fixed is None else plan.config.fixed
 
@@ -151,6 +159,7 @@ class ChunkLoader:
 
         sizes: dict[int, int | None] = {}  # bytes of each stored blob (None: not stored)
         decoded: dict[int, ChunkKV | None] = {}
+        seconds: dict[int, float] = {}  # fetch + decode time of each hit (the device tier's cost)
         text: set[int] = set()  # chunks fusion recomputes from their tokens
         local: set[int] = set()  # chunks prefilled here while the next ones were fetched
         # up to 3 ahead: a run of chunks prefilled here leaves room for the read after them to start
@@ -173,16 +182,57 @@ class ChunkLoader:
                 sizes[i] = None if blob is None else len(blob)
                 started = time.perf_counter()
                 decoded[i] = None if blob is None else self._decode(key, len(segments[i]), blob)
+                seconds[i] = got.seconds + time.perf_counter() - started
                 if session is not None and blob is not None and decoded[i] is not None:
                     session.decoded(key.codec, len(blob), time.perf_counter() - started)
         done = self._finish_loads(segments, keys, unique, decoded, sizes, text, local)
+        done.update({i: LoadedChunk(kv, True, 0, device=True) for i, kv in on_device.items()})
+        self._admit(done, keys, primary, seconds)
         out = []
         for i, storage_key in enumerate(primary):
             j = first[storage_key]
             # a repeat reuses the cache its first occurrence loaded or computed: nothing to prefill,
             # nothing read (or, when its first occurrence is recomputed from text, it is too)
-            out.append(done[j] if i == j else replace(done[j], hit=not done[j].recompute, nbytes=0))
+            out.append(done[j] if i == j else replace(done[j], hit=not done[j].recompute, nbytes=0, sink=None))
         return out, (session.report() if session is not None else None)
+
+    def _device_hits(
+        self, primary: Sequence[str], first: dict[str, int], segments: Sequence[Sequence[int]]
+    ) -> dict[int, ChunkKV]:
+        """The chunks the device tier holds at the primary codec, by index (their catalog entries touched)."""
+        tier = self.device_tier
+        if tier is None:
+            return {}
+        a = self.adapter
+        found = {
+            i: kv
+            for key, i in first.items()
+            if (kv := tier.get(key, fingerprint=a.fingerprint, dtype=a.dtype, num_tokens=len(segments[i]))) is not None
+        }
+        if found:
+            self.catalog.touch_entries([primary[i] for i in found])
+        return found
+
+    def _admit(
+        self, done: dict[int, LoadedChunk], keys: list[ChunkKey], primary: Sequence[str], seconds: dict[int, float]
+    ) -> None:
+        """Offer the store hits loaded at the primary codec to the device tier.
+
+        Only decoded entries go in (never a chunk computed here: a device hit must fuse exactly as a
+        store hit does). One decoded on the device is kept as it is; one decoded on the host gets a
+        sink that fusion fills as the chunk lands (``LoadedChunk.sink``).
+        """
+        tier = self.device_tier
+        if tier is None:
+            return
+        for i, loaded in list(done.items()):
+            key = keys[i].storage_key
+            if not loaded.hit or loaded.device or key != primary[i]:
+                continue  # a miss, a tier hit already, or another level than a lookup asks for
+            if loaded.kv.keys.device == tier.device:
+                tier.put(key, loaded.kv, seconds.get(i, 0.0))
+            elif (sink := tier.reserve(key, loaded.kv, self.adapter.dtype, seconds.get(i, 0.0))) is not None:
+                done[i] = replace(loaded, sink=sink)
 
     def _session(self, segments: Sequence[Sequence[int]], plan: LoadPlanning) -> LoadSession:
         """A load session over ``segments``, with each one's stored sizes from the catalog."""
@@ -231,6 +281,8 @@ class ChunkLoader:
                 continue
             if size is not None:  # present but unusable: drop it everywhere, then recompute
                 self.store.invalidate(keys[i].storage_key)
+                if self.device_tier is not None:
+                    self.device_tier.discard(keys[i].storage_key)
             kv = self.adapter.prefill_kv(segments[i], past=[self.computer.prefix_kv()])
             done[i] = LoadedChunk(kv, False, self._put(kv, keys[i]))
         hits = [keys[i].storage_key for i in unique if done[i].hit]
@@ -252,9 +304,12 @@ class ChunkLoader:
         try:
             # the key digests the transform, so the one it names is the one this process holds
             transform = self.computer.transforms.find(key.transform_digest) if key.transform_digest else None
-            return codec.decode(
-                blob, expect=expect, device=self.adapter.device, dtype=self.adapter.dtype, transform=transform
-            )
+            # raw bytes need no decode: kept on the host, fusion stages them to a GPU layer by layer
+            # through pinned memory while earlier layers compute (ragkv.gpu.feed)
+            on_host = self.adapter.device.type == "cuda" and key.codec.name == "raw"
+            device = "cpu" if on_host else str(self.adapter.device)
+            dtype = self.adapter.dtype
+            return codec.decode(blob, expect=expect, device=device, dtype=dtype, transform=transform, view=on_host)
         except CodecError as e:
             logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
             return None

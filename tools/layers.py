@@ -25,7 +25,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("ragkv.digests", "ragkv.errors", "ragkv.types"),  # records
     ("ragkv.codec", "ragkv.cache", "ragkv.prompt"),  # bytes: encode, store; prompt layout
     ("ragkv.model",),  # the generator: loading, conversion, adapter, attention
-    ("ragkv.selection", "ragkv.fusion", "ragkv.generation", "ragkv.matching", "ragkv.planner"),  # algorithms
+    (
+        "ragkv.gpu",
+        "ragkv.selection",
+        "ragkv.fusion",
+        "ragkv.generation",
+        "ragkv.matching",
+        "ragkv.planner",
+    ),  # algorithms
     ("ragkv.retriever",),  # indexing and loading chunk caches
     ("ragkv.config", "ragkv.answering"),  # the engine's parts: its settings, the answer path
     ("ragkv.engine",),  # RagKV, the facade

@@ -188,6 +188,29 @@ def bench_load(
     typer.echo(format_table(rows, columns))
 
 
+@bench_app.command("gpu")
+def bench_gpu(
+    contexts: Annotated[str | None, typer.Option(help="Prompt lengths in tokens (default 4096,16384,32768).")] = None,
+    chunk: Annotated[int | None, typer.Option(help="Tokens per chunk (default 512; 64 with --tiny).")] = None,
+    codec: Annotated[str, typer.Option(help="codec:level the chunks are stored with (the host rows).")] = "raw:0",
+    method: Annotated[str, typer.Option(help="Fusion method.")] = "query_focus",
+    ratio: Annotated[float, typer.Option(help="Share of chunk tokens recomputed.")] = 0.15,
+    repeats: Annotated[int, typer.Option(help="Timed runs per measurement (the best is kept).")] = 3,
+    tiny: Annotated[bool, typer.Option("--tiny", help="A tiny config (on the CPU when there is no GPU).")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the rows here.")] = None,
+) -> None:
+    """Reuse against full prefill on a GPU at Llama-3.1-8B's shape (random weights, bf16): full
+    prefill, fused from host memory and from the device tier, and where the time goes."""
+    from ragkv.bench.gpu import main as gpu_main
+
+    argv = ["--codec", codec, "--method", method, "--ratio", str(ratio), "--repeats", str(repeats)]
+    argv += ["--contexts", contexts] if contexts else []
+    argv += ["--chunk", str(chunk)] if chunk else []
+    argv += ["--tiny"] if tiny else []
+    argv += ["--json", str(json_out)] if json_out else []
+    gpu_main(argv)
+
+
 @bench_app.command("peer")
 def bench_peer(
     model: Model = None,

@@ -160,6 +160,11 @@ class ModelAdapter:
             cos, sin = self._inner.rotary_emb(dummy, pos)
         return cos.float(), sin.float()
 
+    @property
+    def rotary_fn(self) -> RotaryFn | None:
+        """The model's own rotation ``(x, cos, sin) -> x`` (None: plain half-split), as :meth:`rerotate` uses."""
+        return self._rotary_fn
+
     def rerotate(self, kv: ChunkKV, target_positions: torch.Tensor | int) -> ChunkKV:
         """Move cached keys from their stored positions to ``target_positions`` (or a start offset).
 

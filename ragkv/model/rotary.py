@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RotaryFn", "model_rotary_fn", "move_keys", "rotate_half"]
+__all__ = ["RotaryFn", "model_rotary_fn", "move_keys", "rotate_half", "turn_keys", "turn_tables"]
 
 RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(x, cos, sin) -> x`` rotated by the tables, in the model's own pairing of dims."""
@@ -61,20 +61,33 @@ def move_keys(
     undoing divides by cos^2 + sin^2 = a^2. ``apply`` is the model's rotation (default: half-split);
     ``rotated`` ([layers] bool) marks the layers that apply RoPE at all (NoPE layers pass unchanged).
     """
-    rot = cos_p.shape[-1]
-    # As complex pairs the key was multiplied by z_p = cos_p + i sin_p; moving it multiplies by
-    # z_q / z_p = z_q * conj(z_p) / |z_p|^2: one [T, R] table, then one pass over the keys. The
-    # formula is elementwise per dim, so it holds in whatever layout the tables pair the dims.
-    norm = cos_p * cos_p + sin_p * sin_p
-    cos_d = (cos_q * cos_p + sin_q * sin_p) / norm
-    sin_d = (sin_q * cos_p - cos_q * sin_p) / norm
-    turn = apply or _half_split
     k = keys.float()
     if rotated is not None and not bool(rotated.all()):
         out = k.clone()
         idx = rotated.nonzero().squeeze(1).to(k.device, non_blocking=True)  # rotated: a host tensor
         out[idx] = move_keys(k[idx], cos_p, sin_p, cos_q, sin_q, apply)
         return out
+    return turn_keys(k, *turn_tables(cos_p, sin_p, cos_q, sin_q), apply)
+
+
+def turn_tables(
+    cos_p: torch.Tensor, sin_p: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one rotation ``(cos_d, sin_d)`` ``[1, tokens, rot_dim]`` that moves keys rotated at p to q.
+
+    As complex pairs the key was multiplied by z_p = cos_p + i sin_p; moving it multiplies by
+    z_q / z_p = z_q * conj(z_p) / |z_p|^2: one table, then one pass over the keys. The formula is
+    elementwise per dim, so it holds in whatever layout the tables pair the dims.
+    """
+    norm = cos_p * cos_p + sin_p * sin_p
+    return (cos_q * cos_p + sin_q * sin_p) / norm, (sin_q * cos_p - cos_q * sin_p) / norm
+
+
+def turn_keys(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor, apply: RotaryFn | None = None) -> torch.Tensor:
+    """fp32 keys ``k`` ``[..., tokens, head_dim]`` turned by :func:`turn_tables`' rotation (partial rotary:
+    the first ``rot_dim`` dims only)."""
+    turn = apply or _half_split
+    rot = cos_d.shape[-1]
     if rot == k.shape[-1]:
         return turn(k, cos_d, sin_d)
     return torch.cat([turn(k[..., :rot], cos_d, sin_d), k[..., rot:]], dim=-1)

@@ -212,3 +212,17 @@ def test_decode_works_in_a_forked_child(make_kv: KVFactory) -> None:
             os._exit(1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_raw_view_on_the_host_is_the_stored_fp16_without_a_copy():
+    from ragkv import codec as api
+    from ragkv.types import ChunkKV, CodecSpec, StorageKey
+
+    k = torch.randn(2, 2, 5, 4)
+    kv = ChunkKV(k, k * 2, torch.arange(5), "m")
+    data = api.encode(kv, CodecSpec("raw", 0), key=StorageKey("bench/k")).data
+    viewed = api.decode(data, expect=None, view=True)
+    copied = api.decode(data, expect=None, dtype=torch.float16)
+    assert viewed.keys.dtype == torch.float16 and torch.equal(viewed.keys, copied.keys)
+    assert torch.equal(viewed.values, copied.values)
+    assert torch.equal(api.decode(data, expect=None, dtype=torch.float32, view=False).keys, copied.keys.float())

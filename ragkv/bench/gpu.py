@@ -1,47 +1,54 @@
-"""The GPU path at Llama-3.1-8B's shape: full prefill against fused TTFT, peak memory, codec decode rate.
+"""``ragkv bench gpu``: reuse against full prefill on a GPU, at Llama-3.1-8B's shape in bf16.
 
-    python experiments/gpu_llama8b.py [--contexts 4096,16384,32768] [--chunk 512] [--codec cachegen:0]
-                                [--method query_focus] [--ratio 0.15] [--repeats 3]
-    python experiments/gpu_llama8b.py --tiny          # a CPU smoke run of the same code on a tiny config
+    ragkv bench gpu [--contexts 4096,16384,32768] [--chunk 512] [--codec raw:0] [--json out.json]
+    ragkv bench gpu --tiny          # the same code on a tiny config, on the CPU when there is no GPU
 
 A random-weight model of Llama-3.1-8B's shape (32 layers, 32 query and 8 KV heads of 128 dims,
 llama3 RoPE scaling, a 128K vocabulary) is built on the GPU in bf16: no download; the weights do
 not matter for time or memory. For each context length the prompt is a 16-token prefix, chunks of
 ``--chunk`` random tokens, and a 32-token question. Each chunk's cache is prefilled after the
-prefix and encoded once, before any timing, as at index time (the chunks are shared by the
-context lengths: the 4K prompt is the first chunks of the 32K one).
+prefix and encoded once, before any timing, as at index time (the 4K prompt is the first chunks
+of the 32K one).
 
-Timed, best of ``--repeats`` after one warm-up, with the device synchronized around each run:
+Timed, best of ``--repeats`` after one warm-up, the device synchronized around each run:
 
 - full prefill: the whole prompt through the model from an empty cache (last position's logits);
-- fused TTFT: every chunk's bytes decoded onto the GPU, then fusion with the question riding
-  along (``prefill_suffix``): the first token's logits, as ``RagKV.answer`` gets them;
-- fuse only: the same fusion with the chunk caches already on the GPU (TTFT minus decode);
-- decode: the codec decode of every chunk onto the GPU, in GB/s of bf16 KV produced and MB/s of
-  stored bytes read.
+- fused from host memory: every chunk's stored bytes decoded as the loader does (raw stays on the
+  host and is staged layer by layer through pinned memory under the probe; entropy-coded levels
+  decode onto the device), then fusion with the question riding along: the first token's logits;
+- fused from the device tier: the same with the decoded chunks already in GPU memory;
+- the parts: staging + placement from the host (the copy), placement from the device tier, the
+  question probe, and the recompute (device-tier TTFT minus placement and probe);
+- the bounds: the probe's weight reads at the measured HBM copy rate, the recompute's FLOPs
+  (linear layers over the recomputed tokens, attention over the context) at the measured bf16
+  matmul rate.
 
-Peak memory is ``torch.cuda.max_memory_allocated`` during each run, weights included (they are
-listed once). KL is the first answer token's distribution, fused against full prefill (a random
-model: a check that fusion ran, not a quality figure). Without CUDA the script refuses, unless
-``--tiny``.
+Peak memory is ``torch.cuda.max_memory_allocated`` during each run, weights included (and, for
+the device tier, the tier's chunks). KL is the first answer token's distribution, fused against
+full prefill (a random model: a check that fusion ran, not a quality figure). Without CUDA the
+command refuses, unless ``--tiny``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from ragkv import codec
 from ragkv.bench.table import Column, format_table
-from ragkv.fusion import FusionConfig, FusionInput, fuse
-from ragkv.model import ModelAdapter, load_model
+from ragkv.fusion import FusionConfig, FusionInput, _question_attention, fuse
+from ragkv.gpu.feed import LayerFeed
+from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
 from ragkv.types import ChunkKV, CodecSpec, StorageKey
 
@@ -100,7 +107,11 @@ def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype)
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    return load_model((model.eval(), None), device=device, dtype=dtype)
+    # Random weights make deep layers' keys noisy enough in bf16 that the load-time check of exact
+    # re-rotation (a tolerance meant for trained models) can fail by a hair; time and memory do not
+    # depend on it, so the bench loosens it for its own random model only.
+    with mock.patch.object(support, "_tolerance", lambda dtype: 0.15):
+        return load_model((model.eval(), None), device=device, dtype=dtype)
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[float, float, Any]:
@@ -153,8 +164,34 @@ def _fused(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], p: _Prompt, 
     return fused.suffix_logits[-1]
 
 
-def _decode_all(blobs: Sequence[bytes], a: ModelAdapter) -> list[ChunkKV]:
-    return [codec.decode(b, expect=None, device=a.device, dtype=a.dtype) for b in blobs]
+def _decode_all(blobs: Sequence[bytes], a: ModelAdapter, spec: CodecSpec) -> list[ChunkKV]:
+    """The chunks as the loader decodes them: raw stays on the host of a GPU model (fusion stages it)."""
+    on_host = a.device.type == "cuda" and spec.name == "raw"
+    device = "cpu" if on_host else a.device
+    return [codec.decode(b, expect=None, device=device, dtype=a.dtype, view=on_host) for b in blobs]
+
+
+def _feed(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], extra: int) -> LayerFeed:
+    feed = LayerFeed(a, prefix, chunks, extra)
+    feed.all_ready()
+    return feed
+
+
+def _probe(a: ModelAdapter, feed: LayerFeed, p: _Prompt) -> torch.Tensor:
+    slots = torch.arange(feed.n_prefix, feed.n_ctx, device=a.device)
+    return _question_attention(a, feed.keys, feed.values, torch.tensor(p.question), feed.n_ctx, slots)
+
+
+def device_rates(device: torch.device) -> tuple[float, float]:
+    """(HBM bytes/s of a device-to-device copy, counting read and write; bf16 matmul FLOP/s) on ``device``."""
+    if device.type != "cuda":
+        return math.nan, math.nan
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    copy_s, _, _ = _timed(lambda: y.copy_(x), device, 5)
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    mm_s, _, _ = _timed(lambda: m @ m, device, 5)
+    return 2 * (1 << 30) / copy_s, 2 * 8192**3 / mm_s
 
 
 def measure(a: ModelAdapter, contexts: Sequence[int], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -163,35 +200,62 @@ def measure(a: ModelAdapter, contexts: Sequence[int], args: argparse.Namespace) 
     longest = _prompt(a.spec.vocab_size, max(contexts), args.chunk)
     prefix = a.prefill_kv(longest.prefix)
     blobs = [codec.encode(a.prefill_kv(c, past=[prefix]), spec, key=_KEY).data for c in longest.chunks]
+    rates = device_rates(a.device)
     rows = []
     for context in contexts:
         n = len(_prompt(a.spec.vocab_size, context, args.chunk).chunks)
         p = _Prompt(longest.prefix, longest.chunks[:n], longest.question)
-        rows.append(_row(a, prefix, p, blobs[:n], FusionConfig(method=args.method, ratio=args.ratio), args.repeats))
+        config = FusionConfig(method=args.method, ratio=args.ratio)
+        rows.append(_row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates))
     return rows
 
 
 def _row(
-    a: ModelAdapter, prefix: ChunkKV, p: _Prompt, blobs: Sequence[bytes], config: FusionConfig, repeats: int
+    a: ModelAdapter,
+    prefix: ChunkKV,
+    p: _Prompt,
+    blobs: Sequence[bytes],
+    spec: CodecSpec,
+    config: FusionConfig,
+    repeats: int,
+    rates: tuple[float, float],
 ) -> dict[str, Any]:
     """The measurements of one prompt whose chunks are stored as ``blobs``."""
-    full_s, full_peak, full = _timed(lambda: _full_prefill(a, p), a.device, repeats)
-    ttft_s, ttft_peak, fused = _timed(lambda: _fused(a, prefix, _decode_all(blobs, a), p, config), a.device, repeats)
-    on_device = _decode_all(blobs, a)
-    fuse_s, _, _ = _timed(lambda: _fused(a, prefix, on_device, p, config), a.device, repeats)
-    decode_s, _, _ = _timed(lambda: _decode_all(blobs, a), a.device, repeats)
-    kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in on_device) * on_device[0].keys.element_size()
+    dev = a.device
+    full_s, full_peak, full = _timed(lambda: _full_prefill(a, p), dev, repeats)
+    host_s, host_peak, fused = _timed(lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config), dev, repeats)
+    decoded = _decode_all(blobs, a, spec)
+    copy_s, _, _ = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)
+    tier = [codec.decode(b, expect=None, device=dev, dtype=a.dtype) for b in blobs]  # the device tier's entries
+    tier_s, tier_peak, _ = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
+    place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
+    probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
+    kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
+    tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question)
+    recomputed = config.ratio * sum(len(c) for c in p.chunks) + len(p.question)
+    linear = sum(m.numel() for name, m in a.model.named_parameters() if "layers." in name and m.dim() == 2)
+    s = a.spec
+    attn_flops = 4 * s.num_layers * a.model.config.num_attention_heads * s.head_dim * recomputed * tokens
+    weight_bytes = sum(m.numel() * m.element_size() for m in a.model.parameters())
     return {
-        "tokens": len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question),
+        "tokens": tokens,
         "chunks": len(p.chunks),
         "full_ms": full_s * 1e3,
-        "ttft_ms": ttft_s * 1e3,
-        "speedup": full_s / ttft_s,
-        "fuse_ms": fuse_s * 1e3,
-        "decode_gb_s": kv_bytes / decode_s / 1e9,
-        "stored_mb_s": sum(len(b) for b in blobs) / decode_s / 1e6,
+        "host_ms": host_s * 1e3,
+        "host_speedup": full_s / host_s,
+        "tier_ms": tier_s * 1e3,
+        "tier_speedup": full_s / tier_s,
+        "copy_ms": copy_s * 1e3,
+        "copy_gb_s": kv_bytes / copy_s / 1e9,
+        "place_ms": place_s * 1e3,
+        "probe_ms": probe_s * 1e3,
+        "probe_bound_ms": weight_bytes / rates[0] * 1e3,
+        "recompute_ms": max(tier_s - place_s - probe_s, 0.0) * 1e3,
+        "recompute_bound_ms": (2 * linear * recomputed + attn_flops) / rates[1] * 1e3,
         "full_peak_gib": full_peak / 2**30,
-        "ttft_peak_gib": ttft_peak / 2**30,
+        "host_peak_gib": host_peak / 2**30,
+        "tier_peak_gib": tier_peak / 2**30,
+        "tier_gib": kv_bytes / 2**30,
         "kl": _kl(full, fused),
     }
 
@@ -200,13 +264,20 @@ COLUMNS = (
     Column("tokens", "prompt tokens", "{:,}"),
     Column("chunks"),
     Column("full_ms", "full prefill ms", "{:,.0f}"),
-    Column("ttft_ms", "fused TTFT ms", "{:,.0f}"),
-    Column("speedup", "speedup", "{:.1f}x"),
-    Column("fuse_ms", "fuse only ms", "{:,.0f}"),
-    Column("decode_gb_s", "decode GB/s (KV out)", "{:.2f}"),
-    Column("stored_mb_s", "decode MB/s (stored in)", "{:,.0f}"),
+    Column("host_ms", "fused from host ms", "{:,.0f}"),
+    Column("host_speedup", "vs full", "{:.1f}x"),
+    Column("tier_ms", "fused from device tier ms", "{:,.0f}"),
+    Column("tier_speedup", "vs full", "{:.1f}x"),
+    Column("copy_ms", "copy+place from host ms", "{:,.0f}"),
+    Column("copy_gb_s", "copy GB/s", "{:.1f}"),
+    Column("place_ms", "place ms", "{:,.1f}"),
+    Column("probe_ms", "probe ms", "{:,.1f}"),
+    Column("probe_bound_ms", "probe bound ms", "{:,.1f}"),
+    Column("recompute_ms", "recompute ms", "{:,.0f}"),
+    Column("recompute_bound_ms", "recompute bound ms", "{:,.0f}"),
     Column("full_peak_gib", "peak GiB full", "{:.1f}"),
-    Column("ttft_peak_gib", "peak GiB fused", "{:.1f}"),
+    Column("tier_peak_gib", "peak GiB fused (tier)", "{:.1f}"),
+    Column("tier_gib", "tier GiB", "{:.2f}"),
     Column("kl", "KL fused vs full", "{:.4f}"),
 )
 
@@ -217,14 +288,15 @@ def _codec_spec(text: str) -> tuple[str, int]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(prog="ragkv bench gpu", description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--contexts", default=None, help="prompt lengths in tokens (default 4096,16384,32768)")
     ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default 512; 64 with --tiny)")
-    ap.add_argument("--codec", default="cachegen:0", help="codec:level the chunks are stored with")
+    ap.add_argument("--codec", default="raw:0", help="codec:level the chunks are stored with (host rows)")
     ap.add_argument("--method", default="query_focus", help="fusion method")
     ap.add_argument("--ratio", type=float, default=0.15, help="share of chunk tokens recomputed")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best is kept)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config, on the CPU when there is no GPU")
+    ap.add_argument("--json", type=Path, default=None, help="write the rows (and the device) here")
     args = ap.parse_args(argv)
     args.contexts = args.contexts or ("512,1024" if args.tiny else "4096,16384,32768")
     args.chunk = args.chunk or (64 if args.tiny else 512)
@@ -236,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     if not torch.cuda.is_available() and not args.tiny:
         sys.exit(
-            "experiments/gpu_llama8b.py needs a CUDA device and torch sees none; "
+            "ragkv bench gpu needs a CUDA device and torch sees none; "
             "run it where a GPU is lent, or pass --tiny for a CPU smoke run of the same code"
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,13 +317,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     contexts = [int(c) for c in args.contexts.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     weights = sum(p.numel() * p.element_size() for p in a.model.parameters()) / 2**30
-    print(
+    head = (
         f"{'tiny' if args.tiny else 'Llama-3.1-8B shape'}, random weights, {dtype} on {name}; "
         f"weights {weights:.1f} GiB; chunks of {args.chunk} stored as {args.codec}; "
-        f"{args.method} at {args.ratio:.0%}; best of {args.repeats}"
+        f"{args.method} at {args.ratio:.0%}; best of {args.repeats}; torch {torch.__version__}"
     )
+    print(head, flush=True)
     rows = measure(a, contexts, args)
     print(format_table(rows, COLUMNS))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": name, "setup": head, "rows": rows}, indent=1) + "\n")
     return rows
 
 

@@ -1,0 +1,74 @@
+"""Where a fused request's GPU memory and host time go (16K tokens, Llama-3.1-8B shape, bf16).
+
+    python experiments/gpu_profile.py [--context 16384] [--out DIR]
+
+Prints the largest allocations made during one fused request from the device tier (with the
+Python frames that made them), the operators that synchronize the host with the device (``item``,
+``nonzero``, device-to-host copies) in the question probe and in a whole fused request, and the
+probe's operators by host time. Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ragkv.bench import gpu as g
+from ragkv.fusion import FusionConfig
+
+_SYNCING = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStreamSynchronize", "cudaMemcpyAsync",
+            "cudaDeviceSynchronize", "aten::unique", "aten::_unique2", "aten::equal", "aten::is_nonzero")  # fmt: skip
+
+
+def _frames(event: dict) -> str:
+    frames = [f for f in event.get("frames", []) if str(f.get("filename", "")).endswith(".py")]
+    return " <- ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:7])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--out", type=Path, default=Path("/tmp"))
+    args = ap.parse_args()
+    a = g.build_model(g.LLAMA_3_1_8B, torch.device("cuda"), torch.bfloat16)
+    p = g._prompt(a.spec.vocab_size, args.context, 512)
+    prefix = a.prefill_kv(p.prefix)
+    chunks = [a.prefill_kv(c, past=[prefix]) for c in p.chunks]
+    cfg = FusionConfig()
+    for _ in range(2):
+        g._fused(a, prefix, chunks, p, cfg)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    g._fused(a, prefix, chunks, p, cfg)
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    print(f"fused from the device tier at {args.context}: peak {peak:.2f} GiB over {base / 2**30:.2f} GiB held before")
+    allocs = sorted((e for e in snap["device_traces"][0] if e["action"] == "alloc"), key=lambda e: -e["size"])
+    for e in allocs[:14]:
+        print(f"{e['size'] / 2**20:10.1f} MiB  {_frames(e)}")
+    feed = g._feed(a, prefix, chunks, len(p.question))
+    for name, fn in (("probe", lambda: g._probe(a, feed, p)), ("fused", lambda: g._fused(a, prefix, chunks, p, cfg))):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        rows = prof.key_averages()
+        print(f"--- {name}: syncing operators (count, host ms)")
+        for r in rows:
+            if r.key in _SYNCING:
+                print(f"  {r.key:32s} {r.count:6d} {r.cpu_time_total / 1e3:9.2f}")
+        print(f"--- {name}: kernels launched {sum(r.count for r in rows if r.key == 'cudaLaunchKernel')}")
+        if name == "probe":
+            print(rows.table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=48))
+        if name == "probe":
+            prof.export_chrome_trace(str(args.out / f"{name}.json"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The device tier: decoded chunk caches kept in GPU memory, shared by every request of the process.
+
+A hit is a chunk's K/V already on the model's device in its dtype: no host memory, no decode, no
+PCIe copy. Entries are keyed exactly as the store (the storage key digests the model, tokenizer,
+prefix, tokens, codec and level, transform and tenant, so tenants never share one) and hold what
+a use must match besides: the model fingerprint, dtype, device and token count. Anything else is
+a miss, and the entry goes. Entries are what decoding the stored bytes gave (never a chunk's
+recomputed K/V), so a device hit fuses exactly as a store hit would.
+
+Bounded in bytes; evicted by recency and cost (GreedyDual-Size: an entry's priority is the clock
+at its last use plus its load cost in seconds per GiB; the lowest goes first and the clock rises
+to it), so an entry that was slow to load (a remote tier, an entropy-coded level) outlives a
+cheap one used as recently. A device that runs out of memory evicts (:func:`release`) before the
+request that needed the memory gives up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.gpu.feed import DeviceSink
+from ragkv.types import ChunkKV
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeviceTier", "DeviceTierConfig", "release"]
+
+_GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceTierConfig:
+    """How much device memory the tier may hold."""
+
+    budget_bytes: int | None = None  # None: `fraction` of the device's free memory at start; 0: off
+    fraction: float = 0.3  # share of free device memory when budget_bytes is None (a CPU model: off)
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 (0 turns the device tier off), got {self.budget_bytes}")
+        if not 0.0 <= self.fraction < 1.0:
+            raise ValueError(f"fraction must be in [0, 1) of free device memory, got {self.fraction}")
+
+    def budget_for(self, device: torch.device) -> int:
+        """The byte budget on ``device``: the explicit one, else a share of free memory on a GPU (0 elsewhere)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if device.type != "cuda":
+            return 0  # host memory has its own tier (memory://); a CPU model needs no copy of it
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * self.fraction)
+
+
+@dataclass(slots=True)
+class _Entry:
+    kv: ChunkKV
+    nbytes: int
+    cost_per_gib: float  # load seconds per GiB: GreedyDual-Size's cost over size
+    priority: float
+    used: int  # use counter at the last use: breaks ties between equal priorities, least recent first
+
+    def rank(self) -> tuple[float, int]:
+        return self.priority, self.used
+
+
+_TIERS: weakref.WeakSet[DeviceTier] = weakref.WeakSet()
+
+
+def release(device: torch.device) -> int:
+    """Drop every device tier entry on ``device`` (out of memory); the bytes freed."""
+    freed = sum(tier.clear() for tier in list(_TIERS) if tier.device == device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return freed
+
+
+class DeviceTier:
+    """Decoded chunk caches on one device, at most ``budget_bytes`` of them (see the module docstring)."""
+
+    def __init__(self, budget_bytes: int, device: torch.device | str) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes, self.device = budget_bytes, torch.device(device)
+        self._entries: dict[str, _Entry] = {}
+        self._pending = 0  # bytes reserved by entries still being filled
+        self._clock = 0.0
+        self._uses = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = self.refused = 0
+        _TIERS.add(self)
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def get(self, key: str, *, fingerprint: str, dtype: torch.dtype, num_tokens: int) -> ChunkKV | None:
+        """The entry under ``key`` if it is for this model, dtype, device and length; else None (and it goes)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            kv = entry.kv
+            if (
+                kv.model_fingerprint != fingerprint
+                or kv.keys.dtype != dtype
+                or kv.keys.device != self.device
+                or kv.num_tokens != num_tokens
+            ):
+                logger.warning("device tier entry %s is for another model, dtype, device or length; dropped", key)
+                self._drop(key)
+                self.misses += 1
+                return None
+            entry.priority = self._clock + entry.cost_per_gib
+            self._uses += 1
+            entry.used = self._uses
+            self.hits += 1
+            return kv
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    # ---- admissions ------------------------------------------------------------------------
+    def put(self, key: str, kv: ChunkKV, cost_s: float) -> bool:
+        """Keep ``kv`` (already on this device; kept by reference, never written) under ``key``."""
+        if kv.keys.device != self.device:
+            raise ValueError(f"device tier on {self.device} got a chunk cache on {kv.keys.device}")
+        nbytes = _nbytes(kv)
+        with self._lock:
+            if not self._make_room(nbytes, key):
+                return False
+            self._entries[key] = self._entry(kv, nbytes, cost_s)
+            return True
+
+    def reserve(self, key: str, like: ChunkKV, dtype: torch.dtype, cost_s: float) -> DeviceSink | None:
+        """Device tensors for ``like`` (a host chunk) to be filled as it is staged; the entry is served
+        once the sink is filled (a sink dropped unfilled frees its reservation). None: no room."""
+        shape, nbytes = tuple(like.keys.shape), 2 * like.keys.numel() * torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            if key in self._entries or not self._make_room(nbytes, key):
+                return None
+            self._pending += nbytes
+        try:
+            keys = torch.empty(shape, dtype=dtype, device=self.device)
+            values = torch.empty(shape, dtype=dtype, device=self.device)
+        except torch.OutOfMemoryError:
+            with self._lock:
+                self._pending -= nbytes
+                self.refused += 1
+            logger.info("device tier: no device memory for %s; served from host memory", key)
+            return None
+        kv = ChunkKV(keys, values, like.positions.clone(), like.model_fingerprint)
+        state = {"open": True}
+
+        def filled() -> None:
+            with self._lock:
+                if state["open"]:
+                    state["open"] = False
+                    self._pending -= nbytes
+                    self._entries[key] = self._entry(kv, nbytes, cost_s)
+
+        sink = DeviceSink(keys, values, filled)
+        weakref.finalize(sink, self._abandon, state, nbytes)
+        return sink
+
+    def _abandon(self, state: dict[str, bool], nbytes: int) -> None:
+        with self._lock:
+            if state["open"]:
+                state["open"] = False
+                self._pending -= nbytes
+
+    # ---- removal ---------------------------------------------------------------------------
+    def discard(self, key: str) -> bool:
+        """Forget ``key`` (its document was removed, or its stored entry found unusable)."""
+        with self._lock:
+            return self._drop(key)
+
+    def clear(self) -> int:
+        """Forget every entry; the bytes freed."""
+        with self._lock:
+            freed = sum(e.nbytes for e in self._entries.values())
+            self._entries.clear()
+            return freed
+
+    def stats(self) -> dict[str, int | str]:
+        """Entries, bytes held and pending, the budget, and the counters."""
+        with self._lock:
+            return {
+                "device": str(self.device),
+                "entries": len(self._entries),
+                "bytes": sum(e.nbytes for e in self._entries.values()),
+                "pending_bytes": self._pending,
+                "budget_bytes": self.budget_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+                "refused": self.refused,
+            }
+
+    def keys(self) -> list[str]:
+        """The keys held, the next to be evicted first."""
+        with self._lock:
+            return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].rank())]
+
+    # ---- internals (the lock held) ---------------------------------------------------------
+    def _entry(self, kv: ChunkKV, nbytes: int, cost_s: float) -> _Entry:
+        cost = max(cost_s, 0.0) / max(nbytes / _GIB, 1e-9)
+        self._uses += 1
+        return _Entry(kv, nbytes, cost, self._clock + cost, self._uses)
+
+    def _make_room(self, nbytes: int, key: str) -> bool:
+        """Evict the lowest-priority entries until ``nbytes`` more fit; False (nothing evicted) if they never can."""
+        if nbytes > self.budget_bytes - self._pending:
+            self.refused += 1
+            return False
+        self._drop(key)
+        used = sum(e.nbytes for e in self._entries.values()) + self._pending
+        while used + nbytes > self.budget_bytes and self._entries:
+            victim = min(self._entries, key=lambda k: self._entries[k].rank())
+            self._clock = self._entries[victim].priority  # GreedyDual: the clock rises to the evicted priority
+            used -= self._entries[victim].nbytes
+            self._drop(victim)
+            self.evictions += 1
+        return True
+
+    def _drop(self, key: str) -> bool:
+        return self._entries.pop(key, None) is not None
+
+
+def _nbytes(kv: ChunkKV) -> int:
+    return (kv.keys.numel() + kv.values.numel()) * kv.keys.element_size()

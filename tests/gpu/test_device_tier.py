@@ -1,0 +1,176 @@
+"""The device tier: keyed like the store, bounded in bytes, GreedyDual-Size eviction, exact hits.
+
+The tier is device-agnostic, so these run on the CPU with an explicit budget (a CPU model has none
+by default); the engine tests check that a tier hit answers exactly as a store hit does and that
+``remove`` reaches the tier.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.gpu.tier import DeviceTier, DeviceTierConfig, release
+from ragkv.types import ChunkKV
+from tests.core.test_engine import DOCS, GEN, _engine
+
+_FP = "model-a"
+
+
+def _kv(tokens: int, fp: str = _FP, dtype: torch.dtype = torch.float32) -> ChunkKV:
+    k = torch.randn(2, 2, tokens, 4, dtype=dtype)
+    return ChunkKV(k, k.clone(), torch.arange(tokens), fp)
+
+
+def _bytes(tokens: int) -> int:
+    return 2 * 2 * 2 * tokens * 4 * 4  # K and V, 2 layers, 2 heads, 4 dims, fp32
+
+
+def _get(tier: DeviceTier, key: str, tokens: int, **kw) -> ChunkKV | None:
+    return tier.get(key, fingerprint=kw.get("fp", _FP), dtype=kw.get("dtype", torch.float32), num_tokens=tokens)
+
+
+def test_a_hit_is_the_entry_put_and_a_foreign_one_is_a_miss_that_goes():
+    tier = DeviceTier(10 * _bytes(8), "cpu")
+    kv = _kv(8)
+    assert tier.put("k1", kv, cost_s=0.01)
+    assert _get(tier, "k1", 8) is kv
+    assert _get(tier, "k1", 8, fp="model-b") is None  # another model: a miss, and the entry goes
+    assert "k1" not in tier
+    tier.put("k2", _kv(8), 0.01)
+    assert _get(tier, "k2", 8, dtype=torch.bfloat16) is None and "k2" not in tier  # another dtype
+    tier.put("k3", _kv(8), 0.01)
+    assert _get(tier, "k3", 9) is None and "k3" not in tier  # another length
+    assert _get(tier, "nothing", 8) is None
+    with pytest.raises(ValueError, match="device tier on cpu"):
+        meta = torch.zeros(2, 2, 1, 4, device="meta")
+        tier.put("k4", ChunkKV(meta, meta, torch.arange(1), _FP), 0.01)
+
+
+def test_eviction_is_least_recent_among_equal_costs_in_exact_order():
+    tier = DeviceTier(3 * _bytes(8), "cpu")
+    for key in ("a", "b", "c"):
+        tier.put(key, _kv(8), cost_s=0.01)
+    _get(tier, "a", 8)  # a is now the most recent
+    assert tier.keys() == ["b", "c", "a"]
+    tier.put("d", _kv(8), cost_s=0.01)
+    assert tier.keys() == ["c", "a", "d"] and tier.stats()["evictions"] == 1
+
+
+def test_a_costly_entry_outlives_a_cheap_one_used_as_recently():
+    tier = DeviceTier(2 * _bytes(8), "cpu")
+    tier.put("slow", _kv(8), cost_s=1.0)  # e.g. read from a remote tier and entropy-decoded
+    tier.put("cheap", _kv(8), cost_s=0.001)
+    tier.put("new", _kv(8), cost_s=0.001)
+    assert "slow" in tier and "cheap" not in tier and "new" in tier
+
+
+def test_the_budget_bounds_the_bytes_and_an_entry_too_big_is_refused():
+    tier = DeviceTier(2 * _bytes(8), "cpu")
+    assert not tier.put("huge", _kv(24), 1.0)
+    assert tier.stats()["refused"] == 1 and tier.stats()["entries"] == 0
+    for i in range(5):
+        tier.put(f"k{i}", _kv(8), 0.01)
+        assert tier.stats()["bytes"] <= tier.budget_bytes
+
+
+def test_a_reservation_serves_only_once_filled_and_frees_itself_if_dropped():
+    tier = DeviceTier(2 * _bytes(8), "cpu")
+    like = _kv(8)
+    sink = tier.reserve("r", like, torch.float32, 0.01)
+    assert sink is not None and tier.stats()["pending_bytes"] == _bytes(8)
+    assert _get(tier, "r", 8) is None  # not filled yet
+    sink.keys.copy_(like.keys)
+    sink.values.copy_(like.values)
+    sink.on_filled()
+    got = _get(tier, "r", 8)
+    assert got is not None and torch.equal(got.keys, like.keys) and tier.stats()["pending_bytes"] == 0
+    dropped = tier.reserve("s", _kv(8), torch.float32, 0.01)
+    assert dropped is not None and tier.stats()["pending_bytes"] == _bytes(8)
+    del dropped
+    gc.collect()
+    assert tier.stats()["pending_bytes"] == 0 and "s" not in tier
+
+
+def test_release_empties_the_tiers_of_a_device():
+    tier = DeviceTier(4 * _bytes(8), "cpu")
+    tier.put("a", _kv(8), 0.01)
+    assert release(torch.device("cpu")) >= _bytes(8)
+    assert tier.stats()["entries"] == 0
+
+
+def test_the_config_is_off_on_a_cpu_by_default_and_checks_its_numbers():
+    assert DeviceTierConfig().budget_for(torch.device("cpu")) == 0
+    assert DeviceTierConfig(budget_bytes=123).budget_for(torch.device("cpu")) == 123
+    with pytest.raises(ValueError, match="budget_bytes"):
+        DeviceTierConfig(budget_bytes=-1)
+    with pytest.raises(ValueError, match="fraction"):
+        DeviceTierConfig(fraction=1.5)
+
+
+# ---- through the engine -------------------------------------------------------------------------
+def test_device_hits_answer_exactly_as_store_hits_and_read_nothing(tmp_path, llama_adapter):
+    question = "Where do apples grow?"
+    with _engine(tmp_path / "plain", llama_adapter) as rag:
+        rag.index(DOCS, progress=False)
+        want = rag.answer(question, generation=GEN)
+    tiered = DeviceTierConfig(budget_bytes=64 << 20)
+    with _engine(tmp_path / "tier", llama_adapter, device_tier=tiered) as rag:
+        rag.index(DOCS, progress=False)
+        first = rag.answer(question, generation=GEN)  # store hits, admitted to the tier
+        second = rag.answer(question, generation=GEN)  # device hits
+        assert rag.device_tier is not None
+        held = rag.device_tier.stats()
+    assert first.text == want.text == second.text
+    assert "device_hits" not in first.stats.extra and first.stats.bytes_loaded > 0
+    assert second.stats.extra["device_hits"] == second.stats.cache_hits == len(second.sources)
+    assert second.stats.bytes_loaded == 0 and held["entries"] >= len(second.sources)
+
+
+def test_remove_reaches_the_device_tier(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter, device_tier=DeviceTierConfig(budget_bytes=64 << 20)) as rag:
+        rag.index(DOCS, progress=False)
+        res = rag.answer("Where do apples grow?", generation=GEN)
+        assert rag.device_tier is not None
+        before = set(rag.device_tier.keys())
+        assert before
+        rag.remove("mem:apples")
+        after = set(rag.device_tier.keys())
+        keys = {rag.retriever.chunk_key(c.token_ids, rag.retriever.config.codec).storage_key for c in res.sources
+                if c.source == "mem:apples"}  # fmt: skip
+        assert keys and keys <= before and not keys & after
+
+
+def test_a_cpu_engine_has_no_device_tier_by_default(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        assert rag.device_tier is None
+    assert EngineConfig(data_dir=tmp_path).device_tier == DeviceTierConfig()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("level", ["raw", "cachegen"])
+def test_on_cuda_a_device_hit_answers_as_a_store_hit(tmp_path, tiny_tokenizer, level):
+    """raw: staged from the host through pinned slabs, the tier filled by a sink; cachegen: decoded
+    onto the device and kept as it is. Either way the third answer (device hits) is the first's."""
+    from ragkv.model import load_model
+    from ragkv.retriever.chunker import ChunkerConfig
+    from ragkv.retriever.embedder import HashingEmbedder
+    from ragkv.retriever.kv_retriever import RetrieverConfig
+    from ragkv.types import CodecSpec
+    from tests.conftest import make_model
+
+    a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
+    retr = RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120), codec=CodecSpec(level, 0))
+    answers = []
+    for name, tier in (("plain", DeviceTierConfig(budget_bytes=0)), ("tier", DeviceTierConfig(budget_bytes=256 << 20))):
+        cfg = EngineConfig(data_dir=tmp_path / name, retriever=retr, store=("memory://",), device_tier=tier)
+        with RagKV(cfg, adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
+            rag.index(DOCS, progress=False)
+            answers += [rag.answer("Where do apples grow?", generation=GEN) for _ in range(2)]
+    plain, _, first, second = answers
+    assert plain.text == first.text == second.text
+    assert second.stats.extra.get("device_hits") == second.stats.cache_hits > 0

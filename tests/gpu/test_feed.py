@@ -1,0 +1,196 @@
+"""LayerFeed: the fused buffer filled layer by layer equals chunk-by-chunk placement, staged or not.
+
+The CPU runs everything but the copy stream: ``stage=True`` sends every chunk through the staging
+worker (plain host slabs instead of pinned ones), which checks the pipeline's ordering; the CUDA
+tests at the end run the real one (pinned slabs, a copy stream, events) against the eager path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ragkv.fusion import FusionConfig, FusionInput, fuse
+from ragkv.gpu.feed import DeviceSink, LayerFeed, PinnedPool
+from ragkv.model import ModelAdapter
+from tests.core.test_fusion import _prompt
+
+
+def _slow_place(a: ModelAdapter, inp: FusionInput, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The obvious placement: every chunk re-rotated on its own (ModelAdapter.rerotate), concatenated."""
+    keys, values = [inp.prefix.keys], [inp.prefix.values]
+    offset = inp.prefix.num_tokens
+    for kv in inp.chunks:
+        keys.append(a.rerotate(kv, offset).keys)
+        values.append(kv.values)
+        offset += kv.num_tokens
+    pad = torch.zeros(a.spec.num_layers, a.spec.num_kv_heads, extra, a.spec.head_dim, dtype=a.dtype)
+    return torch.cat([*keys, pad], 2).to(a.dtype), torch.cat([*values, pad], 2).to(a.dtype)
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["in-place", "staged"])
+def test_the_feed_equals_placing_chunk_by_chunk(tiny_adapter, stage):
+    a = tiny_adapter
+    _, _, _, inp = _prompt(a)
+    feed = LayerFeed(a, inp.prefix, inp.chunks, extra=5, stage=stage)
+    feed.all_ready()
+    want_k, want_v = _slow_place(a, inp, 5)
+    assert torch.equal(feed.keys, want_k) and torch.equal(feed.values, want_v)
+
+
+def test_layers_become_ready_one_at_a_time_in_any_order(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    want_k, _ = _slow_place(a, inp, 0)
+    feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+    for layer in reversed(range(a.spec.num_layers)):  # a layer is complete on its own
+        feed.ready(layer)
+        assert torch.equal(feed.keys[layer], want_k[layer])
+    feed.ready(0)  # twice: no second rotation
+    assert torch.equal(feed.keys, want_k)
+
+
+def test_a_chunk_computed_where_it_goes_is_kept_bit_for_bit(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    feed = LayerFeed(a, inp.prefix, inp.chunks)
+    feed.all_ready()
+    first = inp.chunks[0]  # computed right after the prefix: its stored positions are its slots
+    n = inp.prefix.num_tokens
+    assert torch.equal(feed.keys[:, :, n : n + first.num_tokens], first.keys)
+
+
+def test_sinks_receive_the_chunk_as_stored_and_are_told_once(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    told: list[int] = []
+    sinks = [
+        DeviceSink(torch.empty_like(kv.keys), torch.empty_like(kv.values), lambda i=i: told.append(i))
+        for i, kv in enumerate(inp.chunks)
+    ]
+    feed = LayerFeed(a, inp.prefix, inp.chunks, sinks=sinks, stage=True)
+    for layer in range(a.spec.num_layers - 1):
+        feed.ready(layer)
+    assert told == []  # filled only once every layer is in
+    feed.all_ready()
+    feed.all_ready()
+    assert told == [0, 1, 2]
+    for sink, kv in zip(sinks, inp.chunks, strict=True):  # before re-rotation: what decoding gave
+        assert torch.equal(sink.keys, kv.keys) and torch.equal(sink.values, kv.values)
+
+
+def test_fusion_through_a_staged_feed_equals_fusion_in_place(llama_adapter, monkeypatch):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    want = fuse(a, inp, FusionConfig(), prefill_suffix=True)
+    import ragkv.fusion
+
+    real = ragkv.fusion.LayerFeed
+    monkeypatch.setattr(ragkv.fusion, "LayerFeed", lambda *args, **kw: real(*args, **kw, stage=True))
+    got = fuse(a, inp, FusionConfig(), prefill_suffix=True)
+    assert got.suffix_logits is not None and want.suffix_logits is not None
+    assert torch.equal(got.suffix_logits, want.suffix_logits)
+    assert torch.equal(got.selected, want.selected)
+
+
+def test_a_failing_stage_fails_the_fusion_not_the_process(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+
+    class Broken(PinnedPool):
+        def take(self, nbytes: int) -> torch.Tensor:
+            raise MemoryError("no pinned memory")
+
+    feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True, pool=Broken())
+    with pytest.raises(RuntimeError, match="staging chunk caches"):
+        feed.ready(0)
+
+
+def test_the_pool_reuses_slabs_and_keeps_a_few():
+    pool = PinnedPool(keep=2)
+    a = pool.take(10)
+    pool.give(a)
+    assert pool.take(5) is a  # reused, not allocated again
+    slabs = [pool.take(2 << 20) for _ in range(3)]
+    for s in slabs:
+        pool.give(s)
+    assert pool.idle_bytes == 2 * (2 << 20)
+
+
+def test_the_pool_hands_a_slab_to_one_user_at_a_time():
+    pool = PinnedPool()
+    taken: list[int] = []
+    lock = threading.Lock()
+
+    def user() -> None:
+        for _ in range(50):
+            s = pool.take(1 << 20)
+            with lock:
+                assert s.data_ptr() not in taken
+                taken.append(s.data_ptr())
+            with lock:
+                taken.remove(s.data_ptr())
+            pool.give(s)
+
+    threads = [threading.Thread(target=user) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda_staged_host_chunks_equal_chunks_on_the_device(tiny_tokenizer, dtype):
+    from ragkv.model import load_model
+    from tests.conftest import make_model
+
+    a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=dtype)
+    _, _, _, inp = _prompt(a, sizes=(200, 170, 230, 64))
+    on_host = [type(kv)(kv.keys.cpu(), kv.values.cpu(), kv.positions, kv.model_fingerprint) for kv in inp.chunks]
+    eager = LayerFeed(a, inp.prefix, inp.chunks, extra=5)
+    eager.all_ready()
+    staged = LayerFeed(a, inp.prefix, on_host, extra=5)
+    for layer in range(a.spec.num_layers):
+        staged.ready(layer)
+    torch.cuda.synchronize()
+    assert torch.equal(staged.keys, eager.keys) and torch.equal(staged.values, eager.values)
+    want = fuse(a, inp, FusionConfig(), prefill_suffix=True)
+    host_inp = FusionInput(inp.prefix, on_host, inp.chunk_ids, inp.suffix_ids)
+    got = fuse(a, host_inp, FusionConfig(), prefill_suffix=True)
+    assert got.suffix_logits is not None and want.suffix_logits is not None
+    assert torch.equal(got.suffix_logits, want.suffix_logits)
+
+
+def test_a_staged_feed_made_in_inference_mode_fills_its_buffer(llama_adapter):
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    with torch.inference_mode():
+        feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+        feed.all_ready()
+    want_k, _ = _slow_place(a, inp, 0)
+    assert torch.equal(feed.keys, want_k)
+
+
+def test_a_finished_staged_feed_is_freed_without_the_garbage_collector(llama_adapter):
+    import gc
+    import weakref
+
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    gc.disable()
+    try:
+        feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+        feed.all_ready()
+        feed._worker.thread.join()  # type: ignore[union-attr]
+        gone = weakref.ref(feed.keys)
+        del feed
+        assert gone() is None  # no reference cycle holds the buffer
+    finally:
+        gc.enable()
