@@ -47,6 +47,7 @@ def parse_grid(spec: str) -> list[tuple[str, float]]:
     for part in spec.split(","):
         name, _, ratio = part.strip().partition(":")
         out.append((name, float(ratio) if ratio else 0.0))
+        FusionConfig(*out[-1])  # an unknown method or a ratio out of range: ValueError before any model loads
     return out
 
 
