@@ -309,6 +309,10 @@ class RagKV:
             "decode_weights": str(self.decoder.weights),
         }
 
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids in the model's tokenizer (no special tokens added)."""
+        return list(self.adapter.encode(text))
+
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt of ``messages`` (``{"role", "content"}`` dicts) in the model's chat template."""
         return render_chat(self.adapter.tokenizer, messages)
