@@ -121,6 +121,8 @@ def _service(app: FastAPI, state: ServerState) -> None:
             "max_queue": state.settings.max_queue,
             "tiers": tiers,
         }
+        if state.base.device_tier is not None:  # decoded chunk caches on the GPU: entries, bytes, hits
+            body["device_tier"] = state.base.device_tier.stats()
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
