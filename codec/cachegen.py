@@ -15,7 +15,7 @@ docs/benchmarks.md):
   as one zstd frame (see ``_entropy``). Streams decode in parallel threads on the host;
   dequantization is one multiply, on the target device (off the CPU the int16 symbols are
   copied there from pinned memory, asynchronously).
-- Token-delta coding was measured and left out (see ``_code_streams``).
+- Token-delta coding was measured and left out (see ``code_streams``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ragkv.codec.schedule import StepSchedule
 from ragkv.codec.transform import ChannelTransform
 from ragkv.errors import CodecError
 
-__all__ = ["CacheGenCodec", "LEVELS"]
+__all__ = ["LEVELS", "STEPS", "CacheGenCodec", "channel_sigma", "code_streams", "quantize", "step_value"]
 
 # Tuned on SmolLM2-135M (6 pydoc prompts, KL at the question and answer positions): values of
 # the shallow third are the most sensitive, values of the deeper layers tolerate a step of about
@@ -125,7 +125,7 @@ class CacheGenCodec(Codec):
         for kind, (x, relative, per_layer) in enumerate(
             ((keys, schedule.key_steps, True), (values, schedule.value_steps, False))
         ):
-            sigma = _sigma(x[:, :, 1:].float(), per_layer)  # [L, H, 1, D], the model's channels
+            sigma = channel_sigma(x[:, :, 1:].float(), per_layer)  # [L, H, 1, D], the model's channels
             if transform is not None:
                 on = torch.tensor(transform.enabled[kind]).view(-1, 1, 1, 1)
                 per_head = torch.exp(torch.log(sigma).mean(dim=3, keepdim=True)).expand_as(sigma)
@@ -134,10 +134,10 @@ class CacheGenCodec(Codec):
             if transform is not None:
                 rel = rel * transform.scales(kind)
             y = spaces[kind][:, :, 1:].float()  # y: [L, H, T-1, D]
-            code, mean, q = _quantize(y, sigma * rel.view(-1, 1, 1, 1), factor.view(1, 1, -1, 1))
+            code, mean, q = quantize(y, sigma * rel.view(-1, 1, 1, 1), factor.view(1, 1, -1, 1))
             codes.append(code)
             means.append(mean)
-            layer_frames, layer_bits = _code_streams(q, schedule.zstd_level)
+            layer_frames, layer_bits = code_streams(q, schedule.zstd_level)
             frames += layer_frames
             bits += layer_bits
         tables = to_bytes(torch.stack(codes)) + to_bytes(torch.stack(means))  # [2, L, H, D] each
@@ -217,27 +217,39 @@ class CacheGenCodec(Codec):
 
 
 # step = 2 ** ((code - 128) / 8): one table, so encoder and decoder use bit-identical steps.
-_STEPS = (2.0 ** ((np.arange(256) - _CODE_BIAS) / _CODE_PER_OCTAVE)).astype(np.float32)
+# The helpers below are the codec's stages, public for the code that calibrates steps or measures
+# what a setting costs (codec.calibrate, retriever.transforms, ragkv.bench.codec): they must see
+# exactly the steps and symbols the encoder writes.
+STEPS = (2.0 ** ((np.arange(256) - _CODE_BIAS) / _CODE_PER_OCTAVE)).astype(np.float32)
 
 
-def _step_value(code: torch.Tensor) -> torch.Tensor:
-    """Step sizes of ``code`` (int, 0..255)."""
-    return torch.from_numpy(_STEPS)[code.long()]
+def step_value(code: torch.Tensor) -> torch.Tensor:
+    """Step sizes (fp32) of step ``code`` (any shape, int, 0..255): ``2 ** ((code - 128) / 8)``.
+
+    >>> step_value(torch.tensor([128, 136])).tolist()
+    [1.0, 2.0]
+    """
+    return torch.from_numpy(STEPS)[code.long()]
 
 
-def _sigma(y: torch.Tensor, per_layer: bool) -> torch.Tensor:
-    """Spread ``[L, H, 1, D]`` of ``y`` ``[L, H, N, D]`` per channel, or (``per_layer``) the
-    geometric mean of a layer's channel sigmas in every channel."""
+def channel_sigma(y: torch.Tensor, per_layer: bool) -> torch.Tensor:
+    """Spread ``[L, H, 1, D]`` of ``y`` ``[L, H, N, D]`` over tokens, per channel (floored at 1e-6).
+
+    With ``per_layer``, every channel of a layer gets the geometric mean of that layer's channel
+    sigmas (one step per layer). A level's step for a channel is this spread times the level's
+    relative step (``LEVELS``), as :meth:`CacheGenCodec.encode` computes it.
+    """
     sigma = y.std(dim=2, correction=0, keepdim=True).clamp_min(_SIGMA_FLOOR)  # [L, H, 1, D]
     if per_layer:
         sigma = torch.exp(torch.log(sigma).mean(dim=(1, 3), keepdim=True)).expand_as(sigma)
     return sigma
 
 
-def _quantize(
+def quantize(
     y: torch.Tensor, step_target: torch.Tensor, factor: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize ``y`` ``[L, H, N, D]``; returns step codes and means ``[L, H, D]`` and symbols.
+    """Quantize ``y`` ``[L, H, N, D]`` as the encoder does: step codes (uint8) and means (int16), both
+    ``[L, H, D]``, and the symbols (int16, ``[L, H, N, D]``).
 
     ``step_target`` ``[L, H, 1, D]`` is each channel's wanted step (a spread times the level's
     relative step), rounded to the nearest 1/8-octave code. ``factor`` ``[1, 1, N, 1]`` (powers
@@ -250,7 +262,7 @@ def _quantize(
     code = target.round().clamp(0, 255).to(torch.int32)
     mean_x = y.mean(dim=2, keepdim=True)
     while True:
-        step = _step_value(code)
+        step = step_value(code)
         mean = torch.round(mean_x / step)
         total = torch.round(y * factor / step)
         q = total - mean * factor
@@ -268,8 +280,10 @@ def _quantize(
     return code.squeeze(2).to(torch.uint8), mean.squeeze(2).to(torch.int16), q.to(torch.int16)
 
 
-def _code_streams(q: torch.Tensor, zstd_level: int) -> tuple[list[bytes], list[int]]:
-    """The smallest zstd frame of each layer's symbols (``q``: ``[L, H, N, D]``), with its bits.
+def code_streams(q: torch.Tensor, zstd_level: int) -> tuple[list[bytes], list[int]]:
+    """The encoder's entropy stage: per layer of ``q`` (int16 symbols, ``[L, H, N, D]``), the smallest
+    zstd frame over the byte layouts the symbols fit, and its bits per symbol (the payload's size
+    is the sum of the frames' lengths).
 
     Token deltas (``q[:, t] - q[:, t-1]``) were tried as further candidates: coding every stream
     as deltas cost 4-8% more bytes; picking them per stream saved 2.6% but doubled decode time
@@ -325,7 +339,7 @@ def _tables(section: memoryview, shape: tuple[int, ...]) -> tuple[np.ndarray, np
     count = two * num_layers * heads * head_dim
     raw = zstd_decompress(section, 3 * count)
     table_shape = (two, num_layers, heads, 1, head_dim)
-    step = _STEPS[np.frombuffer(raw, dtype=np.uint8, count=count)].reshape(table_shape)
+    step = STEPS[np.frombuffer(raw, dtype=np.uint8, count=count)].reshape(table_shape)
     mean = np.frombuffer(raw, dtype="<i2", offset=count).reshape(table_shape)
     return step, mean
 

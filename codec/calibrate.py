@@ -95,13 +95,13 @@ def layer_savings(slices: Sequence[ChunkKV], transform: ChannelTransform, level:
             ((kv.keys, schedule.key_steps, True), (kv.values, schedule.value_steps, False))
         ):
             rel = torch.tensor([relative[schedule.group(i, layers)] for i in range(layers)]).view(-1, 1, 1, 1)
-            sigma = cachegen._sigma(x[:, :, 1:].float(), per_layer)
+            sigma = cachegen.channel_sigma(x[:, :, 1:].float(), per_layer)
             per_head = torch.exp(torch.log(sigma).mean(dim=3, keepdim=True)).expand_as(sigma)
             for variant, (y, s) in enumerate(((x[:, :, 1:].float(), sigma), (spaces[kind][:, :, 1:], per_head))):
-                code, mean, q = cachegen._quantize(y, s * rel)
-                frames, _ = cachegen._code_streams(q, schedule.zstd_level)
+                code, mean, q = cachegen.quantize(y, s * rel)
+                frames, _ = cachegen.code_streams(q, schedule.zstd_level)
                 nbytes[kind, variant] += torch.tensor([len(f) for f in frames], dtype=torch.float64)
-                step = cachegen._step_value(code).unsqueeze(2)  # [L, H, 1, D]
+                step = cachegen.step_value(code).unsqueeze(2)  # [L, H, 1, D]
                 y_hat = (q.float() + mean.float().unsqueeze(2)) * step
                 error[kind, variant] += (y_hat - y).double().pow(2).sum(dim=(1, 2, 3))
         elements += kv.keys[0, :, 1:].numel()

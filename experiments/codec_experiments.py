@@ -92,8 +92,8 @@ def entropy(adapter: ModelAdapter, cases: Sequence[_Case]) -> None:
                     n = x.shape[0]
                     rel = torch.tensor([steps[schedule.group(i, n)] for i in range(n)]).view(-1, 1, 1, 1)
                     y = x[:, :, 1:].float()
-                    _, _, q = cachegen._quantize(y, cachegen._sigma(y, per_layer) * rel)
-                    total["zstd"] += sum(map(len, cachegen._code_streams(q, 0)[0]))
+                    _, _, q = cachegen.quantize(y, cachegen.channel_sigma(y, per_layer) * rel)
+                    total["zstd"] += sum(map(len, cachegen.code_streams(q, 0)[0]))
                     sym = q.numpy()
                     for layer in range(n):
                         total["per-layer order-0"] += _entropy_bytes(sym[layer])
@@ -200,12 +200,12 @@ def _code_plane(y: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, int]
     """
     target = torch.log2(step.expand(*y.shape[:2], 1, y.shape[3])) * 8 + 128
     code = target.round().clamp(0, 255).to(torch.int32)
-    step = cachegen._step_value(code)
+    step = cachegen.step_value(code)
     mean = torch.round(y.mean(dim=2, keepdim=True) / step)
     q = torch.round(y / step) - mean
     if float(q.abs().max()) > 32767 or float(mean.abs().max()) > 32767:
         raise ValueError("step too small for int16 symbols")
-    frames, _ = cachegen._code_streams(q.to(torch.int16), 0)
+    frames, _ = cachegen.code_streams(q.to(torch.int16), 0)
     tables = code.to(torch.uint8).numpy().tobytes() + mean.to(torch.int16).numpy().tobytes()
     return (q + mean) * step, sum(map(len, frames)) + len(zstd.ZstdCompressor(level=19).compress(tables))
 

@@ -1,14 +1,14 @@
 """Fast fusion tuning: KL, top-1 and a rough TTFT ratio (no greedy answers per method).
 
-    python experiments/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query", "ratio": 0.15}'
+    python experiments/tune_fusion.py 4 '{"method": "blend", "ratio": 0.15}' '{"method": "query_focus", "ratio": 0.15}'
     python experiments/tune_fusion.py --prompts packages 4 '{"method": "query_focus", "ratio": 0.15}'
 
 Uses the first N prompts of a set of ``ragkv bench fusion`` (``--prompts builtin``, the default,
 or ``packages``: ragkv.bench.prompt_sets); each argument after N is a JSON
 object: ``method``, ``ratio`` and any fields of the method's parameter record (e.g.
 ``narrow_layer`` for ``QueryFocusParams``). Reference: full prefill's 32-token greedy answer.
-Methods that rank by deviation recorded at index time (``craft``, ``craft_query``) get it
-recorded per chunk, untimed, after chunks of the other prompts (as ``ragkv bench fusion`` does).
+The Cache-Craft methods (``craft``, ``craft_query``: ``experiments/craft.py``, registered here) get
+the deviation they rank by recorded per chunk, untimed, after chunks of the other prompts.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import time
 from dataclasses import replace
 
 import torch
+from craft import craft_contexts, stored_scores  # registers craft and craft_query
 
-from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1, craft_contexts, stored_scores
+from ragkv.bench.fusion import ANSWER_TOKENS, _kl_top1
 from ragkv.bench.prompt_sets import prompt_set
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ragkv.matching import ChunkRegistry
-from ragkv.prompt import render_chat, render_completion
 
 if TYPE_CHECKING:
     from ragkv.engine import RagKV
@@ -32,8 +31,6 @@ __all__ = [
     "STATS_KEY",
     "default_engine",
     "engine_state",
-    "render_chat",
-    "render_completion",
     "stream",
     "summarize",
     "registry",

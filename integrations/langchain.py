@@ -133,10 +133,10 @@ class _RagKVModel(BaseModel):
     def _name(self) -> str:
         """The model that really generates (``model=`` may only repeat it)."""
         if self.engine is not None:
-            return str(self.engine.adapter.name)
-        from ragkv.model.loading import default_model
+            return self.engine.model_name
+        from ragkv.config import EngineConfig
 
-        return default_model()
+        return EngineConfig.from_env().model  # what default_engine() would load
 
     def _check_model(self) -> None:
         if self.model_name is not None and self.model_name != self._name():
@@ -232,7 +232,7 @@ class ChatRagKV(_RagKVModel, BaseChatModel):
         return self._ls_params(stop, kwargs, "chat")
 
     def _prompt(self, messages: list[BaseMessage]) -> str:
-        return _bridge.render_chat(self._engine().adapter.tokenizer, [_message_dict(m) for m in messages])
+        return self._engine().render_chat([_message_dict(m) for m in messages])
 
     def _generate(
         self,
@@ -323,7 +323,7 @@ class RagKVLLM(_RagKVModel, LLM):
         return self._ls_params(stop, kwargs, "llm")
 
     def _prompt(self, prompt: str) -> str:
-        return _bridge.render_completion(self._engine().adapter.tokenizer, prompt, chat_template=self.chat_template)
+        return self._engine().render_completion(prompt, chat_template=self.chat_template)
 
     def _one(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Generation:
         gen = self._generation(stop, kwargs)

@@ -136,9 +136,9 @@ class RagKVLLM(CustomLLM):
             )
         engine = engine if engine is not None else _bridge.default_engine()
         window = kwargs.get("context_window")
-        if window is not None and window > engine.adapter.spec.max_context:
+        if window is not None and window > engine.max_context:
             raise ValueError(
-                f"context_window={window} exceeds the model's context length {engine.adapter.spec.max_context}; "
+                f"context_window={window} exceeds the model's context length {engine.max_context}; "
                 "pass a smaller one or leave it unset"
             )
         super().__init__(engine=engine, **kwargs)
@@ -150,12 +150,11 @@ class RagKVLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        adapter = self.engine.adapter
         return LLMMetadata(
-            context_window=self.context_window or adapter.spec.max_context,
+            context_window=self.context_window or self.engine.max_context,
             num_output=self.max_new_tokens,
-            is_chat_model=bool(getattr(adapter.tokenizer, "chat_template", None)),
-            model_name=adapter.name,
+            is_chat_model=self.engine.has_chat_template,
+            model_name=self.engine.model_name,
         )
 
     # ---- prompts and generation ----------------------------------------------------------------
@@ -179,11 +178,10 @@ class RagKVLLM(CustomLLM):
         return GenerationConfig(**{**base, **over})
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
-        tok = self.engine.adapter.tokenizer
-        return _bridge.render_completion(tok, prompt, chat_template=self.chat_template and not formatted)
+        return self.engine.render_completion(prompt, chat_template=self.chat_template and not formatted)
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        return _bridge.render_chat(self.engine.adapter.tokenizer, [_message_dict(m) for m in messages])
+        return self.engine.render_chat([_message_dict(m) for m in messages])
 
     def _deltas(self, prompt: str, kwargs: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any] | None]]:
         """``(delta, None)`` per piece of text, then ``("", stats)``; stats also go to the open sinks."""

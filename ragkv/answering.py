@@ -221,7 +221,7 @@ class AnswerPath:
         sinks: list[DeviceSink | None] = []  # device-tier entries filled as their chunks land (ragkv.gpu)
         hit_tokens = 0
         plan = self._load_planning(prompt, fusion, started)
-        got_all, load_report = p.retriever.load_planned([seg for seg, cached in middle if cached], plan)
+        got_all, load_report = p.retriever.loader.load_planned([seg for seg, cached in middle if cached], plan)
         fetched = iter(got_all)
         for seg, cached in middle:
             if not cached:  # plain text between chunks: computed in place by fusion
@@ -294,7 +294,7 @@ class AnswerPath:
         templates repeat theirs on every call)."""
         r, a = self.parts.retriever, self.parts.adapter
         if prefix == r.prefix_ids:
-            return r.prefix_kv()
+            return r.computer.prefix_kv()
         if not prefix:
             return a.empty_kv()
         key = tuple(prefix)

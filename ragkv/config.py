@@ -54,11 +54,11 @@ class EngineConfig:
                 "(int8/int4: weight-only copies for decode steps on the CPU, lossy; model: the loaded weights)"
             )
         if self.fusion.strategy().wants_stored_scores:
-            # the engine records no index-time deviation (ragkv.bench.craft is a bench-only recorder), so
-            # such a method would fail at the first query instead of here
+            # the engine records no index-time deviation (experiments/craft.py is a bench-only recorder),
+            # so such a method would fail at the first query instead of here
             raise ValueError(
                 f"fusion method {self.fusion.method!r} ranks tokens by deviation recorded at index time, which "
-                "the engine does not record; use query_focus (the default), query_attn or blend"
+                "the engine does not record; use query_focus (the default), blend or naive"
             )
         if isinstance(self.store, str):
             raise TypeError("store takes a tuple of tier URLs, e.g. ('memory://', 'redis://host:6379/0')")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ragkv.answering import AnswerPath, AnswerStream, Prefilled
 from ragkv.config import EngineConfig, default_data_dir
@@ -29,6 +29,7 @@ from ragkv.model import ModelAdapter, load_model
 from ragkv.model.decode import StaticDecoder
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates
+from ragkv.prompt import render_chat, render_completion
 from ragkv.retriever.kv_retriever import IndexReport, KVRetriever, ProgressFn, RemoveReport
 from ragkv.retriever.ray_index import RayConfig
 from ragkv.types import (
@@ -39,6 +40,10 @@ from ragkv.types import (
     tenant_namespace,
     validate_tenant,
 )
+
+if TYPE_CHECKING:
+    from ragkv.cache.catalog import DocumentRecord
+    from ragkv.cache.tier import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +280,68 @@ class RagKV:
                 with self._model_lock:
                     computed += self.retriever.ensure(ids)
         return computed
+
+    # ---- what the front ends read (integrations/, ragkv/server/, ragkv/cli/) -----------------
+    # Front ends ask the engine, not its parts: the adapter, store and catalog stay its business.
+    @property
+    def model_name(self) -> str:
+        """The loaded model's name (the alias, path, file or hub id it was loaded from)."""
+        return str(self.adapter.name)
+
+    @property
+    def max_context(self) -> int:
+        """The most tokens (prompt and answer) the model takes."""
+        return int(self.adapter.spec.max_context)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer has a chat template (else chats render as a ``role: content`` transcript)."""
+        return bool(getattr(self.adapter.tokenizer, "chat_template", None))
+
+    def model_info(self) -> dict[str, str]:
+        """What every figure this engine gives is computed with: model, dtype (and why), decode weights."""
+        from ragkv.model.placement import dtype_name
+
+        return {
+            "model": self.model_name,
+            "dtype": dtype_name(self.adapter.dtype),
+            "dtype_reason": str(self.adapter.dtype_reason),
+            "decode_weights": str(self.decoder.weights),
+        }
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids in the model's tokenizer (no special tokens added)."""
+        return list(self.adapter.encode(text))
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt of ``messages`` (``{"role", "content"}`` dicts) in the model's chat template."""
+        return render_chat(self.adapter.tokenizer, messages)
+
+    def render_completion(self, prompt: str, *, chat_template: bool) -> str:
+        """``prompt`` as one user turn of the chat template (``chat_template``), or as is."""
+        return render_completion(self.adapter.tokenizer, prompt, chat_template=chat_template)
+
+    def documents(self) -> list[DocumentRecord]:
+        """This tenant's indexed documents, by source."""
+        return self.catalog.documents(self.config.tenant)
+
+    def chunk_texts(self) -> list[str]:
+        """The text of every chunk this tenant has indexed."""
+        cat, tenant = self.catalog, self.config.tenant
+        return [c.text for c in cat.chunks_by_rows(cat.all_chunk_rows(tenant), tenant)]
+
+    def stored_bytes(self) -> int | None:
+        """The most value bytes any store tier holds for this tenant (None: no tier can tell cheaply)."""
+        known = [u[1] for u in self.store.usage(tenant_namespace(self.config.tenant)).values() if u is not None]
+        return max(known) if known else None
+
+    def tier_health(self) -> dict[str, str]:
+        """Each store tier's circuit state by tier name: "closed" (in use), "open" (skipped), "half-open"."""
+        return self.store.health()
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each store tier's hit, miss and error counters by tier name."""
+        return self.store.stats()
 
     # ---- serving: shared model, prefill without decoding, removal ---------------------------
     @property

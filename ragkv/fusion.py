@@ -79,7 +79,7 @@ class FusionInput:
     chunk_ids: Sequence[Sequence[int]]  # each chunk's token ids (to embed recomputed tokens)
     suffix_ids: Sequence[int] = ()  # question + generation prompt (query-aware selection reads it)
     forced: Sequence[bool] = ()  # per chunk: True = no cache (placeholder KV), recompute every token
-    # per chunk [tokens] deviation recorded at index time (ragkv.bench.craft.record_deviation): only the
+    # per chunk [tokens] deviation recorded at index time (experiments/craft.py record_deviation): only the
     # craft methods read it, and they refuse to run without it
     stored_scores: Sequence[torch.Tensor] | None = None
     # per chunk: a device-tier entry to fill as the chunk lands (ragkv.gpu), or None; () = none

@@ -1,11 +1,17 @@
-"""Which chunk tokens fusion recomputes: strategies behind one interface, chosen by name.
+"""Which chunk tokens fusion recomputes: a few strategies behind one interface, chosen by name.
 
 A strategy says which tokens start active (run through layer 0), at which layers to measure
 how far the fresh K/V of the active tokens deviate from their cached K/V, and which of the
 active tokens to keep running after each such check layer. Tokens kept past the last check are
 recomputed through every layer; the others keep their cached K/V from there on.
 
-A strategy is made from the share of tokens to recompute (``ratio``) and its own parameter
+The ones that ship are those a user would choose (docs/benchmarks.md, "Fusion"): ``naive`` (reuse
+as is, the cheapest), ``full`` (recompute everything: full prefill, the exactness reference),
+``blend`` (CacheBlend, the baseline) and ``query_focus`` (the default). Research variants measured
+once and set aside are in docs/benchmarks-history.md; ``experiments/craft.py`` registers the
+Cache-Craft pair for ``experiments/tune_fusion.py``.
+
+A strategy is made from the share of tokens to recompute (``ratio``) and its own flat parameter
 record (``Strategy.Params``); it sees the prompt only through :class:`SelectionState`, built from
 plain inputs (chunk lengths, measured deviations), so this module knows nothing of fusion.
 """
@@ -20,156 +26,86 @@ import torch
 
 __all__ = [
     "BlendParams",
-    "BlendSinkParams",
-    "BudgetParams",
-    "CheckParams",
-    "CraftParams",
-    "CraftQueryParams",
-    "ExactFirstParams",
-    "GradualParams",
     "NoParams",
-    "QueryAttnParams",
     "QueryFocusParams",
-    "QueryGradualParams",
-    "QueryParams",
     "SelectionState",
-    "SinkParams",
     "Strategy",
     "StrategyParams",
     "available_strategies",
     "register_strategy",
     "strategy_class",
+    "top_indices",
 ]
 
 
 # ---- parameter records ---------------------------------------------------------------------
-# Frozen and keyword-only, without slots: a strategy that combines two others' knobs inherits
-# both records (QueryGradualParams = QueryParams + GradualParams), so every knob and its default
-# is written once; slots would forbid two bases with fields. Each record checks its own fields,
-# then calls up the chain.
+# Flat, frozen and keyword-only: each record lists every knob of its strategy with its default
+# (no record inherits another's fields), and checks them itself.
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StrategyParams:
-    """Base of the per-strategy parameter records."""
-
-    def __post_init__(self) -> None:
-        """End of the validation chain."""
+    """Base of the per-strategy parameter records (no fields: it only names the family)."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NoParams(StrategyParams):
-    """The record of strategies without knobs (``naive``, ``full``, ``random``)."""
+    """The record of strategies without knobs (``naive``, ``full``)."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class SinkParams(StrategyParams):
-    """``sink``: recompute the first tokens of every chunk."""
-
-    sink_tokens: int = 2  # first tokens of every chunk always recomputed (sink repair)
-
-    def __post_init__(self) -> None:
-        if self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
-        super().__post_init__()
+def check_layer_knobs(check_layer: int, deviation: str) -> None:
+    """ValueError unless ``check_layer >= 0`` and ``deviation`` is ``"k"``, ``"v"`` or ``"kv"``."""
+    if check_layer < 0:
+        raise ValueError(f"check_layer must be >= 0, got {check_layer}")
+    if deviation not in ("k", "v", "kv"):
+        raise ValueError(f"deviation must be 'k', 'v' or 'kv', got {deviation!r}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class CheckParams(StrategyParams):
-    """A check layer: where deviations (or the question's attention after it) are read."""
+def check_sink_tokens(sink_tokens: int) -> None:
+    """ValueError unless ``sink_tokens >= 0``."""
+    if sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendParams(StrategyParams):
+    """``blend`` (CacheBlend): rank tokens by their K/V deviation at one check layer."""
 
     check_layer: int = 1  # layer whose K/V deviation ranks tokens (layer 0 carries no signal)
-
-    def __post_init__(self) -> None:
-        if self.check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
-        super().__post_init__()
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlendParams(CheckParams):
-    """``blend``: rank tokens by their K/V deviation at the check layer."""
-
     deviation: str = "v"  # "k", "v" or "kv": which deviation ranks tokens
 
     def __post_init__(self) -> None:
-        if self.deviation not in ("k", "v", "kv"):
-            raise ValueError(f"deviation must be 'k', 'v' or 'kv', got {self.deviation!r}")
-        super().__post_init__()
+        check_layer_knobs(self.check_layer, self.deviation)
 
 
-@dataclass(frozen=True, kw_only=True)
-class BlendSinkParams(BlendParams, SinkParams):
-    """``blend_sink``: blend's ranking with every chunk's first tokens forced in."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueryFocusParams(StrategyParams):
+    """``query_focus``: the tokens the question attends most, ranked by deviation times attention.
 
+    Defaults from ``experiments/tune_fusion.py`` on the first four built-in prompts
+    (docs/benchmarks.md, "Fusion").
+    """
 
-@dataclass(frozen=True, kw_only=True)
-class GradualParams(BlendParams):
-    """``gradual``: a wide first cut at the check layer, narrowed at a deeper one."""
-
-    narrow_factor: float = 2.0  # keep ratio * factor at the first check, ratio at the second
-    narrow_layer: int = 0  # second check layer (0 = num_layers // 4)
-
-
-@dataclass(frozen=True, kw_only=True)
-class QueryParams(BlendSinkParams):
-    """``query``: deviation weighted by the attention the question pays each token."""
-
+    check_layer: int = 1  # first check layer (layer 0 carries no signal)
+    deviation: str = "v"  # "k", "v" or "kv": which deviation ranks tokens
+    sink_tokens: int = 2  # first tokens of every chunk always kept (sink repair, as EPIC)
     query_weight: float = 1.0  # exponent of the question-attention factor in the score
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExactFirstParams(StrategyParams):
-    """Whether the first chunk's cache is known to be exact (and so never worth recomputing)."""
-
+    narrow_factor: float = 2.0  # keep ratio * factor at the first check, ratio at the second
+    narrow_layer: int = 0  # second check layer (0 = max(check_layer + 1, num_layers // 4))
+    focus_ratio: float = 0.4  # share of tokens the question attends most that start active
     # True only where the first chunk's cache was computed right after the very same prefix, at the
-    # same positions, and is not quantized (the fusion benches: every chunk cached after the shared
-    # prefix, uncompressed): then it is exact, and recomputing it spends budget on nothing. The
-    # engine's caches come through the codec and framework prefixes differ, so there it stays False.
+    # same positions, and is not quantized (the fusion benches): then it is exact, and recomputing it
+    # spends budget on nothing. The engine's caches come through the codec and framework prefixes
+    # differ, so there it stays False (measured a wash in the benches; docs/benchmarks-history.md).
     first_chunk_exact: bool = False
 
-
-@dataclass(frozen=True, kw_only=True)
-class QueryGradualParams(QueryParams, GradualParams):
-    """``query_gradual``: query-aware scores with gradual narrowing."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class QueryFocusParams(QueryGradualParams, ExactFirstParams):
-    """``query_focus``: only the tokens the question attends most run the check layers."""
-
-    focus_ratio: float = 0.4  # share of tokens the question attends most that start active
-
-
-@dataclass(frozen=True, kw_only=True)
-class BudgetParams(BlendSinkParams):
-    """``budget``: recompute every token deviating more than a bound."""
-
-    budget: float = 0.1  # recompute tokens whose relative deviation exceeds this ...
-    max_ratio: float = 0.5  # ... up to this share
-
-
-@dataclass(frozen=True, kw_only=True)
-class QueryAttnParams(CheckParams, SinkParams, ExactFirstParams):
-    """``query_attn``: the tokens the question attends most in the layers after ``check_layer``."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CraftParams(SinkParams, ExactFirstParams):
-    """``craft``: the tokens with the highest deviation recorded at index time (``ragkv.bench.craft``).
-
-    Its benches cache every chunk after the shared prefix, uncompressed, so ``first_chunk_exact``
-    defaults to True here (False: rank the first chunk's tokens like the others)."""
-
-    first_chunk_exact: bool = True
-
-
-@dataclass(frozen=True, kw_only=True)
-class CraftQueryParams(QueryAttnParams, CraftParams):
-    """``craft_query``: the stored deviation weighted by the question's attention after ``check_layer``."""
-
-    query_weight: float = 1.0  # exponent of the question-attention factor in the score
-    first_chunk_exact: bool = True  # as craft's (QueryAttnParams, earlier in the MRO, says False)
+    def __post_init__(self) -> None:
+        check_layer_knobs(self.check_layer, self.deviation)
+        check_sink_tokens(self.sink_tokens)
+        if self.narrow_layer < 0:
+            raise ValueError(f"narrow_layer must be >= 0 (0 = num_layers // 4), got {self.narrow_layer}")
+        if not 0.0 <= self.focus_ratio <= 1.0:
+            raise ValueError(f"focus_ratio must be in [0, 1], got {self.focus_ratio}")
 
 
 # ---- what a strategy sees ------------------------------------------------------------------
@@ -184,7 +120,9 @@ class SelectionState:
     deviations: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> score [active]
     active: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> chunk-token indices measured
     query_attention: torch.Tensor | None = None  # [layers, chunk tokens], query-aware strategies only
-    stored_scores: torch.Tensor | None = None  # [chunk tokens] deviation recorded at index time (craft methods)
+    # [chunk tokens] deviation recorded at index time, for strategies with wants_stored_scores
+    # (experiments/craft.py)
+    stored_scores: torch.Tensor | None = None
 
     @classmethod
     def start(cls, chunk_lengths: Sequence[int]) -> SelectionState:
@@ -204,8 +142,33 @@ class SelectionState:
         """Number of chunk tokens a ``share`` of them is (rounded, within [0, all])."""
         return max(0, min(self.num_chunk_tokens, round(share * self.num_chunk_tokens)))
 
+    def question_importance(self, after_layer: int) -> torch.Tensor | None:
+        """[chunk tokens] attention the question pays each token in the layers after ``after_layer``.
 
-def _top(score: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
+        None without a question probe (no suffix, or a strategy that asked for none).
+        """
+        attn = self.query_attention
+        if attn is None or attn.shape[-1] != self.num_chunk_tokens:
+            return None
+        later = attn[after_layer + 1 :] if attn.shape[0] > after_layer + 1 else attn
+        return later.sum(dim=0)
+
+    def skip_exact_first(
+        self, first_chunk_exact: bool, score: torch.Tensor, k: int, forced: torch.Tensor
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """``(score, k, forced)`` for :func:`top_indices` over all chunk tokens, with the first chunk's
+        tokens out of the running when ``first_chunk_exact`` (the budget then goes to the later
+        chunks); unchanged otherwise."""
+        if not first_chunk_exact or not len(self.chunk_starts):
+            return score, k, forced
+        every = torch.arange(self.num_chunk_tokens)
+        first = every < (self.chunk_starts[1] if len(self.chunk_starts) > 1 else self.num_chunk_tokens)
+        score = score.clone()
+        score[first] = float("-inf")
+        return score, min(k, self.num_chunk_tokens - int(first.sum())), forced & ~first
+
+
+def top_indices(score: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> torch.Tensor:
     """Sorted indices of the ``k`` highest scores, ``forced`` ones first.
 
     Equal scores are picked in torch.topk's order, which is not by index (a tie at the cut takes
@@ -218,19 +181,10 @@ def _top(score: torch.Tensor, k: int, forced: torch.Tensor | None = None) -> tor
     return torch.sort(torch.topk(score, k).indices).values if k > 0 else torch.zeros(0, dtype=torch.long)
 
 
-def _question_importance(state: SelectionState, after_layer: int) -> torch.Tensor | None:
-    """[chunk tokens] attention the question pays each token in the layers after ``after_layer``."""
-    attn = state.query_attention
-    if attn is None or attn.shape[-1] != state.num_chunk_tokens:
-        return None
-    later = attn[after_layer + 1 :] if attn.shape[0] > after_layer + 1 else attn
-    return later.sum(dim=0)
-
-
-def _sinks(state: SelectionState, sink_tokens: int) -> torch.Tensor:
-    """Indices of every chunk's first ``sink_tokens`` tokens."""
-    every = torch.arange(state.num_chunk_tokens)
-    return every[state.sink_mask(every, sink_tokens)]
+def deviation_score(deviation: str, k_dev: torch.Tensor, v_dev: torch.Tensor) -> torch.Tensor:
+    """The ranking score ``deviation`` names (``"k"``, ``"v"`` or ``"kv"``), fp32 on the host."""
+    score = {"k": k_dev, "v": v_dev, "kv": k_dev + v_dev}[deviation]
+    return score.float().cpu()
 
 
 # ---- strategies ----------------------------------------------------------------------------
@@ -247,7 +201,7 @@ class Strategy:
     name: ClassVar[str]
     Params: ClassVar[type[StrategyParams]] = NoParams  # the record this strategy takes
     wants_query_attention: ClassVar[bool] = False  # fusion runs the question probe for it
-    wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time (ragkv.bench.craft)
+    wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time
 
     def __init__(self, ratio: float, params: StrategyParams | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
@@ -299,6 +253,7 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def available_strategies() -> list[str]:
+    """Names of the registered strategies, sorted."""
     return sorted(_REGISTRY)
 
 
@@ -320,34 +275,18 @@ class Full(Strategy):
 
 
 @register_strategy
-class Sink(Strategy):
-    """EPIC: recompute only the first ``sink_tokens`` of every chunk."""
+class Blend(Strategy):
+    """CacheBlend: every token through the check layer, keep the top ``ratio`` by K/V deviation."""
 
-    name = "sink"
-    Params = SinkParams
-    params: SinkParams
-
-    def initial(self, state: SelectionState) -> torch.Tensor:
-        return _sinks(state, self.params.sink_tokens)
-
-
-@register_strategy
-class Random(Strategy):
-    """A random ``ratio`` of tokens (a control for the benchmark), seeded for repeatability."""
-
-    name = "random"
-
-    def initial(self, state: SelectionState) -> torch.Tensor:
-        g = torch.Generator().manual_seed(0)
-        k = state.budget(self.ratio)
-        return torch.sort(torch.randperm(state.num_chunk_tokens, generator=g)[:k]).values
-
-
-class _Ranked(Strategy):
-    """A strategy that measures K/V deviation at check layers and keeps the tokens it ranks highest."""
-
+    name = "blend"
     Params = BlendParams
     params: BlendParams
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        # a budget of 0 recomputes nothing, not even the check layer: exactly naive reuse
+        if state.budget(self.ratio) == 0:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.arange(state.num_chunk_tokens)
 
     def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
         return (min(self.params.check_layer, num_layers - 1),)
@@ -355,249 +294,69 @@ class _Ranked(Strategy):
     def observe(
         self, state: SelectionState, layer: int, active: torch.Tensor, k_dev: torch.Tensor, v_dev: torch.Tensor
     ) -> None:
-        score = {"k": k_dev, "v": v_dev, "kv": k_dev + v_dev}[self.params.deviation]
-        state.deviations[layer] = score.float().cpu()
+        state.deviations[layer] = deviation_score(self.params.deviation, k_dev, v_dev)
         state.active[layer] = active.cpu()
 
-
-@register_strategy
-class Blend(_Ranked):
-    """CacheBlend: every token through the check layer, keep the top ``ratio`` by K/V deviation."""
-
-    name = "blend"
-
-    def initial(self, state: SelectionState) -> torch.Tensor:
-        # a budget of 0 recomputes nothing, not even the check layers: exactly naive reuse (sinks
-        # are forced in within the budget, never on top of it)
-        if state.budget(self.ratio) == 0:
-            return torch.zeros(0, dtype=torch.long)
-        return super().initial(state)
-
-    def score(self, state: SelectionState, layer: int) -> torch.Tensor:
-        """Ranking score of the tokens measured at ``layer`` (higher = recompute first)."""
-        return state.deviations[layer]
-
-    def share(self, state: SelectionState, layer: int) -> float:
-        """Share of all chunk tokens to keep after ``layer``."""
-        return self.ratio
-
-    def forced(self, state: SelectionState, active: torch.Tensor) -> torch.Tensor | None:
-        """[active] True for tokens kept whatever their score (none here)."""
-        return None
-
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
-        forced = self.forced(state, state.active[layer])
-        return _top(self.score(state, layer), state.budget(min(1.0, self.share(state, layer))), forced)
+        return top_indices(state.deviations[layer], state.budget(min(1.0, self.ratio)))
 
 
 @register_strategy
-class BlendSink(Blend):
-    """CacheBlend selection with every chunk's first tokens forced in (sink repair, as EPIC)."""
+class QueryFocus(Strategy):
+    """The default: rank by K/V deviation times the attention the question pays each token.
 
-    name = "blend_sink"
-    Params = BlendSinkParams
-    params: BlendSinkParams
-
-    def forced(self, state: SelectionState, active: torch.Tensor) -> torch.Tensor | None:
-        return state.sink_mask(active, self.params.sink_tokens)
-
-
-@register_strategy
-class Gradual(Blend):
-    """Keep ``ratio * narrow_factor`` at the check layer, narrow to ``ratio`` at a deeper check layer.
-
-    Deviation at an early layer predicts deep-layer deviation only roughly; measuring again
-    deeper, among a wider first cut, picks better at little extra cost.
+    The question is known at fusion time. A token's stale K/V can only change the answer through
+    the attention the question (and answer) pay it, so the question is run through every layer
+    on the naively placed cache (a few dozen tokens) and each token's attention share in the
+    layers after a check layer weights its deviation there. Only the ``focus_ratio`` of tokens
+    the question attends most start: layer-0 K/V depend on the token and its position only, so
+    after re-rotation every cached layer-0 entry is exact and a subset can run from layer 0 alone.
+    ``ratio * narrow_factor`` survive the first check layer, re-ranked at a deeper one
+    (``narrow_layer``) and cut to ``ratio``: early deviation predicts deep deviation only roughly.
+    Every chunk's first ``sink_tokens`` are kept whatever their score.
     """
 
-    name = "gradual"
-    Params = GradualParams
-    params: GradualParams
+    name = "query_focus"
+    Params = QueryFocusParams
+    params: QueryFocusParams
+    wants_query_attention = True
+
+    def initial(self, state: SelectionState) -> torch.Tensor:
+        p = self.params
+        if state.budget(self.ratio) == 0:
+            return torch.zeros(0, dtype=torch.long)  # exactly naive reuse
+        importance = state.question_importance(p.check_layer)
+        if importance is None:  # no question: every token runs the check layers
+            return torch.arange(state.num_chunk_tokens)
+        share = max(p.focus_ratio, self.ratio * p.narrow_factor)
+        forced = state.sink_mask(torch.arange(state.num_chunk_tokens), p.sink_tokens)
+        return top_indices(
+            *state.skip_exact_first(p.first_chunk_exact, importance, state.budget(min(1.0, share)), forced)
+        )
 
     def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
         first = min(self.params.check_layer, num_layers - 1)
         second = min(self.params.narrow_layer or max(first + 1, num_layers // 4), num_layers - 1)
         return (first, second) if second > first else (first,)
 
-    def share(self, state: SelectionState, layer: int) -> float:
-        first_check = len(state.deviations) == 1
-        return self.ratio * (self.params.narrow_factor if first_check else 1.0)
-
-
-@register_strategy
-class QueryAware(BlendSink):
-    """Ours: rank by K/V deviation times the attention the question pays each token in later layers.
-
-    The question is known at fusion time. A token's stale K/V can only change the answer through
-    the attention the question (and answer) pay it, so the question is run through every layer
-    on the naively placed cache (a few dozen tokens, ~1% of a prefill) and each token's attention
-    share in the layers after the check layer weights its deviation.
-    """
-
-    name = "query"
-    Params = QueryParams
-    params: QueryParams
-    wants_query_attention = True
+    def observe(
+        self, state: SelectionState, layer: int, active: torch.Tensor, k_dev: torch.Tensor, v_dev: torch.Tensor
+    ) -> None:
+        state.deviations[layer] = deviation_score(self.params.deviation, k_dev, v_dev)
+        state.active[layer] = active.cpu()
 
     def score(self, state: SelectionState, layer: int) -> torch.Tensor:
+        """[active at ``layer``] deviation weighted by the question's attention after ``layer``."""
         score = state.deviations[layer]
-        everywhere = _question_importance(state, layer)
+        everywhere = state.question_importance(layer)
         if everywhere is None:
             return score
         importance = everywhere[state.active[layer]]
         importance = importance / importance.mean().clamp_min(1e-12)
         return score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(self.params.query_weight)
 
-
-@register_strategy
-class QueryGradual(QueryAware, Gradual):
-    """Query-aware scores with gradual narrowing (a wide first cut, re-ranked deeper)."""
-
-    name = "query_gradual"
-    Params = QueryGradualParams
-    params: QueryGradualParams
-
-
-@register_strategy
-class QueryFocus(QueryGradual):
-    """Ours, cheaper: only the ``focus_ratio`` of tokens the question attends most run the check layers.
-
-    Layer-0 K/V depend on the token and its position only, so after re-rotation every cached
-    layer-0 entry is exact and a subset of tokens can run from layer 0 without the others. Tokens
-    the question barely attends cannot change the answer much, so skipping their check layers
-    loses little and saves most of the two full-width layers query_gradual pays for.
-    """
-
-    name = "query_focus"
-    Params = QueryFocusParams
-    params: QueryFocusParams
-
-    def initial(self, state: SelectionState) -> torch.Tensor:
-        p = self.params
-        every = torch.arange(state.num_chunk_tokens)
-        importance = _question_importance(state, p.check_layer)
-        share = max(p.focus_ratio, self.ratio * p.narrow_factor)
-        if importance is None or state.budget(self.ratio) == 0:
-            return super().initial(state)  # no question: query_gradual's; budget 0: naive
-        forced = state.sink_mask(every, p.sink_tokens)
-        return _top(*_skip_exact_first(state, p, importance, state.budget(min(1.0, share)), forced))
-
-
-@register_strategy
-class Budget(_Ranked):
-    """Ours: recompute every token whose relative deviation exceeds ``budget`` (up to ``max_ratio``).
-
-    A quality bound instead of a fixed ratio (``ratio`` is not used): prompts whose chunks barely
-    interact cost little.
-    """
-
-    name = "budget"
-    Params = BudgetParams
-    params: BudgetParams
-
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
-        p = self.params
-        score = state.deviations[layer]
-        over = int((score > p.budget).sum())
-        k = min(over, state.budget(p.max_ratio))
-        return _top(score, k, state.sink_mask(state.active[layer], p.sink_tokens))
-
-
-@register_strategy
-class QueryAttention(Strategy):
-    """Recompute the ``ratio`` of tokens the question attends most; no check layers.
-
-    Every chunk's first ``sink_tokens`` come first within that budget. Without a question (no
-    suffix) it recomputes those first tokens only, as ``sink`` does.
-    """
-
-    name = "query_attn"
-    Params = QueryAttnParams
-    params: QueryAttnParams
-    wants_query_attention = True
-
-    def initial(self, state: SelectionState) -> torch.Tensor:
-        p = self.params
-        every = torch.arange(state.num_chunk_tokens)
-        importance = _question_importance(state, p.check_layer)
-        if importance is None:  # no question: what `sink` recomputes
-            return _sinks(state, p.sink_tokens)
-        forced = state.sink_mask(every, p.sink_tokens)
-        return _top(*_skip_exact_first(state, p, importance, state.budget(self.ratio), forced))
-
-
-@register_strategy
-class Craft(Strategy):
-    """Cache-Craft: recompute the ``ratio`` of tokens whose deviation, recorded at index time, is highest.
-
-    No question probe and no check layer: the ranking comes with the chunks
-    (``FusionInput.stored_scores``, from :func:`ragkv.bench.craft.record_deviation`), so selecting costs
-    nothing at query time. Every chunk's first ``sink_tokens`` come first within the budget.
-    """
-
-    name = "craft"
-    Params = CraftParams
-    params: CraftParams
-    wants_stored_scores = True
-
-    def score(self, state: SelectionState) -> torch.Tensor:
-        """[chunk tokens] ranking score (higher = recompute first)."""
-        return _stored(state, self.name)
-
-    def initial(self, state: SelectionState) -> torch.Tensor:
-        every = torch.arange(state.num_chunk_tokens)
-        forced = state.sink_mask(every, self.params.sink_tokens)
-        return _top(*_skip_exact_first(state, self.params, self.score(state), state.budget(self.ratio), forced))
-
-
-@register_strategy
-class CraftQuery(Craft):
-    """Ours on Cache-Craft: the stored deviation times the attention the question pays each token.
-
-    The question probe (as ``query_attn``) weights the stored score the way ``query`` weights
-    the measured one; no check layer. Without a question it is ``craft``.
-    """
-
-    name = "craft_query"
-    Params = CraftQueryParams
-    params: CraftQueryParams
-    wants_query_attention = True
-
-    def score(self, state: SelectionState) -> torch.Tensor:
-        stored = _stored(state, self.name)
-        importance = _question_importance(state, self.params.check_layer)
-        if importance is None:
-            return stored
-        importance = importance / importance.mean().clamp_min(1e-12)
-        weight = (importance + 1e-3).pow(self.params.query_weight)
-        return stored / stored.mean().clamp_min(1e-12) * weight
-
-
-def _skip_exact_first(
-    state: SelectionState, params: ExactFirstParams, score: torch.Tensor, k: int, forced: torch.Tensor
-) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """``(score, k, forced)`` for ``_top``, with the first chunk's tokens out of the running when
-    ``params.first_chunk_exact`` (the budget then goes to the later chunks); unchanged otherwise."""
-    if not params.first_chunk_exact or not len(state.chunk_starts):
-        return score, k, forced
-    every = torch.arange(state.num_chunk_tokens)
-    first = every < (state.chunk_starts[1] if len(state.chunk_starts) > 1 else state.num_chunk_tokens)
-    score = score.clone()
-    score[first] = float("-inf")
-    return score, min(k, state.num_chunk_tokens - int(first.sum())), forced & ~first
-
-
-def _stored(state: SelectionState, method: str) -> torch.Tensor:
-    """The stored per-token scores, or a ValueError saying how to pass them."""
-    if state.stored_scores is None:
-        raise ValueError(
-            f"fusion method {method!r} ranks tokens by the deviation recorded when each chunk was indexed; "
-            "pass FusionInput(stored_scores=[ragkv.bench.craft.record_deviation(...) for each chunk]) or choose "
-            "a method that measures at query time (query_focus, query_attn)"
-        )
-    if state.stored_scores.shape != (state.num_chunk_tokens,):
-        raise ValueError(
-            f"stored_scores has shape {tuple(state.stored_scores.shape)}, expected ({state.num_chunk_tokens},): "
-            "one score per chunk token"
-        )
-    return state.stored_scores
+        first_check = len(state.deviations) == 1
+        share = self.ratio * (self.params.narrow_factor if first_check else 1.0)
+        forced = state.sink_mask(state.active[layer], self.params.sink_tokens)
+        return top_indices(self.score(state, layer), state.budget(min(1.0, share)), forced)

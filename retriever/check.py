@@ -73,7 +73,9 @@ def check(retriever: KVRetriever, *, repair: bool = False, before: tuple[int, in
     report.documents = len(docs)
     for doc in docs:
         for chunk in catalog.document_chunks(doc.source, tenant).values():
-            keys = [retriever.chunk_key(chunk.token_ids, s).storage_key for s in retriever.config.stored_codecs]
+            keys = [
+                retriever.computer.chunk_key(chunk.token_ids, s).storage_key for s in retriever.config.stored_codecs
+            ]
             if all(store.persisted(k) for k in keys):
                 continue
             if repair:

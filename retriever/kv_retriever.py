@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -28,17 +28,23 @@ from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
 from ragkv.gpu.tier import DeviceTier
 from ragkv.model import ModelAdapter
-from ragkv.planner.session import LoadPlanning
-from ragkv.retriever.chunker import Chunker, ChunkerConfig
+from ragkv.retriever.chunker import Chunker
 from ragkv.retriever.commit import commit_documents
 from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
 from ragkv.retriever.loader import ChunkLoader, LoadedChunk
 from ragkv.retriever.precompute import ChunkComputer, ChunkResult, ComputeFn, StoredEntry, record_stored
-from ragkv.retriever.removal import RemoveReport, remove_document
-from ragkv.retriever.transforms import TransformConfig
-from ragkv.types import DEFAULT_CODEC, Chunk, ChunkKey, ChunkKV, CodecSpec, validate_tenant
+from ragkv.retriever.records import (
+    IndexPlan,
+    IndexProgress,
+    IndexReport,
+    ProgressFn,
+    RemoveReport,
+    RetrieverConfig,
+)
+from ragkv.retriever.removal import remove_document
+from ragkv.types import Chunk, validate_tenant
 
 logger = logging.getLogger(__name__)
 
@@ -66,82 +72,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class RetrieverConfig:
-    """Indexing and retrieval settings (the tenant and the store secret are the caller's identity,
-    passed to :class:`KVRetriever` on their own)."""
-
-    top_k: int = 4  # chunks retrieved per question
-    chunker: ChunkerConfig = field(default_factory=ChunkerConfig)
-    codec: CodecSpec = DEFAULT_CODEC  # codec and level chunks are stored and loaded at
-    index_codecs: tuple[CodecSpec, ...] = ()  # further (codec, level) pairs stored at index time
-    system: str | None = None  # system prompt (None = ragkv.prompt.DEFAULT_SYSTEM)
-    # stored levels coded in the model's channel transform (default: cachegen levels 1 and 2; see
-    # docs/configuration.md); TransformConfig(levels=()) turns it off
-    transform: TransformConfig = field(default_factory=TransformConfig)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k must be an integer >= 1 (chunks retrieved per question); got {self.top_k!r}")
-        if not isinstance(self.codec, CodecSpec) or not all(isinstance(c, CodecSpec) for c in self.index_codecs):
-            raise TypeError("codec and index_codecs take CodecSpec records, e.g. CodecSpec('cachegen', 0)")
-        if not isinstance(self.transform, TransformConfig):
-            raise TypeError("transform takes a TransformConfig, e.g. TransformConfig(levels=()) for off")
-
-    @property
-    def stored_codecs(self) -> tuple[CodecSpec, ...]:
-        """Every (codec, level) written at index time: ``codec`` first, then ``index_codecs``."""
-        return tuple(dict.fromkeys((self.codec, *self.index_codecs)))
-
-
-@dataclass(slots=True)
-class IndexReport:
-    """What an indexing run did."""
-
-    documents: int = 0  # documents seen
-    unchanged: int = 0  # documents skipped: same content, all chunk rows, vectors and caches present
-    chunks: int = 0  # chunks of new or changed documents
-    computed: int = 0  # chunk caches prefilled by this run
-    reused: int = 0  # chunk caches already in the store
-    bytes_stored: int = 0  # encoded bytes some tier accepted
-    failed: int = 0  # distinct chunks whose cache was not stored (their documents were not committed)
-    failed_documents: list[str] = field(default_factory=list)  # sources not committed, to retry
-    seconds: float = 0.0
-    errors: list[str] = field(default_factory=list)  # "source#chunk: error" of chunks whose precompute raised
-
-
-@dataclass(frozen=True, slots=True)
-class IndexProgress:
-    """One step of an indexing run, for a progress display (``ragkv serve`` streams them)."""
-
-    # "chunking": new or changed documents cut into chunks; "precompute": distinct chunk caches
-    # prefilled (the long part); "embedding": documents ready to commit (committed to catalog and index in batches)
-    phase: str
-    done: int
-    total: int
-
-
-ProgressFn = Callable[[IndexProgress], None]
-
-
-@dataclass(slots=True)
-class IndexPlan:
-    """What an indexing run will do, decided before any prefill (see :meth:`KVRetriever.plan_index`)."""
-
-    report: IndexReport  # documents and unchanged filled in; the rest is counted as work lands
-    documents: list[tuple[Document, Digest, list[Chunk]]]  # new or changed documents, chunked, in order
-    work: list[tuple[int, ...]]  # distinct chunks (token ids) with a cache missing, in first-seen order
-    scheduled: set[tuple[int, ...]] = field(default_factory=set)  # the chunks of ``work``
-    counted: set[tuple[int, ...]] = field(default_factory=set)  # chunks already counted in the report
-    finished: int = 0  # documents committed or reported failed so far
-    ready: list[tuple[Document, Digest, list[Chunk]]] = field(default_factory=list)  # complete, not committed yet
-
-    def __post_init__(self) -> None:
-        self.scheduled = set(self.work)
-
-
 class KVRetriever:
-    """Indexes documents into chunks, embeddings and chunk caches; retrieves and loads them."""
+    """Indexes documents into chunks, embeddings and chunk caches, and retrieves them.
+
+    Its parts are public and called directly: ``computer`` (:class:`ChunkComputer`: the shared prefix's KV,
+    chunk keys, prefill + encode + store) and ``loader`` (:class:`ChunkLoader`: chunk caches at query time).
+    """
 
     def __init__(
         self,
@@ -188,14 +124,6 @@ class KVRetriever:
     @property
     def prefix_ids(self) -> list[int]:
         return list(self._prefix_ids)
-
-    def prefix_kv(self) -> ChunkKV:
-        """The exact KV of the shared prefix (computed once per process)."""
-        return self.computer.prefix_kv()
-
-    def chunk_key(self, token_ids: Sequence[int], spec: CodecSpec) -> ChunkKey:
-        """The key of the chunk ``token_ids`` encoded with ``spec``, for this model, prefix and tenant."""
-        return self.computer.chunk_key(token_ids, spec)
 
     def chunk_token_ids(self, text: str) -> tuple[int, ...]:
         """The tokens a chunk contributes to a prompt (its text as laid out, tokenized on its own)."""
@@ -367,7 +295,7 @@ class KVRetriever:
         if len(rows) != old.num_chunks or any(row not in self.index for row in rows):
             return False
         return all(
-            self.store.persisted(self.chunk_key(chunk.token_ids, spec).storage_key)
+            self.store.persisted(self.computer.chunk_key(chunk.token_ids, spec).storage_key)
             for chunk in rows.values()
             for spec in self.config.stored_codecs
         )
@@ -418,7 +346,7 @@ class KVRetriever:
         """Store the chunk's cache unless present (and promote it to the fast tiers); True if computed."""
         computed, _, _ = self._ensure_stored(token_ids)
         if not computed:
-            self.store.get(self.chunk_key(token_ids, self.config.codec).storage_key)
+            self.store.get(self.computer.chunk_key(token_ids, self.config.codec).storage_key)
         return computed
 
     def _ensure_stored(self, token_ids: Sequence[int]) -> tuple[bool, int, bool]:
@@ -502,17 +430,3 @@ class KVRetriever:
             if len(hits) < ask or ask >= len(self.index):
                 return out  # every row was looked at
             ask = min(ask * 2, len(self.index))
-
-    def load(self, token_ids: Sequence[int]) -> LoadedChunk:
-        """The chunk's cache: from the store, or computed now (and stored) on a miss."""
-        return self.loader.load_many([token_ids])[0]
-
-    def load_many(self, segments: Sequence[Sequence[int]]) -> list[LoadedChunk]:
-        """Several chunks' caches, in order (:meth:`ChunkLoader.load_many`)."""
-        return self.loader.load_many(segments)
-
-    def load_planned(
-        self, segments: Sequence[Sequence[int]], plan: LoadPlanning
-    ) -> tuple[list[LoadedChunk], dict[str, Any] | None]:
-        """Chunk caches at the (codec, level) ``plan`` picks, and its report (:meth:`ChunkLoader.load_planned`)."""
-        return self.loader.load_planned(segments, plan)

@@ -9,12 +9,12 @@ tier, otherwise it stays *pending* and removing the same source again finishes t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ragkv.digests import tokens_digest
 from ragkv.errors import DocumentNotFoundError
+from ragkv.retriever.records import RemoveReport
 from ragkv.types import CodecSpec
 
 if TYPE_CHECKING:
@@ -23,16 +23,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["RemoveReport", "remove_document", "retry_pending"]
-
-
-@dataclass(frozen=True, slots=True)
-class RemoveReport:
-    """What :meth:`KVRetriever.remove_document` (``RagKV.remove``) deleted."""
-
-    source: str  # the document's source, as the catalog holds it
-    chunks: int  # chunk rows (and FAISS vectors) removed
-    cache_entries: int  # stored cache entries deleted (those no other document of the tenant uses)
-    pending: int = 0  # entries a tier could not delete (read-only, down): kept in the catalog; retry
 
 
 def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
@@ -66,7 +56,7 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
     catalog.mark_removed(source, tenant, [tokens_digest(ids) for ids in gone])
     # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
     made: dict[str, tuple[tuple[int, ...], CodecSpec]] = {
-        retriever.chunk_key(ids, spec).storage_key: (ids, spec)
+        retriever.computer.chunk_key(ids, spec).storage_key: (ids, spec)
         for ids in gone
         for spec in retriever.config.stored_codecs
     }

@@ -246,7 +246,7 @@ def _perturbed(kv: ChunkKV, kind: int, layer: int, rel: float, per_layer: bool, 
     keys, values = kv.keys, kv.values
     x = (keys if kind == 0 else values).clone()
     y = x[layer : layer + 1, :, 1:].float()  # [1, H, T-1, D]
-    step = cachegen._sigma(y, per_layer) * rel
+    step = cachegen.channel_sigma(y, per_layer) * rel
     noise = (torch.rand(y.shape, generator=gen) - 0.5).to(y.device) * step
     x[layer : layer + 1, :, 1:] = (y + noise).to(x.dtype)
     keys, values = (x, values) if kind == 0 else (keys, x)

@@ -8,7 +8,8 @@ The convention, for whoever writes docs:
   prose and never run.
 - Whether they run or not, every ```python block must compile and use no undefined name
   (ruff's F821), every ``ragkv ...`` line of a shell block must parse with the CLI as it is
-  (commands and options exist), and every ``python path.py`` in one must name a file that exists.
+  (commands and options exist), and every ``python path.py`` in one must name a file that exists
+  (docs/benchmarks-history.md aside: its commands are a record of past commits).
 - Relative links (``[text](path#anchor)``) must reach a file or folder of the repository, and an
   anchor must be a heading of the page it points to; a ``*.md`` file named in inline code must exist.
 
@@ -205,7 +206,12 @@ def cli_checker(calls: list[tuple[str, dict]]):
     return root
 
 
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in SHELL], ids=block_id)
+# The benchmarks' journal keeps its commands as they ran at their commit (its header names it):
+# scripts moved and options renamed since are part of the record, so today's CLI does not judge them.
+HISTORY = ROOT / "docs" / "benchmarks-history.md"
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in SHELL and b.page != HISTORY], ids=block_id)
 def test_shell_blocks_name_real_commands_options_and_files(block, capsys):
     calls: list[tuple[str, dict]] = []
     root = cli_checker(calls)

@@ -251,7 +251,7 @@ def _perturbed(kv: ChunkKV, kind: int, layer: int, rel: float, per_layer: bool, 
     if kv.num_tokens > 1:
         x = (keys if kind == 0 else values).clone()
         y = x[layer : layer + 1, :, 1:]  # [1, H, T-1, D]
-        step = cachegen._sigma(y, per_layer) * rel
+        step = cachegen.channel_sigma(y, per_layer) * rel
         x[layer : layer + 1, :, 1:] = y + (torch.rand(y.shape, generator=gen) - 0.5) * step
         keys, values = (x, values) if kind == 0 else (keys, x)
     return ChunkKV(keys, values, kv.positions, kv.model_fingerprint)

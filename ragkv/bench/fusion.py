@@ -5,16 +5,11 @@ prefill gives the reference greedy answer (32 tokens) and its logits. Each metho
 cached chunks, prefills the suffix and picks the first token (its TTFT, caches already in
 memory); then its logits at the positions predicting the reference answer give KL(full || method)
 and top-1 agreement, and its own greedy answer gives exact match and token F1 against full's.
-
-Methods that rank by deviation recorded at index time (``craft``, ``craft_query``) get it
-recorded per chunk, untimed, with :func:`ragkv.bench.craft.record_deviation` after a few chunks drawn
-from the other prompts of the run (:func:`craft_contexts`), never the prompt's own chunks.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -25,45 +20,34 @@ import torch
 from tqdm.auto import tqdm
 
 from ragkv.bench import table
-from ragkv.bench.craft import record_deviation
 from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter
 from ragkv.model.decode import StaticDecoder
-from ragkv.selection import strategy_class
 
 logger = logging.getLogger(__name__)
 
 ANSWER_TOKENS = 32
 DEFAULT_GRID: list[tuple[str, float]] = [
     ("naive", 0.0),
-    ("random", 0.15),
-    ("sink", 0.0),
     ("blend", 0.15),
     ("blend", 0.3),
-    ("blend_sink", 0.15),
-    ("gradual", 0.15),
-    ("budget", 0.0),
-    ("query", 0.1),
-    ("query", 0.15),
-    ("query_gradual", 0.15),
-    ("query_attn", 0.15),
     ("query_focus", 0.1),
     ("query_focus", 0.15),
     ("query_focus", 0.2),
     ("full", 1.0),
 ]
-CRAFT_CONTEXTS = 3  # other chunks each chunk's deviation is recorded after (craft methods)
 KEYS = ("method", "recompute_ratio", "kl", "top1", "exact_match", "f1", "ttft_ms", "ttft_ratio")
 
 
 def parse_grid(spec: str) -> list[tuple[str, float]]:
-    """``"blend:0.15,query:0.2,naive"`` -> [("blend", 0.15), ("query", 0.2), ("naive", 0.0)]."""
+    """``"blend:0.15,query_focus:0.2,naive"`` -> [("blend", 0.15), ("query_focus", 0.2), ("naive", 0.0)]."""
     out = []
     for part in spec.split(","):
         name, _, ratio = part.strip().partition(":")
         out.append((name, float(ratio) if ratio else 0.0))
+        FusionConfig(*out[-1])  # an unknown method or a ratio out of range: ValueError before any model loads
     return out
 
 
@@ -123,42 +107,6 @@ def _kl_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return float(kl), float(top1)
 
 
-def craft_contexts(
-    prompts: Sequence[Mapping[str, Any]], index: int, k: int = CRAFT_CONTEXTS, seed: int = 0
-) -> list[list[str]]:
-    """Per chunk of ``prompts[index]``, ``k`` chunk texts of the other prompts to record its deviation after.
-
-    Drawn (seeded by ``seed``, the prompt and the chunk: the same prompts give the same draws)
-    from the chunks of the other prompts that are not chunks of this one: a chunk recorded after
-    its own neighbours would learn the answer's context. Empty lists when there is no such chunk.
-    """
-    own = set(prompts[index]["chunks"])
-    pool = list(dict.fromkeys(c for j, p in enumerate(prompts) if j != index for c in p["chunks"] if c not in own))
-    out = []
-    for c in range(len(prompts[index]["chunks"])):
-        rng = random.Random(seed * 1_000_003 + index * 1_009 + c)
-        out.append(rng.sample(pool, min(k, len(pool))))
-    return out
-
-
-def stored_scores(
-    adapter: ModelAdapter, prompt: Mapping[str, Any], contexts: Sequence[Sequence[str]]
-) -> list[torch.Tensor]:
-    """Each chunk's recorded deviation (index time) after its ``contexts`` (texts, one list per chunk)."""
-    prefix, chunks, _ = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
-    pre = adapter.prefill_kv(prefix)
-    out = []
-    for ids, texts in zip(chunks, contexts, strict=True):
-        other = adapter.chat_segments(prompt.get("system"), list(texts), prompt["question"])[1] if texts else []
-        out.append(record_deviation(adapter, pre, adapter.prefill_kv(ids, past=[pre]), ids, other))
-    return out
-
-
-def needs_stored_scores(grid: Sequence[tuple[str, float]]) -> bool:
-    """Whether any method of ``grid`` ranks by deviation recorded at index time."""
-    return any(strategy_class(m).wants_stored_scores for m, _ in grid)
-
-
 def _answer_logits(
     adapter: ModelAdapter, cache: Any, prompt_logits: torch.Tensor, answer: Sequence[int], start: int
 ) -> torch.Tensor:
@@ -201,7 +149,8 @@ def compare_methods(
     Rows hold :data:`KEYS` and ``answer`` (the method's greedy answer ids, at most ``answer_tokens``;
     full prefill's own for ``full``), so a caller can score the answers (``ragkv bench qa``).
     ``decoder``: the answers are decoded by its steps (an int8/int4 decode copy, say); None: the
-    model's own forward. KL and top-1 always compare the model's own logits.
+    model's own forward. KL and top-1 always compare the model's own logits. ``scores``: per chunk,
+    the deviation recorded at index time, for methods that rank by it (``experiments/craft.py``).
     """
     prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     ctx = prefix + [t for c in chunks for t in c]
@@ -281,10 +230,8 @@ def run_fusion_bench(
         grid.insert(0, ("naive", 0.0))
     compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per: dict[tuple[str, float], list[dict]] = {}
-    craft = needs_stored_scores(grid)
-    for i, p in enumerate(tqdm(prompts, desc="fusion bench", unit="prompt")):
-        scores = stored_scores(adapter, p, craft_contexts(prompts, i)) if craft else None  # index time
-        for (m, r), row in zip(grid, compare_methods(adapter, p, grid, scores), strict=True):
+    for p in tqdm(prompts, desc="fusion bench", unit="prompt"):
+        for (m, r), row in zip(grid, compare_methods(adapter, p, grid), strict=True):
             per.setdefault((m, r), []).append(row)
     out = []
     for (m, _r), rows in per.items():

@@ -24,7 +24,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ragkv.bench import table
-from ragkv.bench.fusion import compare_methods, craft_contexts, needs_stored_scores, stored_scores
+from ragkv.bench.fusion import compare_methods
 from ragkv.bench.qa_data import QASet, build_prompt, load_qa_set
 from ragkv.bench.qa_score import best_f1, contains_answer
 from ragkv.bench.table import Column
@@ -125,13 +125,11 @@ def run_qa_bench(
 
     prompts = [build_prompt(qa, q, count, seed=seed) for q in questions]
     grid = [(m.method, m.ratio) for m in methods]
-    craft = needs_stored_scores([g for g in grid if g[0] != "full"])
     decoder = StaticDecoder(adapter, decode_weights) if decode_weights != "model" else None  # type: ignore[arg-type]
     compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per_question = []
-    for i, (q, p) in enumerate(zip(tqdm(questions, desc="qa bench", unit="question"), prompts, strict=True)):
-        scores = stored_scores(adapter, p, craft_contexts(prompts, i, seed=seed)) if craft else None
-        results = compare_methods(adapter, p, grid, scores, answer_tokens=max_tokens, decoder=decoder)
+    for q, p in zip(tqdm(questions, desc="qa bench", unit="question"), prompts, strict=True):
+        results = compare_methods(adapter, p, grid, answer_tokens=max_tokens, decoder=decoder)
         answers = {}
         for m, r in zip(methods, results, strict=True):
             text = adapter.decode(r["answer"]).strip()

@@ -98,13 +98,12 @@ def bench_fusion(
     """Fidelity and TTFT of fusion methods against full prefill (in the model's dtype)."""
     from ragkv.bench.fusion import DEFAULT_GRID, format_table, parse_grid, plot_rows, run_fusion_bench
 
+    try:
+        grid = parse_grid(methods) if methods else DEFAULT_GRID
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--methods") from e
     adapter = _load_model(model, dtype, device)
-    rows = run_fusion_bench(
-        adapter,
-        _bench_prompts(prompts, adapter, limit, max_tokens=2800),
-        parse_grid(methods) if methods else DEFAULT_GRID,
-        limit=limit,
-    )
+    rows = run_fusion_bench(adapter, _bench_prompts(prompts, adapter, limit, max_tokens=2800), grid, limit=limit)
     typer.echo(format_table(rows))
     _write_rows(rows, out)
     if plot:

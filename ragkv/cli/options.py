@@ -23,7 +23,10 @@ Tenant = Annotated[
     str | None, typer.Option("--tenant", help="Namespace of index and cache entries [env RAGKV_TENANT; default].")
 ]
 Fusion = Annotated[
-    str | None, typer.Option("--fusion", help="Fusion method (naive, blend, query_focus, ...; see docs/concepts.md).")
+    str | None,
+    typer.Option(
+        "--fusion", help="Fusion method: naive, full, blend or query_focus (the default); see docs/concepts.md."
+    ),
 ]
 Ratio = Annotated[float | None, typer.Option("--ratio", help="Share of chunk tokens to recompute.")]
 Dtype = Annotated[

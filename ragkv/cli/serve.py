@@ -125,8 +125,8 @@ def serve(
     from ragkv.engine import RagKV
 
     engine = RagKV(cfg)
-    settings = replace(settings, model_name=Path(engine.adapter.name).name or "ragkv")
-    typer.echo(f"ragkv serve: {engine.adapter.name} on http://{settings.host}:{settings.port}", err=True)
+    settings = replace(settings, model_name=Path(engine.model_name).name or "ragkv")
+    typer.echo(f"ragkv serve: {engine.model_name} on http://{settings.host}:{settings.port}", err=True)
     if settings.access_log:
         logging.getLogger("ragkv.server.access").setLevel(logging.INFO)
     uvicorn.run(

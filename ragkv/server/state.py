@@ -105,22 +105,19 @@ class ServerState:
     def _register(self, engine: Any) -> None:
         """Make the tenant's indexed chunk texts findable in client-sent prompts (the engine's own
         registry, as the integrations use it) and note their bytes for the document quota."""
-        cat, tenant = engine.catalog, engine.config.tenant
-        texts = [c.text for c in cat.chunks_by_rows(cat.all_chunk_rows(tenant), tenant)]
+        texts = engine.chunk_texts()
         engine.chunk_registry(refresh=True)
         with self._lock:
-            self._text_bytes[tenant] = sum(len(t.encode()) for t in texts)
+            self._text_bytes[engine.config.tenant] = sum(len(t.encode()) for t in texts)
 
     def check_upload(self, engine: Any, adding_text: int) -> None:
         """Raises ApiError 413 when ``engine``'s tenant may not add ``adding_text`` bytes of documents."""
-        from ragkv.types import tenant_namespace
-
         tenant = engine.config.tenant
-        known = [u[1] for u in engine.store.usage(tenant_namespace(tenant)).values() if u is not None]
+        stored_bytes = engine.stored_bytes()
         with self._lock:  # uploads still indexing count too: parallel uploads cannot pass the quota together
             stored = self._text_bytes.get(tenant, 0) + self._uploading.get(tenant, 0)
             try:
-                self.quotas.check_upload(tenant, stored, adding_text, max(known) if known else None)
+                self.quotas.check_upload(tenant, stored, adding_text, stored_bytes)
             except QuotaError as e:
                 raise ApiError(e.status, str(e)) from e
             self._uploading[tenant] = self._uploading.get(tenant, 0) + adding_text
@@ -216,7 +213,7 @@ class ServerState:
             self.metrics.observe_generation(stats, how)
 
     def tier_counts(self) -> dict[str, tuple[int, int, int]]:
-        return {name: (s.hits, s.misses, s.errors) for name, s in self.base.store.stats().items()}
+        return {name: (s.hits, s.misses, s.errors) for name, s in self.base.tier_stats().items()}
 
     def close(self) -> None:
         self.scheduler.stop(self.settings.drain_s)

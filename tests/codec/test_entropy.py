@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ragkv.codec import read_header
-from ragkv.codec.cachegen import LEVELS, _quantize, _sigma
+from ragkv.codec.cachegen import LEVELS, channel_sigma, quantize
 from tests.codec.conftest import KVFactory, encoded
 
 
@@ -28,7 +28,7 @@ def test_stream_sizes_track_the_symbol_entropy(make_kv: KVFactory) -> None:
         for x, rel, per_layer in ((kv.keys, schedule.key_steps, True), (kv.values, schedule.value_steps, False)):
             mult = torch.tensor([rel[schedule.group(i, layers)] for i in range(layers)]).view(-1, 1, 1, 1)
             y = x[:, :, 1:].float()
-            _, _, q = _quantize(y, _sigma(y, per_layer) * mult, factor)
+            _, _, q = quantize(y, channel_sigma(y, per_layer) * mult, factor)
             ideal += [_entropy_bytes(q[i]) for i in range(layers)]
         for got, want in zip(coded, ideal, strict=True):
             # zstd frame + Huffman table overhead is tens of bytes; a broken table or layout

@@ -11,7 +11,7 @@ import torch
 
 from ragkv.codec import decode, encode, read_header
 from ragkv.codec.bitstream import pack, unpack
-from ragkv.codec.cachegen import _STEPS, CacheGenCodec
+from ragkv.codec.cachegen import STEPS, CacheGenCodec
 from ragkv.codec.calibrate import calibrate, layer_savings, step_scales
 from ragkv.codec.transform import ChannelTransform, load_transform, transform_blob, transform_key
 from ragkv.errors import CodecError
@@ -95,7 +95,7 @@ def test_coding_in_the_transform_stays_within_half_a_step(make_kv: KVFactory, se
     z_hat = CacheGenCodec().decode(header, sections, torch.device("cpu"), torch.float32)
     z = t.forward(kv.keys, kv.values, kv.positions)
     layers, heads, tokens, head_dim = SHAPE
-    codes = torch.from_numpy(_STEPS[bytearray(_tables(sections[1], 2 * layers * heads * head_dim))].copy())
+    codes = torch.from_numpy(STEPS[bytearray(_tables(sections[1], 2 * layers * heads * head_dim))].copy())
     step = codes.view(2, layers, heads, 1, head_dim)
     for kind in range(2):
         err = (z_hat[kind][:, :, 1:] - z[kind][:, :, 1:]).abs()

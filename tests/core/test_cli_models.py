@@ -60,12 +60,12 @@ def test_models_prune_by_name_by_size_and_all(monkeypatch, capsys, cache):
 
 def test_ragkv_model_names_the_model_once(monkeypatch):
     from ragkv.engine import EngineConfig
-    from ragkv.model.loading import DEFAULT_MODEL, default_model
+    from ragkv.model.loading import DEFAULT_MODEL
 
     monkeypatch.delenv("RAGKV_MODEL", raising=False)
-    assert EngineConfig.from_env().model == DEFAULT_MODEL == default_model()
+    assert EngineConfig.from_env().model == DEFAULT_MODEL
     monkeypatch.setenv("RAGKV_MODEL", "/models/qwen.gguf")
-    assert EngineConfig.from_env().model == "/models/qwen.gguf" == default_model()
+    assert EngineConfig.from_env().model == "/models/qwen.gguf"
     assert EngineConfig.from_env(model="other").model == "other"  # an option beats the variable
 
 

@@ -149,7 +149,7 @@ class Consistency(RuleBasedStateMachine):
         live = {c.token_ids for c in catalog.chunks_by_rows(rows, "default")}
         codecs = rag.config.retriever.stored_codecs
         for ids in live:  # every committed chunk's cache is in the lasting tier
-            assert all(rag.store.persisted(rag.retriever.chunk_key(ids, s).storage_key) for s in codecs)
+            assert all(rag.store.persisted(rag.retriever.computer.chunk_key(ids, s).storage_key) for s in codecs)
         pending = {e.storage_key for e in catalog.pending_entries("default")}
         for entry in catalog.entries("default"):  # a recorded entry's blob is stored (or pending deletion)
             assert entry.storage_key in pending or rag.store.tiers[1].contains(entry.storage_key)
@@ -163,7 +163,7 @@ class Consistency(RuleBasedStateMachine):
         for source in self.removed:
             for ids in set(self.seen.get(source, ())) - live:
                 for spec in rag.config.retriever.stored_codecs:
-                    key = rag.retriever.chunk_key(ids, spec).storage_key
+                    key = rag.retriever.computer.chunk_key(ids, spec).storage_key
                     assert key not in stored or key in pending, (source, key)
         assert {c.source for c in rag.retrieve("water trees time wind", k=8)} <= set(self.indexed)
 

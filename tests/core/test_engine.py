@@ -74,7 +74,7 @@ def test_damaged_entry_is_a_miss_then_recomputed(tmp_path, llama_adapter):
         rag.index(DOCS, progress=False)
         chunks = rag.retrieve("apples orchards")
         clean = rag.answer("apples?", chunks=chunks, generation=GEN)
-        key = rag.retriever.chunk_key(chunks[0].token_ids, rag.config.retriever.codec).storage_key
+        key = rag.retriever.computer.chunk_key(chunks[0].token_ids, rag.config.retriever.codec).storage_key
         blob = bytearray(rag.store.get(key))
         blob[len(blob) // 2] ^= 0xFF
         rag.store.invalidate(key)
@@ -135,24 +135,24 @@ def test_loading_many_chunks_equals_loading_each(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
         a, b, c = _chunk_ids(rag)
         # one damaged entry among hits: a miss, recomputed and stored; the others hits
-        key = rag.retriever.chunk_key(b, rag.config.retriever.codec).storage_key
+        key = rag.retriever.computer.chunk_key(b, rag.config.retriever.codec).storage_key
         blob = bytearray(rag.store.get(key))
         blob[-9] ^= 0xFF
         rag.store.invalidate(key)
         rag.store.put(key, bytes(blob))
-        many = rag.retriever.load_many([a, b, c, b])
+        many = rag.retriever.loader.load_many([a, b, c, b])
         # the repeat of b reuses the cache computed for its first occurrence: nothing to prefill
         assert [m.hit for m in many] == [True, False, True, True]
-        one_by_one = [rag.retriever.load(t) for t in (a, b, c, b)]
+        one_by_one = [rag.retriever.loader.load(t) for t in (a, b, c, b)]
         assert all(o.hit for o in one_by_one)  # the damaged entry was replaced
         assert [m.nbytes for m in many] == [o.nbytes for o in one_by_one[:3]] + [0]  # the repeat reads nothing
         for i in (0, 2):  # hits: decoded from the same blobs
             assert torch.equal(many[i].kv.keys, one_by_one[i].kv.keys)
             assert torch.equal(many[i].kv.values, one_by_one[i].kv.values)
-        exact = llama_adapter.prefill_kv(b, past=[rag.retriever.prefix_kv()])  # the miss: computed now
+        exact = llama_adapter.prefill_kv(b, past=[rag.retriever.computer.prefix_kv()])  # the miss: computed now
         assert torch.equal(many[1].kv.keys, exact.keys) and torch.equal(many[1].kv.values, exact.values)
         assert many[3].kv is many[1].kv
-        assert rag.retriever.load_many([]) == []
+        assert rag.retriever.loader.load_many([]) == []
 
 
 def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, monkeypatch):
@@ -161,7 +161,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
     with _engine(tmp_path, llama_adapter) as rag:
         ids = _chunk_ids(rag)
         assert len(ids) >= 3
-        last_key = rag.retriever.chunk_key(ids[-1], rag.config.retriever.codec).storage_key
+        last_key = rag.retriever.computer.chunk_key(ids[-1], rag.config.retriever.codec).storage_key
         first_decoded = threading.Event()
         waited: list[bool] = []
         get, decode = rag.store.get, rag.retriever.loader._decode
@@ -178,7 +178,7 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
 
         monkeypatch.setattr(rag.store, "get", slow_get)
         monkeypatch.setattr(rag.retriever.loader, "_decode", spy_decode)
-        loaded = rag.retriever.load_many(ids)
+        loaded = rag.retriever.loader.load_many(ids)
         assert waited == [True] and all(x.hit for x in loaded)
 
 
@@ -231,13 +231,18 @@ def test_config_nests_component_records_and_validates_tenant(tmp_path):
     assert "sssss" not in repr(EngineConfig(data_dir=tmp_path, store_secret=b"s" * 32))  # never logged
 
 
-@pytest.mark.parametrize("method", ["craft", "craft_query"])
-def test_a_fusion_method_the_engine_cannot_feed_is_refused_when_the_config_is_built(method):
+def test_a_fusion_method_the_engine_cannot_feed_is_refused_when_the_config_is_built(monkeypatch):
+    from ragkv import selection
     from ragkv.engine import EngineConfig
     from ragkv.fusion import FusionConfig
 
+    class Stored(selection.Strategy):  # ranks by deviation recorded at index time, as experiments/craft.py's
+        name = "stored"
+        wants_stored_scores = True
+
+    monkeypatch.setitem(selection._REGISTRY, "stored", Stored)
     with pytest.raises(ValueError, match="index time.*query_focus"):
-        EngineConfig(fusion=FusionConfig(method=method))
+        EngineConfig(fusion=FusionConfig(method="stored"))
 
 
 def test_engine_config_repr_never_shows_a_password(tmp_path):

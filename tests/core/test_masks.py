@@ -84,7 +84,7 @@ def test_the_question_probe_reads_a_causal_bias_as_lower_right(llama_adapter, mo
     """The probe's own eager attention takes the bias the way SDPA does: the same question weights."""
     a = llama_adapter
     *_, inp = _prompt(a)
-    config = FusionConfig(method="query_attn", ratio=0.3)
+    config = FusionConfig(method="query_focus", ratio=0.3)
     want = fuse(a, inp, config).selected
     monkeypatch.setattr(a, "_lower_right_bias_is_free", lambda: True)
     with warnings.catch_warnings():

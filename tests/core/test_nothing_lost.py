@@ -48,7 +48,7 @@ def test_a_document_is_not_committed_when_only_the_memory_tier_took_its_caches(t
 def _apples(rag: RagKV, source: str = DOCS[0].source) -> tuple[list, set[str]]:
     """The apples document's chunks (as a request retrieves them) and every storage key of them."""
     chunks = list(rag.catalog.document_chunks(source, "default").values())
-    keys = {rag.retriever.chunk_key(c.token_ids, spec).storage_key for c in chunks for spec in
+    keys = {rag.retriever.computer.chunk_key(c.token_ids, spec).storage_key for c in chunks for spec in
             rag.config.retriever.stored_codecs}  # fmt: skip
     return chunks, keys
 
@@ -135,7 +135,7 @@ def test_check_reports_and_repairs_what_disagrees(tmp_path, llama_adapter, monke
         chunks, keys = _apples(rag)
         lost = sorted(keys)[0]
         rag.store.invalidate(lost)  # a lost cache: the document is committed without it
-        ghost = rag.retriever.chunk_key((1, 2, 3), rag.config.retriever.codec)
+        ghost = rag.retriever.computer.chunk_key((1, 2, 3), rag.config.retriever.codec)
         rag.catalog.record_entry(ghost.storage_key, tenant="default", tokens_digest=ghost.tokens_digest,
                                  codec="cachegen", level=0, nbytes=10, num_tokens=3)  # fmt: skip
         disk = rag.store.tiers[1]

@@ -139,8 +139,8 @@ def test_remove_reaches_the_device_tier(tmp_path, llama_adapter):
         assert before
         rag.remove("mem:apples")
         after = set(rag.device_tier.keys())
-        keys = {rag.retriever.chunk_key(c.token_ids, rag.retriever.config.codec).storage_key for c in res.sources
-                if c.source == "mem:apples"}  # fmt: skip
+        key, codec = rag.retriever.computer.chunk_key, rag.retriever.config.codec
+        keys = {key(c.token_ids, codec).storage_key for c in res.sources if c.source == "mem:apples"}
         assert keys and keys <= before and not keys & after
 
 

@@ -10,6 +10,7 @@ import torch
 
 from ragkv.generation import GenerationConfig
 from ragkv.integrations import _bridge
+from ragkv.prompt import render_chat, render_completion
 from tests.integrations.conftest import DOCS, GEN, make_engine
 
 QUESTION = [{"role": "user", "content": "Where do apples grow?"}]
@@ -27,7 +28,7 @@ def hf_greedy(adapter, prompt: str, max_new_tokens: int) -> str:
 def test_prompt_without_known_chunks_generates_like_the_plain_model(indexed_rag):
     tok = indexed_rag.adapter.tokenizer
     _bridge.registry(indexed_rag).add([c.text for c in indexed_rag.retrieve("apples", 3)])
-    prompt = _bridge.render_chat(tok, [{"role": "user", "content": "Tell me about rivers and mountains."}])
+    prompt = render_chat(tok, [{"role": "user", "content": "Tell me about rivers and mountains."}])
     out = list(_bridge.stream(indexed_rag, prompt, GenerationConfig(max_new_tokens=8)))
     stats = out[-1][1]
     assert stats.cache_hits == stats.cache_misses == stats.extra["chunks_in_prompt"] == 0
@@ -38,7 +39,7 @@ def test_registered_chunks_are_loaded_from_the_index(indexed_rag):
     chunks = indexed_rag.retrieve("apples orchards", 2)
     _bridge.registry(indexed_rag).add([c.text for c in chunks])
     context = "\n\n".join(c.text for c in chunks)
-    prompt = _bridge.render_chat(
+    prompt = render_chat(
         indexed_rag.adapter.tokenizer, [{"role": "user", "content": f"Context:\n{context}\n\nQuestion: where?"}]
     )
     *_, (_, stats) = _bridge.stream(indexed_rag, prompt, GEN)
@@ -51,7 +52,7 @@ def test_warm_computes_missing_caches_once_and_registers(rag):
     assert _bridge.warm(rag, texts) == 2
     assert _bridge.warm(rag, texts) == 0
     assert all(t in _bridge.registry(rag) for t in texts)
-    prompt = _bridge.render_chat(rag.adapter.tokenizer, [{"role": "user", "content": "\n\n".join(texts) + "\n\nQ?"}])
+    prompt = rag.render_chat([{"role": "user", "content": "\n\n".join(texts) + "\n\nQ?"}])
     *_, (_, stats) = _bridge.stream(rag, prompt, GEN)
     assert stats.cache_hits == 2 and stats.prefilled_chunk_tokens == 0
 
@@ -70,16 +71,16 @@ def test_empty_prompt_is_refused(rag):
 
 
 def test_render_chat_uses_the_template_or_a_plain_transcript(tiny_tokenizer):
-    rendered = _bridge.render_chat(tiny_tokenizer, QUESTION)
+    rendered = render_chat(tiny_tokenizer, QUESTION)
     assert rendered == "<|im_start|>user\nWhere do apples grow?<|im_end|>\n<|im_start|>assistant\n"
 
     class NoTemplate:
         chat_template = None
 
-    assert _bridge.render_chat(NoTemplate(), QUESTION) == "user: Where do apples grow?\nassistant:"
-    assert _bridge.render_completion(tiny_tokenizer, "hi", chat_template=False) == "hi"
+    assert render_chat(NoTemplate(), QUESTION) == "user: Where do apples grow?\nassistant:"
+    assert render_completion(tiny_tokenizer, "hi", chat_template=False) == "hi"
     with pytest.raises(ValueError, match="at least one"):
-        _bridge.render_chat(tiny_tokenizer, [])
+        render_chat(tiny_tokenizer, [])
 
 
 def test_summarize_sums_counters_and_keeps_the_first_ttft():

@@ -81,7 +81,7 @@ def test_documents_from_elsewhere_are_plain_until_registered(rag):
     model = ChatRagKV(engine=rag, max_tokens=MAX_NEW)
     before = model.invoke(msgs)
     assert before.response_metadata[_bridge.STATS_KEY]["chunks_in_prompt"] == 0
-    prompt = _bridge.render_chat(rag.adapter.tokenizer, [{"role": "user", "content": msgs[0].content}])
+    prompt = rag.render_chat([{"role": "user", "content": msgs[0].content}])
     assert before.content == plain_text(rag, prompt, MAX_NEW)
     register_texts(rag, texts)
     first = model.invoke(msgs).response_metadata[_bridge.STATS_KEY]
@@ -158,7 +158,7 @@ def test_text_llm_raw_and_templated(rag):
     raw = RagKVLLM(engine=rag, max_tokens=MAX_NEW, chat_template=False)
     prompt = "Tell me about rivers."
     assert raw.invoke(prompt) == plain_text(rag, prompt, MAX_NEW)
-    rendered = _bridge.render_completion(rag.adapter.tokenizer, prompt, chat_template=True)
+    rendered = rag.render_completion(prompt, chat_template=True)
     assert templated.invoke(prompt) == plain_text(rag, rendered, MAX_NEW)
     assert "".join(templated.stream(prompt)) == templated.invoke(prompt)
 

@@ -181,7 +181,7 @@ def test_prompt_without_known_chunks_is_the_plain_model(rag, llm):
     prompt = "Tell me about rivers and mountains."
     got = llm.complete(prompt)
     assert got.additional_kwargs[_bridge.STATS_KEY]["chunks_in_prompt"] == 0
-    rendered = _bridge.render_completion(rag.adapter.tokenizer, prompt, chat_template=True)
+    rendered = rag.render_completion(prompt, chat_template=True)
     assert got.text == plain_text(rag, rendered, MAX_NEW)
     raw = llm.complete(prompt, formatted=True)  # formatted: the prompt is used as is
     assert raw.text == plain_text(rag, prompt, MAX_NEW)

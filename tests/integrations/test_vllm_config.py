@@ -98,8 +98,8 @@ def test_connector_keys_digest_the_stored_transform_and_decode_as_ragkv_does(ind
     for span in plan.spans:
         key = side.key(span.chunk)
         assert key.transform_digest == held.digest
-        assert key.storage_key == indexed.retriever.chunk_key(span.chunk.stored_ids, LEVEL1).storage_key
-        got, want = side.load(span.chunk), indexed.retriever.load(span.chunk.stored_ids)
+        assert key.storage_key == indexed.retriever.computer.chunk_key(span.chunk.stored_ids, LEVEL1).storage_key
+        got, want = side.load(span.chunk), indexed.retriever.loader.load(span.chunk.stored_ids)
         assert got is not None and want.hit
         assert torch.equal(got.keys, want.kv.keys) and torch.equal(got.values, want.kv.values)
     # without the transform setting its keys are not the indexer's: every chunk a miss, vLLM computes
@@ -137,7 +137,7 @@ def test_a_chunk_saved_back_is_coded_in_the_stored_transform_and_loads_in_ragkv(
     assert held is not None
     side = _side(indexed)
     ids, stored = _prompt(indexed)
-    key = indexed.retriever.chunk_key(stored[0], LEVEL1)
+    key = indexed.retriever.computer.chunk_key(stored[0], LEVEL1)
     indexed.store.invalidate(key.storage_key)  # evicted: vLLM computes the first chunk ...
     assert side.plan(ids, 0, 16) is None
     span = side.saveable(ids)  # ... and the connector stores it from vLLM's K/V
@@ -146,8 +146,8 @@ def test_a_chunk_saved_back_is_coded_in_the_stored_transform_and_loads_in_ragkv(
     (entry,) = side.save_chunk(ids, span, kv.keys, kv.values)
     assert entry.storage_key == key.storage_key
     assert read_header(indexed.store.get(key.storage_key)).params["transform"] == held.digest
-    loaded = indexed.retriever.load(stored[0])
-    exact = indexed.adapter.prefill_kv(stored[0], past=[indexed.retriever.prefix_kv()])
+    loaded = indexed.retriever.loader.load(stored[0])
+    exact = indexed.adapter.prefill_kv(stored[0], past=[indexed.retriever.computer.prefix_kv()])
     assert loaded.hit and _rel(loaded.kv.keys, exact.keys) < 0.1 and _rel(loaded.kv.values, exact.values) < 0.1
 
 

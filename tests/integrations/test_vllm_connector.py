@@ -283,7 +283,7 @@ def test_chunk_saved_back_from_vllms_kv_loads_in_ragkv_and_fuses_the_same(tmp_pa
         r.layout.prefix + "".join(r.layout.chunk_text(c.text) for c in chunks) + r.layout.suffix_text(question)
     )
     first = r.chunk_token_ids(chunks[0].text)
-    keys = [r.chunk_key(first, spec).storage_key for spec in r.config.stored_codecs]
+    keys = [r.computer.chunk_key(first, spec).storage_key for spec in r.config.stored_codecs]
     indexed = {k: engine.store.get(k) for k in keys}
     reference = engine.answer(question, chunks=chunks, generation=GEN)
     before = r.loader.load(first).kv
@@ -433,7 +433,7 @@ def vllm_rig(tmp_path_factory):
     prompt = layout.prefix + "".join(layout.chunk_text(c.text) for c in chunks) + layout.suffix_text(question)
     ids = engine.adapter.encode(prompt)
     first_chunk = engine.retriever.chunk_token_ids(chunks[0].text)
-    first_key = engine.retriever.chunk_key(first_chunk, engine.config.retriever.codec).storage_key
+    first_key = engine.retriever.computer.chunk_key(first_chunk, engine.config.retriever.codec).storage_key
     transfer = KVTransferConfig(
         kv_connector="RagkvConnector",
         kv_role="kv_both",
@@ -615,7 +615,7 @@ def test_chunk_vllm_computes_is_saved_back_and_then_served(vllm_rig):
     question = vllm_rig["question"]
     chunks = engine.retrieve(question)
     first = r.chunk_token_ids(chunks[0].text)
-    keys = [r.chunk_key(first, spec).storage_key for spec in r.config.stored_codecs]
+    keys = [r.computer.chunk_key(first, spec).storage_key for spec in r.config.stored_codecs]
     indexed = r.loader.load(first).kv
     gen = GenerationConfig(max_new_tokens=12)
     reference = engine.answer(question, chunks=chunks, generation=gen)

@@ -127,7 +127,7 @@ def test_the_engine_answers_on_the_device(tmp_path, cuda_adapter):
     with _engine(tmp_path, cuda_adapter, fusion=FusionConfig(method="full")) as rag:
         rag.index(DOCS, progress=False)
         chunks = rag.retrieve("boats and sails")
-        loaded = rag.retriever.load(chunks[0].token_ids)
+        loaded = rag.retriever.loader.load(chunks[0].token_ids)
         assert loaded.kv.keys.is_cuda and loaded.kv.keys.dtype == cuda_adapter.dtype
         reuse = rag.answer("What do sails do?", chunks=chunks, generation=GEN)
         assert reuse.stats.cache_hits == len(chunks) and reuse.stats.bytes_loaded > 0

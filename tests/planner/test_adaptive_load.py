@@ -137,7 +137,7 @@ def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_
     with _engine(tmp_path, llama_adapter) as rag:
         retriever = rag.retriever
         segments = [c.token_ids for c in _three_chunks(rag)]
-        keys = [retriever.chunk_key(s, LEVELS[1]).storage_key for s in segments]
+        keys = [retriever.computer.chunk_key(s, LEVELS[1]).storage_key for s in segments]
         found = retriever.catalog.entry_sizes(keys)
         chunks = [ChunkOptions(len(s), {LEVELS[1]: found[k]}) for s, k in zip(segments, keys, strict=True)]
         # estimates only: prefill 1 token/s, and a link on which each level-3 read takes at most 0.9 of
@@ -169,7 +169,7 @@ def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_
         monkeypatch.setattr(tier, "_get", reading)
         monkeypatch.setattr(retriever.adapter, "prefill_kv", prefilling)
         plan = LoadPlanning(LoadConfig(slo_ms=1), estimates, time.perf_counter() + (overlap_s + level3_s) / 2)
-        loaded, report = retriever.load_planned(segments, plan)
+        loaded, report = retriever.loader.load_planned(segments, plan)
         monkeypatch.undo()
         assert report is not None
         choices = report["choices"]
@@ -177,7 +177,7 @@ def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_
         assert overlapped == [True] * choices.count("local")
         first = loaded[0]
         assert first.local and not first.hit and not first.recompute and first.nbytes == 0
-        fresh = retriever.adapter.prefill_kv(segments[0], past=[retriever.prefix_kv()])
+        fresh = retriever.adapter.prefill_kv(segments[0], past=[retriever.computer.prefix_kv()])
         assert torch.equal(first.kv.keys, fresh.keys) and torch.equal(first.kv.values, fresh.values)
         assert torch.equal(first.kv.positions, fresh.positions)
         assert loaded[1].hit and not loaded[1].local

@@ -135,7 +135,7 @@ def test_a_lost_cache_entry_is_stored_again_on_reindex(make: Make) -> None:
     retriever = make()
     retriever.index_documents(DOCS, progress=False)
     [chunk] = retriever.retrieve("clocks", k=1)
-    key = retriever.chunk_key(chunk.token_ids, CONFIG.codec).storage_key
+    key = retriever.computer.chunk_key(chunk.token_ids, CONFIG.codec).storage_key
     assert retriever.store.invalidate(key)
     report = retriever.index_documents(DOCS, progress=False)
     assert report.unchanged == 2 and report.computed == 1

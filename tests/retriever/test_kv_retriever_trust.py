@@ -57,7 +57,7 @@ def test_swapped_blobs_of_same_length_chunks_are_misses(tmp_path, llama_adapter)
         apples, boats = _chunks(rag)
         clean = rag.answer(QUESTION, chunks=[apples, boats], generation=GEN)
         assert clean.stats.cache_hits == 2
-        key_a, key_b = (rag.retriever.chunk_key(c.token_ids, CACHEGEN).storage_key for c in (apples, boats))
+        key_a, key_b = (rag.retriever.computer.chunk_key(c.token_ids, CACHEGEN).storage_key for c in (apples, boats))
         blob_a, blob_b = rag.store.get(key_a), rag.store.get(key_b)
         _replace(rag, key_a, blob_b)
         _replace(rag, key_b, blob_a)
@@ -72,13 +72,13 @@ def test_swapped_blobs_of_same_length_chunks_are_misses(tmp_path, llama_adapter)
 def test_another_tenants_blob_under_this_tenants_key_is_a_miss(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter, tenant="tenant-a") as rag:
         apples_a, _ = _chunks(rag)
-        foreign = rag.store.get(rag.retriever.chunk_key(apples_a.token_ids, CACHEGEN).storage_key)
+        foreign = rag.store.get(rag.retriever.computer.chunk_key(apples_a.token_ids, CACHEGEN).storage_key)
     with _engine(tmp_path, llama_adapter, tenant="tenant-b") as rag:
         apples, boats = _chunks(rag)
         clean = rag.answer(QUESTION, chunks=[apples, boats], generation=GEN)
         # tenant a's apples cache planted under tenant b's key for boats (same length, so the
         # token count cannot tell them apart)
-        _replace(rag, rag.retriever.chunk_key(boats.token_ids, CACHEGEN).storage_key, foreign)
+        _replace(rag, rag.retriever.computer.chunk_key(boats.token_ids, CACHEGEN).storage_key, foreign)
         planted = rag.answer(QUESTION, chunks=[apples, boats], generation=GEN)
         assert planted.stats.cache_misses == 1 and planted.stats.cache_hits == 1
         assert planted.text == clean.text and planted.stats.generated_tokens == clean.stats.generated_tokens
@@ -88,9 +88,9 @@ def test_an_int4_blob_under_the_cachegen_key_is_a_miss(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
         apples, boats = _chunks(rag)
         clean = rag.answer(QUESTION, chunks=[apples, boats], generation=GEN)
-        int4 = rag.store.get(rag.retriever.chunk_key(apples.token_ids, INT4).storage_key)
+        int4 = rag.store.get(rag.retriever.computer.chunk_key(apples.token_ids, INT4).storage_key)
         assert int4 is not None  # stored at index time
-        _replace(rag, rag.retriever.chunk_key(apples.token_ids, CACHEGEN).storage_key, int4)
+        _replace(rag, rag.retriever.computer.chunk_key(apples.token_ids, CACHEGEN).storage_key, int4)
         planted = rag.answer(QUESTION, chunks=[apples, boats], generation=GEN)
         assert planted.stats.cache_misses == 1 and planted.stats.cache_hits == 1
         assert planted.text == clean.text and planted.stats.generated_tokens == clean.stats.generated_tokens
@@ -115,9 +115,9 @@ def test_a_blob_for_another_token_count_is_a_miss(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
         apples, _ = _chunks(rag)
         other = list(apples.token_ids[:7])
-        rag.retriever.load(other)  # computed and stored under its own key
-        blob = rag.store.get(rag.retriever.chunk_key(other, CACHEGEN).storage_key)
-        key = rag.retriever.chunk_key(apples.token_ids, CACHEGEN).storage_key
+        rag.retriever.loader.load(other)  # computed and stored under its own key
+        blob = rag.store.get(rag.retriever.computer.chunk_key(other, CACHEGEN).storage_key)
+        key = rag.retriever.computer.chunk_key(apples.token_ids, CACHEGEN).storage_key
         _replace(rag, key, blob)
-        loaded = rag.retriever.load(apples.token_ids)
+        loaded = rag.retriever.loader.load(apples.token_ids)
         assert not loaded.hit and loaded.kv.num_tokens == len(apples.token_ids)

@@ -172,7 +172,7 @@ def test_an_actor_killed_midway_loses_no_chunk(ray_session, model_dir, tmp_path,
                 yield item
 
         keys = {
-            rag.retriever.chunk_key(token_ids, codec).storage_key
+            rag.retriever.computer.chunk_key(token_ids, codec).storage_key
             for token_ids in rag.retriever.plan_index(DOCS).work
             for codec in RETRIEVER.stored_codecs
         }

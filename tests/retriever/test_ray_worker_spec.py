@@ -62,6 +62,6 @@ def test_a_worker_codes_chunks_in_the_transform_the_driver_stored(model_dir, tmp
         assert spec.transform == rag.retriever.config.transform
         worker = ChunkWorker(spec)
         ids = (5, 6, 7, 8, 9, 10)
-        assert worker.computer.chunk_key(ids, level1) == rag.retriever.chunk_key(ids, level1)
+        assert worker.computer.chunk_key(ids, level1) == rag.retriever.computer.chunk_key(ids, level1)
         mine = worker.computer.transforms.current()
         assert mine is not None and mine.digest == rag.retriever.computer.transforms.current().digest

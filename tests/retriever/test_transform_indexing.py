@@ -97,7 +97,7 @@ def test_indexing_calibrates_once_stores_the_transform_and_codes_chunks_in_it(tm
         assert transform is not None and bool(transform.step_scales) == sensitivity  # steps from measured KL
         assert transform.model_fingerprint == llama_adapter.fingerprint
         for chunk in _chunks(rag):
-            key = rag.retriever.chunk_key(chunk.token_ids, LEVEL1)
+            key = rag.retriever.computer.chunk_key(chunk.token_ids, LEVEL1)
             assert key.transform_digest == transform.digest
             header = read_header(rag.store.get(key.storage_key))
             assert header.params["transform"] == transform.digest
@@ -112,7 +112,7 @@ def test_transform_off_and_level_0_store_plain_chunks_under_the_old_keys(tmp_pat
         with _engine(tmp_path / sub, llama_adapter, transform=transform, codec=codec) as rag:
             rag.index(DOCS, progress=False)
             assert _stored_transform(rag) is None  # nothing calibrated
-            key = rag.retriever.chunk_key(_chunks(rag)[0].token_ids, codec)
+            key = rag.retriever.computer.chunk_key(_chunks(rag)[0].token_ids, codec)
             assert key.transform_digest == ""
             assert "transform" not in read_header(rag.store.get(key.storage_key)).params
 
@@ -127,11 +127,11 @@ def test_answers_match_transform_off_exactly_at_full_recompute_and_closely_by_de
             default = rag.answer(QUESTION, chunks=chunks, generation=GEN)
             assert default.stats.cache_hits == 3 and default.stats.cache_misses == 0
             answers[name] = (full.text, default.text)
-            prefix = rag.retriever.prefix_kv()
+            prefix = rag.retriever.computer.prefix_kv()
             err = 0.0
             for c in chunks:
                 exact = llama_adapter.prefill_kv(c.token_ids, past=[prefix])
-                loaded = rag.retriever.load(c.token_ids)
+                loaded = rag.retriever.loader.load(c.token_ids)
                 assert loaded.hit
                 for got, want in ((loaded.kv.keys, exact.keys), (loaded.kv.values, exact.values)):
                     err = max(err, float((got.float() - want.float()).pow(2).mean() / want.float().pow(2).mean()))
@@ -169,14 +169,14 @@ def test_a_bad_transform_entry_makes_its_chunks_misses_recomputed_and_stored_aga
     assert old is not None
     with _engine(tmp_path, llama_adapter) as rag:  # a new process: its transform comes from the store
         ids = [c.token_ids for c in chunks]
-        assert [got.hit for got in rag.retriever.load_many(ids)] == [False, False]  # recomputed and stored
+        assert [got.hit for got in rag.retriever.loader.load_many(ids)] == [False, False]  # recomputed and stored
         new = _stored_transform(rag)  # recalibrated from the chunks at hand, and stored
         assert new is not None and new.digest != old.digest
         assert rag.retriever.computer.transforms.current().digest == new.digest
-        assert [got.hit for got in rag.retriever.load_many(ids)] == [True, True]
+        assert [got.hit for got in rag.retriever.loader.load_many(ids)] == [True, True]
         assert rag.answer(QUESTION, chunks=chunks, generation=GEN, fusion=full).text == clean
         for c in chunks:
-            key = rag.retriever.chunk_key(c.token_ids, LEVEL1)
+            key = rag.retriever.computer.chunk_key(c.token_ids, LEVEL1)
             assert key.transform_digest == new.digest
             assert read_header(rag.store.get(key.storage_key)).params["transform"] == new.digest
 
@@ -190,14 +190,14 @@ def test_a_chunk_coded_in_another_transform_is_never_decoded(tmp_path, llama_ada
         mine = source.current()
         layers = mine.shape[0]
         theirs = dataclasses.replace(mine, step_scales=((1.5,) * layers, (1.0,) * layers))  # another one, same model
-        key = rag.retriever.chunk_key(chunk.token_ids, LEVEL1)
-        exact = llama_adapter.prefill_kv(chunk.token_ids, past=[rag.retriever.prefix_kv()])
+        key = rag.retriever.computer.chunk_key(chunk.token_ids, LEVEL1)
+        exact = llama_adapter.prefill_kv(chunk.token_ids, past=[rag.retriever.computer.prefix_kv()])
         from ragkv import codec
 
         foreign = codec.encode(exact, LEVEL1, key=key.storage_key, transform=theirs).data
         rag.store.invalidate(key.storage_key)
         rag.store.put(key.storage_key, foreign)
-        loaded = rag.retriever.load(chunk.token_ids)
+        loaded = rag.retriever.loader.load(chunk.token_ids)
         assert not loaded.hit  # refused, recomputed, stored again in this process's transform
         assert read_header(rag.store.get(key.storage_key)).params["transform"] == source.current().digest
         assert torch.equal(loaded.kv.keys, exact.keys)
@@ -205,7 +205,7 @@ def test_a_chunk_coded_in_another_transform_is_never_decoded(tmp_path, llama_ada
 
 def test_keys_made_before_any_transform_exists_always_miss(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
-        key = rag.retriever.chunk_key((1, 2, 3), LEVEL1)  # nothing indexed: no transform yet
+        key = rag.retriever.computer.chunk_key((1, 2, 3), LEVEL1)  # nothing indexed: no transform yet
         assert key.transform_digest == UNCALIBRATED and not rag.store.contains(key.storage_key)
 
 
@@ -221,5 +221,5 @@ def test_with_a_store_secret_an_unsigned_transform_entry_is_a_miss(tmp_path, lla
         rag.store.invalidate(key)
         rag.store.put(key, transform_blob(sound, key=key))  # the same transform, unsigned
     with _engine(tmp_path, llama_adapter, store_secret=secret) as rag:
-        assert [got.hit for got in rag.retriever.load_many([c.token_ids for c in chunks])] == [False, False]
+        assert [got.hit for got in rag.retriever.loader.load_many([c.token_ids for c in chunks])] == [False, False]
         assert rag.retriever.computer.transforms.current().digest != sound.digest
