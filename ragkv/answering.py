@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +24,6 @@ import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
 from ragkv.generation import GenerationConfig, decode_loop, stream_text
-from ragkv.model.batch import riding_tokens
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, GenerationStats
@@ -32,12 +31,14 @@ from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, Generation
 if TYPE_CHECKING:
     from ragkv.config import EngineConfig
     from ragkv.model import ModelAdapter
+    from ragkv.model.batch import Rider
     from ragkv.model.decode import StaticDecoder
     from ragkv.retriever.kv_retriever import KVRetriever
 
-__all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts"]
+__all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts", "Riders"]
 
 PREFIX_LRU = 8  # framework prompt prefixes kept (their templates repeat one on every call)
+Riders = Callable[[], "Rider | None"]  # asked before each prefill piece: the decode step that may ride on it
 
 
 class EngineParts(Protocol):
@@ -132,6 +133,7 @@ class AnswerPath:
         fusion: FusionConfig | None = None,
         step_tokens: int | None = None,
         started: float | None = None,
+        riders: Riders | None = None,
     ) -> Pieces[Prefilled]:
         """The prompt's cache and last logits, in pieces of about ``step_tokens`` tokens of work.
 
@@ -140,6 +142,8 @@ class AnswerPath:
         piece; ``"reuse"`` loads the chunk caches (first piece) and fuses them, pausing the
         recompute pass between layers (``ragkv.fusion.fuse_steps``). ``None``: one piece.
         ``started``: when the answer began (the load deadline counts from it; default now).
+        ``riders``: asked before each piece of a full prefill for a decode step to carry
+        (``ragkv.model.batch.Rider``; the scheduler's rows), None: none.
         """
         if mode not in ("reuse", "full"):
             raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
@@ -153,7 +157,7 @@ class AnswerPath:
         adapt_threads()  # another process may have taken a core since the last answer
         if mode == "full":
             stats.prefilled_chunk_tokens = prompt.cached_tokens
-            pieces = self._full_steps(ids, step_tokens)
+            pieces = self._full_steps(ids, step_tokens, riders)
         else:
             pieces = self._fused_steps(prompt, fusion, stats, t0, step_tokens)
         cache, logits = yield from self._locked(pieces, stats)
@@ -171,11 +175,14 @@ class AnswerPath:
         logits ``[suffix, vocab]`` (a bench compares them with full prefill's at every suffix position)."""
         return drain(self._fused_steps(prompt, fusion, stats, started))  # type: ignore[no-any-return]
 
-    def _full_steps(self, ids: list[int], step_tokens: int | None) -> Pieces[tuple[Any, torch.Tensor]]:
+    def _full_steps(
+        self, ids: list[int], step_tokens: int | None, riders: Riders | None
+    ) -> Pieces[tuple[Any, torch.Tensor]]:
         """A prefill from scratch, ``step_tokens`` tokens a piece; the last piece's last position gives the logits.
 
-        A piece's budget counts the decode rows riding on its forward pass (Sarathi-Serve's token
-        budget; ``ragkv.model.batch.riding_tokens``): with B rows riding, it runs ``step_tokens - B``
+        Each piece's forward pass carries the decode step ``riders()`` offers it, if any. A piece's
+        budget counts the rows riding (Sarathi-Serve's token budget; one per row the step runs,
+        ``DecodeBatch.step_rows``): with B rows riding, it runs ``step_tokens - B``
         prompt tokens (at least half the budget), so the pass keeps the size the budget names (on a
         CPU a matmul one row past a multiple of its blocking costs visibly more). Its own compute
         time (pauses excluded) feeds the engine's prefill speed estimate, unless rows rode on it.
@@ -185,19 +192,21 @@ class AnswerPath:
         n = max(1, len(ids))
         busy, start, carried = 0.0, 0, False
         while True:
-            riders = riding_tokens()
-            carried = carried or riders > 0
+            rider = riders() if riders is not None else None
+            rider = rider if rider is not None and rider.logits is None else None  # each step is carried once
+            rows = rider.batch.step_rows if rider is not None else 0
+            carried = carried or rows > 0
             # the rows riding take their share of the budget, never more than half of it
-            size = max(step_tokens - riders, (step_tokens + 1) // 2) if step_tokens else n
+            size = max(step_tokens - rows, (step_tokens + 1) // 2) if step_tokens else n
             if start + size >= n:
                 break
             began = time.perf_counter()
-            a.forward(ids[start : start + size], cache, start, logits="none")  # K/V only: no LM head
+            a.forward(ids[start : start + size], cache, start, logits="none", rider=rider)  # K/V only: no LM head
             busy += time.perf_counter() - began
             start += size
             yield
         began = time.perf_counter()
-        logits = a.forward(ids[start:], cache, start, logits="last")
+        logits = a.forward(ids[start:], cache, start, logits="last", rider=rider)
         if not carried:  # a pass that carried decode rows timed their work too: not this prefill's speed
             self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
             self.parts.save_rates_soon()

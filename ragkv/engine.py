@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ragkv.answering import AnswerPath, AnswerStream, Prefilled
+from ragkv.answering import AnswerPath, AnswerStream, Prefilled, Riders
 from ragkv.config import EngineConfig, default_data_dir
 from ragkv.fusion import FusionConfig, Pieces, drain
 from ragkv.generation import GenerationConfig
@@ -318,6 +318,7 @@ class RagKV:
         max_new_tokens: int = 0,
         fusion: FusionConfig | None = None,
         step_tokens: int | None = None,
+        riders: Riders | None = None,
     ) -> Pieces[Prefilled]:
         """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work, for a server that decodes
         between them (chunked prefill, as Sarathi-Serve does).
@@ -328,7 +329,8 @@ class RagKV:
         (``ragkv.fusion.fuse_steps``; loading the chunk caches is its first piece). ``None``: one
         piece. The result equals :meth:`prefill`'s (within the dtype's rounding: a chunk's queries
         attend over the cache written so far instead of one causal pass). Bad arguments raise at
-        the first ``next()``.
+        the first ``next()``. ``riders``: asked before each piece for a decode step that may ride
+        on its forward pass (``AnswerPath.prefill_steps``).
         """
         if (segments is None) == (rag is None):
             raise ValueError("pass either segments or rag=(chunk_texts, question)")
@@ -339,7 +341,12 @@ class RagKV:
             mode = mode if prompt.middle else "full"
         return (
             yield from self.answers.prefill_steps(
-                prompt, mode=mode, max_new_tokens=max_new_tokens, fusion=fusion, step_tokens=step_tokens
+                prompt,
+                mode=mode,
+                max_new_tokens=max_new_tokens,
+                fusion=fusion,
+                step_tokens=step_tokens,
+                riders=riders,
             )
         )
 

@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import torch
 from transformers.cache_utils import Cache
 
-from ragkv.model.attention import decode_step
+from ragkv.model.attention import DecodeWeights, Steer
 from ragkv.model.batch import _SlotCache, _SlotLayer
-from ragkv.model.caches import _layer_tensors, cache_kwarg
-from ragkv.model.quant import install, step_weights
+from ragkv.model.caches import _layer_tensors
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DECODE_WEIGHTS", "DecodeSession", "DecodeWeights", "StaticDecoder"]
 
-DecodeWeights = Literal["model", "int8", "int4"]
 DECODE_WEIGHTS: tuple[str, ...] = get_args(DecodeWeights)
 
 
@@ -46,14 +44,8 @@ class StaticDecoder:
             raise ValueError(f"decode weights must be one of {DECODE_WEIGHTS}, got {weights!r}")
         self.adapter = adapter
         self.weights = weights
-        inner = adapter.model.model
-        self._layers = list(inner.layers)
-        self._cache_kw = cache_kwarg(type(self._layers[0]))
-        if weights != "model":
-            if adapter.device.type != "cpu":
-                raise ValueError(f"{weights} decode weights use torch's CPU kernels; on {adapter.device} use 'model'")
-            added = install(adapter.model, weights)
-            logger.info("%s decode weights for %s: %.0f MB added", weights, adapter.name, added / 1e6)
+        self.steer = Steer(kind="decode", weights=weights)
+        adapter.model_for(weights)  # the quantized copy, made now
 
     def session(self, cache: Cache, num_tokens: int, max_new_tokens: int) -> DecodeSession:
         """A session continuing the prompt held in ``cache``'s first ``num_tokens`` slots.
@@ -105,25 +97,17 @@ class DecodeSession:
         if n >= self.capacity:
             raise ValueError(f"the session holds {self.capacity} tokens; open it with a larger max_new_tokens")
         i = n - self._start
-        with step_weights(self._decoder.weights), decode_step():
-            logits = self._layers_and_head(
-                token, self._pos[:, i : i + 1], self._cos[:, i : i + 1], self._sin[:, i : i + 1]
-            )
+        logits = self._layers_and_head(token, self._pos[:, i : i + 1], self._cos[:, i : i + 1], self._sin[:, i : i + 1])
         self._set_length(n + 1)
         return logits
 
     def _layers_and_head(self, token: int, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The model's own layers for one token (pos ``[1, 1]``, cos/sin ``[1, 1, rot_dim]``); logits ``[vocab]``."""
         d = self._decoder
-        kw = {d._cache_kw: self._cache}
         hidden = d.adapter.embed(torch.tensor([token]))  # [1, 1, hidden]
-        for layer in d._layers:
-            # no mask: the one query sees every slot written so far (ArchSpec caps contexts at any sliding window)
-            out = layer(
-                hidden, attention_mask=None, position_ids=pos, use_cache=True, position_embeddings=(cos, sin), **kw
-            )
-            hidden = out[0] if isinstance(out, tuple) else out
-        return d.adapter.final_logits(hidden)[0, -1]  # [vocab]
+        # no mask: the one query sees every slot written so far (ArchSpec caps contexts at any sliding window)
+        hidden = d.adapter.run_layers(hidden, pos, self._cache, (cos, sin), None, d.steer)
+        return d.adapter.final_logits(hidden, d.weights)[0, -1]  # [vocab]
 
     def steps(self, tokens: Iterator[int]) -> Iterator[torch.Tensor]:
         """Logits after each of ``tokens`` (teacher forcing: for measuring a weight format's error)."""

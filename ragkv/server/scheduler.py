@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ragkv.generation import GenerationConfig, pick_token, stream_text
-from ragkv.model.batch import DecodeBatch, Rider, riding
+from ragkv.model.attention import DecodeWeights
+from ragkv.model.batch import DecodeBatch, Rider
 from ragkv.model.threads import ADAPT_EVERY_STEPS, adapt_threads
 from ragkv.types import CachedText, GenerationStats
 
@@ -72,6 +73,7 @@ class ServedEngine(Protocol):
         mode: str = "reuse",
         max_new_tokens: int = 0,
         step_tokens: int | None = None,
+        riders: Callable[[], Rider | None] | None = None,
     ) -> Generator[None, None, Prefilled]:
         """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work (each ``next()`` runs one)."""
         ...
@@ -215,7 +217,7 @@ class Scheduler:
         *,
         max_batch: int = 8,
         max_queue: int = 32,
-        decode_weights: str = "model",
+        decode_weights: DecodeWeights = "model",
         step_tokens: int | None = 256,
         carry: bool = True,
     ) -> None:
@@ -233,6 +235,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._prefill: _Prefill | None = None  # the request being prefilled (neither waiting nor a row)
+        self._offer: _Carried | None = None  # the rows' step offered to the prefill piece running now
         self.failure: str | None = None  # why the thread died (a bug); None while it runs or never ran
         self.counters = DecodeCounters()
         self.on_finish: Callable[[Job, GenerationStats | None, str], None] = lambda job, stats, how: None
@@ -350,8 +353,17 @@ class Scheduler:
         """``job``'s prefill, in pieces (no work done yet: arguments are checked at the first piece)."""
         n = job.generation.max_new_tokens
         return job.engine.prefill_steps(
-            job.segments, rag=job.rag, mode=job.mode, max_new_tokens=n, step_tokens=self.step_tokens
+            job.segments,
+            rag=job.rag,
+            mode=job.mode,
+            max_new_tokens=n,
+            step_tokens=self.step_tokens,
+            riders=self._offered,
         )
+
+    def _offered(self) -> Rider | None:
+        """The decode step offered to the prefill piece running now (what ``prefill_steps`` asks before each)."""
+        return self._offer
 
     def _end_prefill(self) -> None:
         with self._cond:
@@ -368,12 +380,14 @@ class Scheduler:
         try:
             pending.done += 1
             self.counters.prefill_pieces += 1
+            self._offer = rider
             try:
-                with riding(rider):
-                    next(pending.pieces)
+                next(pending.pieces)
                 return rider  # more pieces to come, one per turn
             except StopIteration as finished:
                 pre: Prefilled = finished.value
+            finally:
+                self._offer = None
             gen = job.generation
             rng = _rng(gen)
             feed = _Feed()
