@@ -1,14 +1,13 @@
-"""The answer path: a prompt's ids -> fused (or full) prefill -> decode, with its stats.
+"""The prefill path: a prompt's ids -> fused (or full) prefill, whole or in pieces, with its stats.
 
-``RagKV`` (ragkv/engine.py) holds the parts (model, decoder, retriever, measured speeds, model
-lock) and hands them to one ``AnswerPath``; every way of answering goes through it:
-``RagKV.answer``/``stream``/``generate_stream``/``generate_segments`` decode here, and
-``RagKV.prefill``/``prefill_steps`` (the server's scheduler, which decodes in batches) stop after
-the prefill. A prompt is cut into a prefix (before the first chunk), middle segments (chunks, and
-plain text between them) and a suffix (the question): :class:`PromptParts`.
+``RagKV`` (ragkv/engine.py) holds the parts (model, retriever, measured speeds, model lock) and
+hands them to one ``AnswerPath``; every answer's prefill goes through it (``RagKV.prefill_steps``,
+which the answer driver, ``ragkv.driver``, runs a piece at a time between its decode steps). A
+prompt is cut into a prefix (before the first chunk), middle segments (chunks, and plain text
+between them) and a suffix (the question): :class:`PromptParts`.
 
 Threads: every forward pass runs under the engine's model lock (one piece at a time when a
-prefill runs in pieces); loading, decoding text and the stats run outside it.
+prefill runs in pieces); loading runs outside it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
-from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, GenerationStats
@@ -31,8 +29,8 @@ from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, Generation
 if TYPE_CHECKING:
     from ragkv.config import EngineConfig
     from ragkv.model import ModelAdapter
+    from ragkv.model.attention import DecodeWeights
     from ragkv.model.batch import Rider
-    from ragkv.model.decode import StaticDecoder
     from ragkv.retriever.kv_retriever import KVRetriever
 
 __all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts", "Riders"]
@@ -47,7 +45,7 @@ class EngineParts(Protocol):
 
     config: EngineConfig
     adapter: ModelAdapter
-    decoder: StaticDecoder
+    decode_weights: DecodeWeights
     retriever: KVRetriever
     load_estimates: LoadEstimates
 
@@ -323,51 +321,8 @@ class AnswerPath:
             fusion=fusion,
             dtype=dtype_name(a.dtype),
             dtype_reason=a.dtype_reason,
-            decode_weights=self.parts.decoder.weights,
+            decode_weights=self.parts.decode_weights,
         )
-
-    # ---- decode -------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: PromptParts,
-        *,
-        mode: str = "reuse",
-        generation: GenerationConfig | None = None,
-        fusion: FusionConfig | None = None,
-    ) -> Iterator[tuple[str, GenerationStats | None]]:
-        """Prefill ``prompt`` and decode: ``(delta, None)`` per piece of answer text, then ``("", stats)``."""
-        p = self.parts
-        gen = generation or p.config.generation
-        t0 = time.perf_counter()
-        pre = self.prefill(prompt, mode=mode, max_new_tokens=gen.max_new_tokens, fusion=fusion, started=t0)
-        stats = pre.stats
-        with torch.inference_mode(), p.model_lock:
-            session = p.decoder.session(pre.cache, pre.num_tokens, gen.max_new_tokens)
-        steps = decode_loop(p.adapter, pre.cache, pre.logits, pre.num_tokens, gen, step=session.step)
-        first = True
-        for delta, tok in stream_text(p.adapter, self._serialized(steps), gen.stop):
-            if first:
-                stats.ttft_ms = (time.perf_counter() - t0) * 1000
-                first = False
-            stats.generated_tokens += tok >= 0
-            if delta:
-                yield delta, None
-        if first:
-            stats.ttft_ms = (time.perf_counter() - t0) * 1000
-        load = stats.extra.get("load")
-        if isinstance(load, dict) and load.get("deadline_ms") is not None:
-            load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
-        stats.total_ms = (time.perf_counter() - t0) * 1000
-        yield "", stats
-
-    def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
-        """``tokens`` with each decode step (one forward pass) taken under the model lock."""
-        while True:
-            with self.parts.model_lock:
-                tok = next(tokens, None)
-            if tok is None:
-                return
-            yield tok
 
 
 class AnswerStream:

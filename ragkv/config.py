@@ -9,7 +9,7 @@ from typing import Any
 
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
-from ragkv.model.decode import DECODE_WEIGHTS
+from ragkv.model.attention import DECODE_WEIGHTS
 from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
 from ragkv.planner.config import LoadConfig

@@ -30,7 +30,6 @@ from ragkv.bench.qa_score import best_f1, contains_answer
 from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig
 from ragkv.model import ModelAdapter
-from ragkv.model.decode import StaticDecoder
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -126,12 +125,12 @@ def run_qa_bench(
     prompts = [build_prompt(qa, q, count, seed=seed) for q in questions]
     grid = [(m.method, m.ratio) for m in methods]
     craft = needs_stored_scores([g for g in grid if g[0] != "full"])
-    decoder = StaticDecoder(adapter, decode_weights) if decode_weights != "model" else None  # type: ignore[arg-type]
+    weights = decode_weights if decode_weights != "model" else None
     compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per_question = []
     for i, (q, p) in enumerate(zip(tqdm(questions, desc="qa bench", unit="question"), prompts, strict=True)):
         scores = stored_scores(adapter, p, craft_contexts(prompts, i, seed=seed)) if craft else None
-        results = compare_methods(adapter, p, grid, scores, answer_tokens=max_tokens, decoder=decoder)
+        results = compare_methods(adapter, p, grid, scores, answer_tokens=max_tokens, decode_weights=weights)  # type: ignore[arg-type]
         answers = {}
         for m, r in zip(methods, results, strict=True):
             text = adapter.decode(r["answer"]).strip()

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch.nn.attention.bias import CausalBias
@@ -26,6 +26,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
+    "DECODE_WEIGHTS",
     "PLAIN",
     "STEER_KWARG",
     "AttentionProbe",
@@ -41,6 +42,7 @@ _PREFIX = "ragkv_"  # dispatcher names: _PREFIX + the implementation delegated t
 _REGISTER_LOCK = threading.Lock()
 StepKind = Literal["prefill", "decode"]
 DecodeWeights = Literal["model", "int8", "int4"]  # the weights a decode step's linear layers read (ragkv.model.quant)
+DECODE_WEIGHTS: tuple[str, ...] = get_args(DecodeWeights)
 
 
 class AttentionProbe:

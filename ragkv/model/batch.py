@@ -16,6 +16,7 @@ it to ``ModelAdapter.forward(..., rider=...)``, so the rows' tokens share the pi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from ragkv.types import LogitsWanted
 if TYPE_CHECKING:
     from ragkv.model.adapter import ModelAdapter
 
-__all__ = ["DecodeBatch", "Rider"]
+__all__ = ["DecodeBatch", "Rider", "one_row"]
 
 _ALIGN = 64  # capacity is rounded up to a multiple of this many columns
 
@@ -238,7 +239,8 @@ class DecodeBatch:
         a = self.adapter
         hidden = a.embed(rows.ids).reshape(rows.count, 1, -1)  # [B, 1, hidden]
         pe = a.position_embeddings(rows.pos.unsqueeze(1), hidden)
-        mask = rows.mask(hidden.dtype)  # [B, 1, 1, span]
+        # [B, 1, 1, span]; one row alone sees all its columns: no mask (as a static decoder's step, exactly)
+        mask = rows.mask(hidden.dtype) if rows.count > 1 else None
         # one query per row: fp32 attention on the CPU (ragkv.model.attention); the engine's decode weights
         hidden = a.run_layers(hidden, rows.pos.unsqueeze(1), _SlotCache(self._layers), pe, mask, self._step)
         # [A, vocab]: the head on live rows only
@@ -345,3 +347,16 @@ class Rider:
     batch: DecodeBatch
     tokens: list[int]  # one per row, in the batch's key order
     logits: torch.Tensor | None = None  # [A, vocab] once carried
+
+
+def one_row(
+    adapter: ModelAdapter, cache: Cache, num_tokens: int, reserve: int, weights: DecodeWeights = "model"
+) -> Callable[[int], torch.Tensor]:
+    """One prompt's decode steps as a function: feed a token, get the next token's fp32 logits ``[vocab]``.
+
+    A batch of one row over ``cache``'s first ``num_tokens`` slots, with room for ``reserve``
+    tokens (the step an answer runs, for benchmarks and tests that feed tokens themselves).
+    """
+    batch = DecodeBatch(adapter, weights=weights)
+    batch.add("row", cache, num_tokens, reserve=reserve)
+    return lambda token: batch.step([token])[0]

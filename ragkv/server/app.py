@@ -114,7 +114,7 @@ def _service(app: FastAPI, state: ServerState) -> None:
             "model": state.base.adapter.name,
             "dtype": dtype_name(state.base.adapter.dtype),  # what every figure of this server is computed in
             "dtype_reason": state.base.adapter.dtype_reason,
-            "decode_weights": state.base.decoder.weights,  # "model", or an opt-in quantized decode copy
+            "decode_weights": state.base.decode_weights,  # "model", or an opt-in quantized decode copy
             "waiting": waiting,
             "decoding": decoding,
             "max_batch": state.settings.max_batch,
