@@ -24,6 +24,7 @@ from ragkv.model.attention import (
     Steer,
     install_dispatcher,
     is_dispatched,
+    relay_steer,
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.quant import quantized
@@ -67,6 +68,7 @@ class ModelAdapter:
         self.spec = ArchSpec.from_model(model)
         self.model = model.eval()
         install_dispatcher(self.model)
+        relay_steer(self.model)  # layers that drop their kwargs (StableLM's) still hand the Steer on
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or self.spec.model_type
         self._inner = model.model

@@ -8,14 +8,19 @@ once, when its adapter is made, to a dispatcher registered for the implementatio
 with (``ragkv_sdpa`` delegates to ``sdpa``). What one call does (record the weights, run a decode
 step's one query in fp32, split off decode rows riding on a prefill piece) is an argument of the
 pass: a :class:`Steer` the decoder layers hand on to the attention function in their keyword
-arguments (issue 32: it was read from three ContextVars, which no signature showed).
+arguments (issue 32: it was read from three ContextVars, which no signature showed). One modeling
+file (StableLM's decoder layer) calls its attention without handing its keyword arguments on; for
+layers like it :func:`relay_steer` adds a hook pair that carries the layer call's ``ragkv_steer``
+across that one call (the only ContextVar left, set and cleared by the layer call it spans).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -36,10 +41,12 @@ __all__ = [
     "StepKind",
     "install_dispatcher",
     "is_dispatched",
+    "relay_steer",
 ]
 
 _PREFIX = "ragkv_"  # dispatcher names: _PREFIX + the implementation delegated to
 _REGISTER_LOCK = threading.Lock()
+_RELAYED: ContextVar[Steer | None] = ContextVar("ragkv_relayed_steer", default=None)  # see relay_steer
 StepKind = Literal["prefill", "decode"]
 DecodeWeights = Literal["model", "int8", "int4"]  # the weights a decode step's linear layers read (ragkv.model.quant)
 DECODE_WEIGHTS: tuple[str, ...] = get_args(DecodeWeights)
@@ -208,7 +215,7 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        steer: Steer = kwargs.pop(STEER_KWARG, None) or PLAIN
+        steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
         if steer.plain_attention:
             return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
         probe, carry = steer.probe, steer.carry
@@ -252,3 +259,48 @@ def install_dispatcher(model: Any) -> str:
 def is_dispatched(model: Any) -> bool:
     """Whether ``model`` runs ragkv's dispatcher (so a :class:`Steer` is heard)."""
     return str(model.config._attn_implementation or "").startswith(_PREFIX)
+
+
+def _drops_kwargs(layer: Any) -> bool:
+    """Whether ``layer``'s forward calls ``self.self_attn(...)`` without handing on its ``**kwargs``."""
+    try:
+        src = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return True
+    start = src.find("self.self_attn(")
+    if start < 0:
+        return True
+    depth, i = 1, start + len("self.self_attn(")
+    while depth and i < len(src):
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    return "**kwargs" not in src[start:i]
+
+
+def relay_steer(model: Any) -> int:
+    """Make ``model``'s decoder layers that drop their keyword arguments relay ``ragkv_steer`` to their
+    attention (once per model); return how many layers needed it (StableLM's; none of the other families).
+
+    A pre-hook takes the layer call's Steer and holds it for the call (a ContextVar: per thread and
+    task), the hook after the call (run on errors too) clears it; the dispatcher reads it only when
+    its own keyword arguments carry none. Hooks live in the module's hook dict, which the quantized
+    decode copies (``ragkv.model.quant``) share.
+    """
+    relayed = 0
+    for layer in model.model.layers:
+        if getattr(layer, "_ragkv_relays", False) or not _drops_kwargs(layer):
+            continue
+        layer.register_forward_pre_hook(_hold_steer, with_kwargs=True)
+        layer.register_forward_hook(_drop_steer, always_call=True)
+        layer._ragkv_relays = True
+        relayed += 1
+    return relayed
+
+
+def _hold_steer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    _RELAYED.set(kwargs.pop(STEER_KWARG, None))
+    return args, kwargs
+
+
+def _drop_steer(module: Any, args: tuple[Any, ...], output: Any) -> None:
+    _RELAYED.set(None)
