@@ -366,7 +366,8 @@ def _question_attention(
     pos = host_pos.to(adapter.device, non_blocking=True)
     pe = adapter.position_embeddings(pos, hidden)
     probe = AttentionProbe(None)  # every layer's weights
+    steer = Steer(probe=probe)
     for layer in range(adapter.spec.num_layers):
-        hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask, Steer(probe=probe))
+        hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask, steer)
     per_layer = torch.stack([probe.weights[i][slots].float() for i in range(adapter.spec.num_layers)])
     return (per_layer / per_layer.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()
