@@ -10,7 +10,7 @@ from typing import Any
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
 from ragkv.gpu.tier import DeviceTierConfig
-from ragkv.model.decode import DECODE_WEIGHTS
+from ragkv.model.attention import DECODE_WEIGHTS
 from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
 from ragkv.planner.config import LoadConfig
