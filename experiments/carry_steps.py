@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 from ragkv.bench.fusion import builtin_prompts
+from ragkv.driver import Event, Job, JobRequest, Scheduler
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.generation import GenerationConfig
 from ragkv.retriever.embedder import HashingEmbedder
-from ragkv.server.scheduler import Event, Job, Scheduler
 
 
 def _run(rag: RagKV, prompts: list[dict], concurrency: int, carry: bool, tokens: int, step: int):
@@ -54,7 +54,7 @@ def _run(rag: RagKV, prompts: list[dict], concurrency: int, carry: bool, tokens:
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         free.acquire()
-        scheduler.submit(Job(rag, None, (p["chunks"], p["question"]), "full", gen, post_for(i)))
+        scheduler.submit(Job(JobRequest(rag, gen, "full", rag=(p["chunks"], p["question"])), post_for(i)))
     done.wait()
     wall = time.perf_counter() - t0
     scheduler.stop()

@@ -1,14 +1,13 @@
-"""The answer path: a prompt's ids -> fused (or full) prefill -> decode, with its stats.
+"""The prefill path: a prompt's ids -> fused (or full) prefill, whole or in pieces, with its stats.
 
-``RagKV`` (ragkv/engine.py) holds the parts (model, decoder, retriever, measured speeds, model
-lock) and hands them to one ``AnswerPath``; every way of answering goes through it:
-``RagKV.answer``/``stream``/``generate_stream``/``generate_segments`` decode here, and
-``RagKV.prefill``/``prefill_steps`` (the server's scheduler, which decodes in batches) stop after
-the prefill. A prompt is cut into a prefix (before the first chunk), middle segments (chunks, and
-plain text between them) and a suffix (the question): :class:`PromptParts`.
+``RagKV`` (ragkv/engine.py) holds the parts (model, retriever, measured speeds, model lock) and
+hands them to one ``AnswerPath``; every answer's prefill goes through it (``RagKV.prefill_steps``,
+which the answer driver, ``ragkv.driver``, runs a piece at a time between its decode steps). A
+prompt is cut into a prefix (before the first chunk), middle segments (chunks, and plain text
+between them) and a suffix (the question): :class:`PromptParts`.
 
 Threads: every forward pass runs under the engine's model lock (one piece at a time when a
-prefill runs in pieces); loading, decoding text and the stats run outside it.
+prefill runs in pieces); loading runs outside it.
 """
 
 from __future__ import annotations
@@ -16,16 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
-from ragkv.generation import GenerationConfig, decode_loop, stream_text
 from ragkv.gpu.feed import DeviceSink
-from ragkv.model.batch import riding_tokens
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, GenerationStats
@@ -33,12 +30,14 @@ from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, Generation
 if TYPE_CHECKING:
     from ragkv.config import EngineConfig
     from ragkv.model import ModelAdapter
-    from ragkv.model.decode import StaticDecoder
+    from ragkv.model.attention import DecodeWeights
+    from ragkv.model.batch import Rider
     from ragkv.retriever.kv_retriever import KVRetriever
 
-__all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts"]
+__all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts", "Riders"]
 
 PREFIX_LRU = 8  # framework prompt prefixes kept (their templates repeat one on every call)
+Riders = Callable[[], "Rider | None"]  # asked before each prefill piece: the decode step that may ride on it
 
 
 class EngineParts(Protocol):
@@ -47,7 +46,7 @@ class EngineParts(Protocol):
 
     config: EngineConfig
     adapter: ModelAdapter
-    decoder: StaticDecoder
+    decode_weights: DecodeWeights
     retriever: KVRetriever
     load_estimates: LoadEstimates
 
@@ -133,6 +132,7 @@ class AnswerPath:
         fusion: FusionConfig | None = None,
         step_tokens: int | None = None,
         started: float | None = None,
+        riders: Riders | None = None,
     ) -> Pieces[Prefilled]:
         """The prompt's cache and last logits, in pieces of about ``step_tokens`` tokens of work.
 
@@ -141,6 +141,8 @@ class AnswerPath:
         piece; ``"reuse"`` loads the chunk caches (first piece) and fuses them, pausing the
         recompute pass between layers (``ragkv.fusion.fuse_steps``). ``None``: one piece.
         ``started``: when the answer began (the load deadline counts from it; default now).
+        ``riders``: asked before each piece of a full prefill for a decode step to carry
+        (``ragkv.model.batch.Rider``; the scheduler's rows), None: none.
         """
         if mode not in ("reuse", "full"):
             raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
@@ -154,7 +156,7 @@ class AnswerPath:
         adapt_threads()  # another process may have taken a core since the last answer
         if mode == "full":
             stats.prefilled_chunk_tokens = prompt.cached_tokens
-            pieces = self._full_steps(ids, step_tokens)
+            pieces = self._full_steps(ids, step_tokens, riders)
         else:
             pieces = self._fused_steps(prompt, fusion, stats, t0, step_tokens)
         cache, logits = yield from self._locked(pieces, stats)
@@ -172,11 +174,14 @@ class AnswerPath:
         logits ``[suffix, vocab]`` (a bench compares them with full prefill's at every suffix position)."""
         return drain(self._fused_steps(prompt, fusion, stats, started))  # type: ignore[no-any-return]
 
-    def _full_steps(self, ids: list[int], step_tokens: int | None) -> Pieces[tuple[Any, torch.Tensor]]:
+    def _full_steps(
+        self, ids: list[int], step_tokens: int | None, riders: Riders | None
+    ) -> Pieces[tuple[Any, torch.Tensor]]:
         """A prefill from scratch, ``step_tokens`` tokens a piece; the last piece's last position gives the logits.
 
-        A piece's budget counts the decode rows riding on its forward pass (Sarathi-Serve's token
-        budget; ``ragkv.model.batch.riding_tokens``): with B rows riding, it runs ``step_tokens - B``
+        Each piece's forward pass carries the decode step ``riders()`` offers it, if any. A piece's
+        budget counts the rows riding (Sarathi-Serve's token budget; one per row the step runs,
+        ``DecodeBatch.step_rows``): with B rows riding, it runs ``step_tokens - B``
         prompt tokens (at least half the budget), so the pass keeps the size the budget names (on a
         CPU a matmul one row past a multiple of its blocking costs visibly more). Its own compute
         time (pauses excluded) feeds the engine's prefill speed estimate, unless rows rode on it.
@@ -186,19 +191,21 @@ class AnswerPath:
         n = max(1, len(ids))
         busy, start, carried = 0.0, 0, False
         while True:
-            riders = riding_tokens()
-            carried = carried or riders > 0
+            rider = riders() if riders is not None else None
+            rider = rider if rider is not None and rider.logits is None else None  # each step is carried once
+            rows = rider.batch.step_rows if rider is not None else 0
+            carried = carried or rows > 0
             # the rows riding take their share of the budget, never more than half of it
-            size = max(step_tokens - riders, (step_tokens + 1) // 2) if step_tokens else n
+            size = max(step_tokens - rows, (step_tokens + 1) // 2) if step_tokens else n
             if start + size >= n:
                 break
             began = time.perf_counter()
-            a.forward(ids[start : start + size], cache, start, logits="none")  # K/V only: no LM head
+            a.forward(ids[start : start + size], cache, start, logits="none", rider=rider)  # K/V only: no LM head
             busy += time.perf_counter() - began
             start += size
             yield
         began = time.perf_counter()
-        logits = a.forward(ids[start:], cache, start, logits="last")
+        logits = a.forward(ids[start:], cache, start, logits="last", rider=rider)
         if not carried:  # a pass that carried decode rows timed their work too: not this prefill's speed
             self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
             self.parts.save_rates_soon()
@@ -320,51 +327,8 @@ class AnswerPath:
             fusion=fusion,
             dtype=dtype_name(a.dtype),
             dtype_reason=a.dtype_reason,
-            decode_weights=self.parts.decoder.weights,
+            decode_weights=self.parts.decode_weights,
         )
-
-    # ---- decode -------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: PromptParts,
-        *,
-        mode: str = "reuse",
-        generation: GenerationConfig | None = None,
-        fusion: FusionConfig | None = None,
-    ) -> Iterator[tuple[str, GenerationStats | None]]:
-        """Prefill ``prompt`` and decode: ``(delta, None)`` per piece of answer text, then ``("", stats)``."""
-        p = self.parts
-        gen = generation or p.config.generation
-        t0 = time.perf_counter()
-        pre = self.prefill(prompt, mode=mode, max_new_tokens=gen.max_new_tokens, fusion=fusion, started=t0)
-        stats = pre.stats
-        with torch.inference_mode(), p.model_lock:
-            session = p.decoder.session(pre.cache, pre.num_tokens, gen.max_new_tokens)
-        steps = decode_loop(p.adapter, pre.cache, pre.logits, pre.num_tokens, gen, step=session.step)
-        first = True
-        for delta, tok in stream_text(p.adapter, self._serialized(steps), gen.stop):
-            if first:
-                stats.ttft_ms = (time.perf_counter() - t0) * 1000
-                first = False
-            stats.generated_tokens += tok >= 0
-            if delta:
-                yield delta, None
-        if first:
-            stats.ttft_ms = (time.perf_counter() - t0) * 1000
-        load = stats.extra.get("load")
-        if isinstance(load, dict) and load.get("deadline_ms") is not None:
-            load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
-        stats.total_ms = (time.perf_counter() - t0) * 1000
-        yield "", stats
-
-    def _serialized(self, tokens: Iterator[int]) -> Iterator[int]:
-        """``tokens`` with each decode step (one forward pass) taken under the model lock."""
-        while True:
-            with self.parts.model_lock:
-                tok = next(tokens, None)
-            if tok is None:
-                return
-            yield tok
 
 
 class AnswerStream:

@@ -11,7 +11,7 @@ from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
 from ragkv.gpu.tier import DeviceTierConfig
 from ragkv.locations import default_catalog_url, default_data_dir, default_store_urls
-from ragkv.model.decode import DECODE_WEIGHTS
+from ragkv.model.attention import DECODE_WEIGHTS
 from ragkv.model.loading import DEFAULT_MODEL
 from ragkv.model.placement import validate_placement
 from ragkv.planner.config import LoadConfig

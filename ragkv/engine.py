@@ -1,9 +1,10 @@
 """RagKV: the facade a user holds. It builds the parts and delegates to them.
 
-The parts: the model adapter and its decoder, the store and catalog, the tenant's indexer
-(``KVRetriever``), the answer path (``ragkv.answering.AnswerPath``: prefill, fused or full, then
-decode) and the tenant's prompt registry (``ragkv.matching.TenantChunks``); settings are
-``ragkv.config.EngineConfig``.
+The parts: the model adapter, the store and catalog, the tenant's indexer (``KVRetriever``),
+the prefill path (``ragkv.answering.AnswerPath``: fused or full, whole or in pieces) and the
+tenant's prompt registry (``ragkv.matching.TenantChunks``); settings are
+``ragkv.config.EngineConfig``. Every answer runs through the answer driver (``ragkv.driver``):
+here in the caller's thread, a batch of one; in the server, batched with the other requests.
 
 Threads: one ``RagKV`` may be shared by several threads. Retrieval, store reads and writes, codec
 decoding and text streaming run concurrently; work on the model (fused prefill, full prefill, each
@@ -19,14 +20,15 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ragkv.answering import AnswerPath, AnswerStream, Prefilled
+from ragkv.answering import AnswerPath, AnswerStream, Prefilled, Riders
 from ragkv.config import EngineConfig, default_data_dir
+from ragkv.driver import JobRequest, answer_inline
 from ragkv.fusion import FusionConfig, Pieces, drain
 from ragkv.generation import GenerationConfig
 from ragkv.gpu.tier import DeviceTier, DeviceTierConfig
 from ragkv.matching import ChunkRegistry, TenantChunks
 from ragkv.model import ModelAdapter, load_model
-from ragkv.model.decode import StaticDecoder
+from ragkv.model.attention import DecodeWeights
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates
 from ragkv.prompt import render_chat, render_completion
@@ -95,15 +97,17 @@ class RagKV:
             )
             self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
             self.catalog = Catalog(self.config.catalog_url())
-            self.decoder = StaticDecoder(self.adapter, weights=self.config.decode_weights)  # type: ignore[arg-type]
+            # the weights decode steps read; an int8/int4 copy is made now (a bad format or device raises here)
+            self.decode_weights: DecodeWeights = self.config.decode_weights  # type: ignore[assignment]
+            self.adapter.model_for(self.decode_weights)
             self.device_tier = _device_tier(self.config.device_tier, self.adapter)  # every tenant's, one per process
         else:  # another tenant's engine: the model, embedder, stores and speeds are share's
             self.load_estimates, self._model_lock = share.load_estimates, share._model_lock
-            self.adapter, self.embedder, self.decoder = share.adapter, share.embedder, share.decoder
+            self.adapter, self.embedder, self.decode_weights = share.adapter, share.embedder, share.decode_weights
             self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
             self.device_tier = share.device_tier
         self.retriever = self._retriever(self.config.tenant)
-        self.answers = AnswerPath(self)  # prefill and decode (ragkv/answering.py)
+        self.answers = AnswerPath(self)  # prefill, fused or full (ragkv/answering.py)
         self._chunks = TenantChunks(self.catalog, self.config.tenant)  # the prompt matcher's registry
 
     def chunk_registry(self, *, refresh: bool = False) -> ChunkRegistry:
@@ -250,8 +254,10 @@ class RagKV:
         Yields ``(delta, None)`` per piece of answer text, then ``("", stats)``. Chunks found in the
         store are loaded; unknown ones are computed now and stored for next time.
         """
-        prompt = self.answers.rag_prompt(chunk_texts, question)
-        return self.answers.generate(prompt, mode=mode, generation=generation, fusion=fusion)
+        request = JobRequest(
+            self, generation or self.config.generation, mode, rag=(chunk_texts, question), fusion=fusion
+        )
+        return self._answer(request)
 
     def generate_segments(
         self,
@@ -267,9 +273,14 @@ class RagKV:
         exactly that text. Each segment is tokenized on its own. With no ``CachedText`` this is a
         plain prefill of the whole prompt, exactly like the model alone.
         """
-        prompt = self.answers.segments_prompt(segments)
-        mode = "reuse" if prompt.middle else "full"
-        return self.answers.generate(prompt, mode=mode, generation=generation, fusion=fusion)
+        request = JobRequest(self, generation or self.config.generation, segments=segments, fusion=fusion)
+        return self._answer(request)
+
+    def _answer(self, request: JobRequest) -> Iterator[tuple[str, GenerationStats | None]]:
+        """``request`` through the answer driver in this thread (``ragkv.driver.answer_inline``):
+        ``(delta, None)`` per piece of text, then ``("", stats)``."""
+        for event in answer_inline(request, self.adapter, self.decode_weights):
+            yield event.text, event.stats
 
     def warm(self, chunk_texts: Sequence[str]) -> int:
         """Make sure the cache of each text (tokenized on its own) is stored; return how many were computed."""
@@ -306,7 +317,7 @@ class RagKV:
             "model": self.model_name,
             "dtype": dtype_name(self.adapter.dtype),
             "dtype_reason": str(self.adapter.dtype_reason),
-            "decode_weights": str(self.decoder.weights),
+            "decode_weights": str(self.decode_weights),
         }
 
     def encode(self, text: str) -> list[int]:
@@ -389,6 +400,7 @@ class RagKV:
         max_new_tokens: int = 0,
         fusion: FusionConfig | None = None,
         step_tokens: int | None = None,
+        riders: Riders | None = None,
     ) -> Pieces[Prefilled]:
         """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work, for a server that decodes
         between them (chunked prefill, as Sarathi-Serve does).
@@ -399,7 +411,8 @@ class RagKV:
         (``ragkv.fusion.fuse_steps``; loading the chunk caches is its first piece). ``None``: one
         piece. The result equals :meth:`prefill`'s (within the dtype's rounding: a chunk's queries
         attend over the cache written so far instead of one causal pass). Bad arguments raise at
-        the first ``next()``.
+        the first ``next()``. ``riders``: asked before each piece for a decode step that may ride
+        on its forward pass (``AnswerPath.prefill_steps``).
         """
         if (segments is None) == (rag is None):
             raise ValueError("pass either segments or rag=(chunk_texts, question)")
@@ -410,7 +423,12 @@ class RagKV:
             mode = mode if prompt.middle else "full"
         return (
             yield from self.answers.prefill_steps(
-                prompt, mode=mode, max_new_tokens=max_new_tokens, fusion=fusion, step_tokens=step_tokens
+                prompt,
+                mode=mode,
+                max_new_tokens=max_new_tokens,
+                fusion=fusion,
+                step_tokens=step_tokens,
+                riders=riders,
             )
         )
 

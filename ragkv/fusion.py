@@ -25,7 +25,7 @@ import torch
 
 from ragkv.gpu.feed import DeviceSink, LayerFeed
 from ragkv.gpu.tier import release
-from ragkv.model import ModelAdapter, ScatterCache
+from ragkv.model import AttentionProbe, ModelAdapter, ScatterCache, Steer
 from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
 from ragkv.types import ChunkKV
 
@@ -373,10 +373,11 @@ def _question_attention(
     mask = adapter.causal_mask(host_pos, keys.shape[2], hidden.dtype)
     pos = host_pos.to(adapter.device, non_blocking=True)
     pe = adapter.position_embeddings(pos, hidden)
-    with adapter.attention_probe() as probe:
-        for layer in range(adapter.spec.num_layers):
-            if feed is not None:
-                feed.ready(layer)
-            hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask)
+    probe = AttentionProbe(None)  # every layer's weights
+    steer = Steer(probe=probe)
+    for layer in range(adapter.spec.num_layers):
+        if feed is not None:
+            feed.ready(layer)
+        hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask, steer)
     per_layer = torch.stack([probe.weights[i][slots].float() for i in range(adapter.spec.num_layers)])
     return (per_layer / per_layer.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()

@@ -16,7 +16,16 @@ if TYPE_CHECKING:
 
     from ragkv.types import ChunkKV, LogitsWanted
 
-__all__ = ["Decoder", "GenerationConfig", "TextDecoder", "decode_loop", "generate_ids", "pick_token", "stream_text"]
+__all__ = [
+    "Decoder",
+    "GenerationConfig",
+    "TextDecoder",
+    "TextStream",
+    "decode_loop",
+    "generate_ids",
+    "pick_token",
+    "stream_text",
+]
 
 
 class Decoder(Protocol):
@@ -80,7 +89,7 @@ def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | No
 def pick_token(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None) -> int:
     """The next token from ``[vocab]`` logits: argmax when greedy, else sampled with ``cfg`` and ``gen``.
 
-    The one sampling rule, shared by :func:`decode_loop` and the server's batching scheduler.
+    The one sampling rule, shared by the answer driver (``ragkv.driver``) and :func:`decode_loop`.
     """
     return _pick(logits, cfg, gen)
 
@@ -94,7 +103,10 @@ def decode_loop(
     *,
     step: Callable[[int], torch.Tensor] | None = None,
 ) -> Iterator[int]:
-    """Yield answer token ids one at a time (stops at EOS or ``max_new_tokens``).
+    """Yield answer token ids one at a time (stops at EOS or ``max_new_tokens``): the reference decode.
+
+    No answer runs through it (every answer goes through ``ragkv.driver``); tests and benchmarks
+    compare against it and decode token ids with it.
 
     Args:
         adapter: the model.
@@ -102,8 +114,8 @@ def decode_loop(
         first_logits: ``[vocab]`` logits of the prompt's last position.
         start: position of the first generated token.
         cfg: sampling settings.
-        step: feeds one token and returns the next ``[vocab]`` logits (a
-            ``ragkv.model.decode.DecodeSession.step``); None runs ``adapter.forward`` on ``cache``.
+        step: feeds one token and returns the next ``[vocab]`` logits (one row of a batch:
+            ``ragkv.model.batch.one_row``); None runs ``adapter.forward`` on ``cache``.
     """
     gen = None
     if cfg.temperature > 0:
@@ -134,32 +146,62 @@ def generate_ids(
     return list(decode_loop(adapter, cache, logits, start + len(suffix_ids), cfg))
 
 
+class TextStream:
+    """Answer tokens to text deltas, one token at a time, holding back text that may start a stop string.
+
+    The driver pushes each token as it is picked; :attr:`stopped` turns True at the token whose
+    text completes a stop string (the answer ends there, the stop string not shown), so no step
+    runs past it.
+    """
+
+    def __init__(self, adapter: TextDecoder, stop: Sequence[str] = ()) -> None:
+        self._adapter, self._stop = adapter, [s for s in stop if s]
+        self._hold = max((len(s) for s in stop), default=0)
+        self._ids: list[int] = []
+        self._emitted = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """The text ``token`` adds: "" while a multi-byte character or a possible stop string is incomplete."""
+        if self.stopped:
+            raise RuntimeError("the answer ended at a stop string; push no more tokens")
+        self._ids.append(token)
+        text = self._adapter.decode(self._ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence; wait for the next token
+            return ""
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            return text[len(self._emitted) : cut] if cut > len(self._emitted) else ""
+        safe = len(text) - self._hold if self._hold else len(text)
+        if safe <= len(self._emitted):
+            return ""
+        delta, self._emitted = text[len(self._emitted) : safe], text[:safe]
+        return delta
+
+    def flush(self) -> str:
+        """The text held back, once the answer ended otherwise than at a stop string."""
+        if self.stopped or not self._ids:
+            return ""
+        text = self._adapter.decode(self._ids)
+        delta, self._emitted = text[len(self._emitted) :], text
+        return delta
+
+
 def stream_text(adapter: TextDecoder, tokens: Iterator[int], stop: Sequence[str] = ()) -> Iterator[tuple[str, int]]:
-    """Turn a token stream into text deltas, holding back text that may start a stop string.
+    """Turn a token stream into text deltas, holding back text that may start a stop string (a :class:`TextStream`).
 
     Yields ``(delta, token_id)``; a delta may be empty while a multi-byte character or a possible
     stop string is incomplete. Stops (without emitting it) at the first stop string.
     """
-    ids: list[int] = []
-    emitted = ""
-    hold = max((len(s) for s in stop), default=0)
+    text = TextStream(adapter, stop)
     for tok in tokens:
-        ids.append(tok)
-        text = adapter.decode(ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence; wait for the next token
-            yield "", tok
-            continue
-        cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
-        if cut >= 0:
-            if cut > len(emitted):
-                yield text[len(emitted) : cut], tok
+        delta = text.push(tok)
+        if text.stopped:
+            if delta:
+                yield delta, tok
             return
-        safe = len(text) - hold if hold else len(text)
-        if safe > len(emitted):
-            yield text[len(emitted) : safe], tok
-            emitted = text[:safe]
-        else:
-            yield "", tok
-    text = adapter.decode(ids)
-    if len(text) > len(emitted):
-        yield text[len(emitted) :], -1
+        yield delta, tok
+    rest = text.flush()
+    if rest:
+        yield rest, -1

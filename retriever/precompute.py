@@ -19,7 +19,7 @@ from ragkv import codec
 from ragkv.cache.store import TieredStore
 from ragkv.codec.saliency import normalized_attention
 from ragkv.digests import tokens_digest
-from ragkv.model import ModelAdapter
+from ragkv.model import AttentionProbe, ModelAdapter
 from ragkv.model.threads import adapt_threads
 from ragkv.retriever.transforms import TransformConfig, TransformSource
 
@@ -171,8 +171,8 @@ class ChunkComputer:
         if any(codec.get_codec(k.codec.name).wants_saliency(k.codec.level) for k in missing):
             # salient-token levels rank tokens by the attention they receive in their own prefill
             # (the probe runs eager fp32 attention: slower, so only when a level uses it)
-            with self.adapter.attention_probe() as probe:
-                kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])
+            probe = AttentionProbe(None)
+            kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()], probe=probe)
             saliency = normalized_attention(probe.weights, kv.num_tokens)
         else:
             kv = self.adapter.prefill_kv(token_ids, past=[self.prefix_kv()])

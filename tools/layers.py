@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
         "ragkv.planner",
     ),  # algorithms
     ("ragkv.retriever",),  # indexing and loading chunk caches
-    ("ragkv.config", "ragkv.answering"),  # the engine's parts: its settings, the answer path
+    ("ragkv.config", "ragkv.answering", "ragkv.driver"),  # the engine's parts: settings, prefill, the answer driver
     ("ragkv.engine",),  # RagKV, the facade
     (
         "ragkv.server",

@@ -23,6 +23,7 @@ from ragkv.codec.calibrate import calibrate, step_scales
 from ragkv.codec.saliency import normalized_attention
 from ragkv.codec.transform import ChannelTransform
 from ragkv.generation import Decoder, generate_ids
+from ragkv.model import AttentionProbe, ModelAdapter
 from ragkv.retriever.transforms import rope_frequencies  # the one indexing calibrates with
 from ragkv.types import ChunkKV, CodecSpec, StorageKey, tenant_namespace
 
@@ -82,13 +83,12 @@ def _prepare(adapter: _Adapter, prompt: Mapping[str, Any], answer_tokens: int) -
     bounds = [0]
     for seg in segments:
         bounds.append(bounds[-1] + len(seg))
-    probe_of = getattr(adapter, "attention_probe", None)
-    if probe_of is None:  # a stand-in adapter without a probe: the codec falls back to its proxy
+    if not isinstance(adapter, ModelAdapter):  # a stand-in adapter without a probe: the codec falls back to its proxy
         kv = adapter.prefill_kv(ids)
         saliency: tuple[torch.Tensor | None, ...] = (None,) * len(segments)
     else:
-        with probe_of() as probe:
-            kv = adapter.prefill_kv(ids)
+        probe = AttentionProbe(None)
+        kv = adapter.prefill_kv(ids, probe=probe)
         # each slice's tokens as the index path sees them: the attention they receive from the
         # queries of their own chunk and of the later ones, per query that sees them
         saliency = tuple(

@@ -24,7 +24,8 @@ from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter
-from ragkv.model.decode import StaticDecoder
+from ragkv.model.attention import DecodeWeights
+from ragkv.model.batch import one_row
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +126,13 @@ def _greedy(
     logits: torch.Tensor,
     start: int,
     gen: GenerationConfig,
-    decoder: StaticDecoder | None,
+    decode_weights: DecodeWeights | None,
 ) -> list[int]:
     """Greedy answer ids after a prompt of ``start`` tokens in ``cache`` (its last ``logits`` ``[vocab]``)."""
-    if decoder is None:
+    if decode_weights is None:
         return list(decode_loop(adapter, cache, logits, start, gen))
-    session = decoder.session(cache, start, gen.max_new_tokens)
-    return list(decode_loop(adapter, cache, logits, start, gen, step=session.step))
+    step = one_row(adapter, cache, start, gen.max_new_tokens, decode_weights)
+    return list(decode_loop(adapter, cache, logits, start, gen, step=step))
 
 
 @torch.inference_mode()
@@ -142,15 +143,16 @@ def compare_methods(
     scores: Sequence[torch.Tensor] | None = None,
     *,
     answer_tokens: int = ANSWER_TOKENS,
-    decoder: StaticDecoder | None = None,
+    decode_weights: DecodeWeights | None = None,
 ) -> list[dict]:
     """One prompt, every (method, ratio) of ``grid`` against full prefill: one row per grid entry, in order.
 
     Rows hold :data:`KEYS` and ``answer`` (the method's greedy answer ids, at most ``answer_tokens``;
     full prefill's own for ``full``), so a caller can score the answers (``ragkv bench qa``).
-    ``decoder``: the answers are decoded by its steps (an int8/int4 decode copy, say); None: the
-    model's own forward. KL and top-1 always compare the model's own logits. ``scores``: per chunk,
-    the deviation recorded at index time, for methods that rank by it (``experiments/craft.py``).
+    ``decode_weights``: the answers are decoded by decode steps reading these weights (as an
+    answer does: ``ragkv.model.batch``; an int8/int4 copy, say); None: the model's own forward.
+    KL and top-1 always compare the model's own logits. ``scores``: per chunk, the deviation
+    recorded at index time, for methods that rank by it (``experiments/craft.py``).
     """
     prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     ctx = prefix + [t for c in chunks for t in c]
@@ -163,7 +165,7 @@ def compare_methods(
     logits = adapter.forward(ctx + suffix, cache, 0)
     first = int(logits[-1].argmax())
     full_ttft = (time.perf_counter() - t0) * 1000
-    answer = _greedy(adapter, cache, logits[-1], n + len(suffix), gen, decoder) or [first]
+    answer = _greedy(adapter, cache, logits[-1], n + len(suffix), gen, decode_weights) or [first]
     adapter.crop_cache(cache, n + len(suffix))
     ref = _answer_logits(adapter, cache, logits, answer, n + len(suffix))
 
@@ -194,7 +196,7 @@ def compare_methods(
         logits = fused.suffix_logits
         int(logits[-1].argmax())
         ttft = (time.perf_counter() - t0) * 1000
-        own = _greedy(adapter, fused.cache, logits[-1], n + len(suffix), gen, decoder)
+        own = _greedy(adapter, fused.cache, logits[-1], n + len(suffix), gen, decode_weights)
         adapter.crop_cache(fused.cache, n + len(suffix))
         got = _answer_logits(adapter, fused.cache, logits, answer, n + len(suffix))
         kl, top1 = _kl_top1(ref, got)

@@ -118,23 +118,23 @@ def llama_run(llm: Any, prompt: PeerPrompt, decode_tokens: int, warm: bool) -> R
     return Run(first - t0, end - first, n - 1)
 
 
-def ragkv_run(engine: Any, prompt: PeerPrompt, mode: str, decode_tokens: int, decoder: Any = None) -> Run:
+def ragkv_run(engine: Any, prompt: PeerPrompt, mode: str, decode_tokens: int, weights: str | None = None) -> Run:
     """One engine answer (``mode`` reuse or full) of at most ``decode_tokens`` + 1 tokens.
 
-    ``decoder``: a ``StaticDecoder`` to decode with instead of the engine's own (another weight
-    format on the same engine, so every format reuses the same stored chunk caches).
+    ``weights``: decode weights to answer with instead of the engine's own (another format on the
+    same engine, so every format reuses the same stored chunk caches).
     """
     from ragkv.generation import GenerationConfig
 
     stats = None
     gen = GenerationConfig(max_new_tokens=decode_tokens + 1, ignore_eos=True)  # as llama.cpp's loop
-    own = engine.decoder
-    engine.decoder = decoder or own
+    own = engine.decode_weights
+    engine.decode_weights = weights or own
     try:
         for _, s in engine.generate_stream(list(prompt.chunks), prompt.question, mode=mode, generation=gen):
             stats = s if s is not None else stats
     finally:
-        engine.decoder = own
+        engine.decode_weights = own
     if stats is None:  # pragma: no cover - the stream always ends with its stats
         raise RuntimeError("the answer stream ended without stats")
     return Run(stats.ttft_ms / 1000, (stats.total_ms - stats.ttft_ms) / 1000, max(0, stats.generated_tokens - 1))
@@ -186,12 +186,11 @@ def run_peer_bench(
         on_run: hears each run as it ends (system name, timing): progress for a long bench.
     """
 
-    from ragkv.model.decode import StaticDecoder
-
-    decoders = {w: StaticDecoder(engine.adapter, weights=w) for _, w in systems_wanted.values()}  # type: ignore[arg-type]
+    for _, w in systems_wanted.values():
+        engine.adapter.model_for(w)  # each format's decode copy, made before any run is timed
 
     def ragkv_system(mode: str, weights: str) -> Callable[[PeerPrompt], Run]:
-        return lambda p: ragkv_run(engine, p, mode, decode_tokens, decoders[weights])
+        return lambda p: ragkv_run(engine, p, mode, decode_tokens, weights)
 
     systems = {name: ragkv_system(mode, w) for name, (mode, w) in systems_wanted.items()}
     if llm is not None:
@@ -247,28 +246,28 @@ def decode_anatomy(adapter: Any, ids: Sequence[int], steps: int = 32) -> list[di
     The answer is the model-weights greedy continuation of ``ids`` (end tokens ignored), fed to every
     format (teacher forcing), so each step's logits compare position by position.
     """
-    from ragkv.model.decode import DECODE_WEIGHTS, StaticDecoder
+    from ragkv.model.attention import DECODE_WEIGHTS
+    from ragkv.model.batch import one_row
 
     cache = adapter.build_cache([])
     with torch.inference_mode():
         first = adapter.forward(list(ids), cache, 0, logits="last")[-1]
         answer = [int(first.argmax())]
-        ref_session = StaticDecoder(adapter).session(cache, len(ids), steps)
+        ref_step = one_row(adapter, cache, len(ids), steps)
         ref = []
         for _ in range(steps):
-            ref.append(ref_session.step(answer[-1]))
+            ref.append(ref_step(answer[-1]))
             answer.append(int(ref[-1].argmax()))
         rows = []
         for weights in DECODE_WEIGHTS:
-            decoder = StaticDecoder(adapter, weights=weights)  # type: ignore[arg-type]
-            session = decoder.session(cache, len(ids), steps)
-            got = [session.step(t) for t in answer[:steps]]
+            step = one_row(adapter, cache, len(ids), steps, weights)  # type: ignore[arg-type]
+            got = [step(t) for t in answer[:steps]]
             ref_lp = torch.stack(ref).log_softmax(-1)
             got_lp = torch.stack(got).log_softmax(-1)
             kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1)  # [steps] KL(model || format)
             agree = (torch.stack(got).argmax(-1) == torch.stack(ref).argmax(-1)).float().mean()
-            timing = decoder.session(cache, len(ids), steps)
-            wall, mm = _step_ms(timing.step, answer[:steps])
+            timing = one_row(adapter, cache, len(ids), steps, weights)  # type: ignore[arg-type]
+            wall, mm = _step_ms(timing, answer[:steps])
             rows.append(
                 {
                     "weights": weights,

@@ -30,7 +30,6 @@ from ragkv.bench.qa_score import best_f1, contains_answer
 from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig
 from ragkv.model import ModelAdapter
-from ragkv.model.decode import StaticDecoder
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -125,11 +124,11 @@ def run_qa_bench(
 
     prompts = [build_prompt(qa, q, count, seed=seed) for q in questions]
     grid = [(m.method, m.ratio) for m in methods]
-    decoder = StaticDecoder(adapter, decode_weights) if decode_weights != "model" else None  # type: ignore[arg-type]
+    weights = decode_weights if decode_weights != "model" else None
     compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per_question = []
     for q, p in zip(tqdm(questions, desc="qa bench", unit="question"), prompts, strict=True):
-        results = compare_methods(adapter, p, grid, answer_tokens=max_tokens, decoder=decoder)
+        results = compare_methods(adapter, p, grid, answer_tokens=max_tokens, decode_weights=weights)  # type: ignore[arg-type]
         answers = {}
         for m, r in zip(methods, results, strict=True):
             text = adapter.decode(r["answer"]).strip()

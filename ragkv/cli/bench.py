@@ -129,7 +129,7 @@ def bench_qa(
 ) -> None:
     """Answers scored against gold on an invented multi-document QA set, per fusion method."""
     from ragkv.bench.qa import format_qa_table, parse_methods, run_qa_bench
-    from ragkv.model.decode import DECODE_WEIGHTS
+    from ragkv.model.attention import DECODE_WEIGHTS
 
     try:
         grid = parse_methods(methods)

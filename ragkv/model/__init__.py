@@ -2,7 +2,7 @@
 
 from ragkv.model.adapter import ModelAdapter, load_model
 from ragkv.model.arch import ArchSpec
-from ragkv.model.attention import AttentionProbe
+from ragkv.model.attention import AttentionProbe, Steer
 from ragkv.model.caches import ScatterCache, cache_to_kv, concat_kv, crop_cache, dynamic_cache
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "AttentionProbe",
     "ModelAdapter",
     "ScatterCache",
+    "Steer",
     "cache_to_kv",
     "concat_kv",
     "crop_cache",

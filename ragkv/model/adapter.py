@@ -5,9 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, get_args
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from torch.nn.attention.bias import causal_lower_right
@@ -17,13 +16,25 @@ from ragkv.digests import sha256_hex
 from ragkv.errors import ContextTooLongError
 from ragkv.model import caches
 from ragkv.model.arch import ArchSpec
-from ragkv.model.attention import AttentionProbe, install_dispatcher, is_dispatched, probing
-from ragkv.model.batch import take_rider
+from ragkv.model.attention import (
+    PLAIN,
+    STEER_KWARG,
+    AttentionProbe,
+    DecodeWeights,
+    Steer,
+    install_dispatcher,
+    is_dispatched,
+    relay_steer,
+)
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
+from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
 from ragkv.prompt import DEFAULT_SYSTEM, PromptLayout
 from ragkv.types import ChunkKV, LogitsWanted
+
+if TYPE_CHECKING:
+    from ragkv.model.batch import Rider
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,7 @@ class ModelAdapter:
         self.spec = ArchSpec.from_model(model)
         self.model = model.eval()
         install_dispatcher(self.model)
+        relay_steer(self.model)  # layers that drop their kwargs (StableLM's) still hand the Steer on
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or self.spec.model_type
         self._inner = model.model
@@ -232,7 +244,14 @@ class ModelAdapter:
 
     @torch.no_grad()
     def forward(
-        self, token_ids: Sequence[int] | torch.Tensor, cache: Cache, start: int, logits: LogitsWanted = "all"
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        cache: Cache,
+        start: int,
+        logits: LogitsWanted = "all",
+        *,
+        steer: Steer = PLAIN,
+        rider: Rider | None = None,
     ) -> torch.Tensor:
         """Run ``token_ids`` at positions ``start..`` on top of ``cache`` (appending); return fp32 logits.
 
@@ -240,29 +259,60 @@ class ModelAdapter:
         (a prefill that only samples the next token); ``"none"`` ``[0, vocab]`` (a pass run for its
         cache). The LM head over a 150K vocabulary is about a quarter of a prefill's compute, and
         its fp32 output at 1.5K tokens about 0.9 GB: computed only where it is read.
+
+        ``steer``: what the pass does besides (a probe, decode weights, the step kind; see
+        :class:`ragkv.model.attention.Steer`). ``rider``: a decode step of a batch that rides on
+        this pass (:meth:`ragkv.model.batch.DecodeBatch.carried_step`), its rows' logits left in
+        ``rider.logits``; an empty ``token_ids`` carries nothing.
         """
         if logits not in _LOGITS_WANTED:
             raise ValueError(f"logits must be one of {_LOGITS_WANTED}, got {logits!r}")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(1, -1)
-        rider = take_rider() if type(cache) is DynamicCache and ids.shape[1] > 0 else None
-        if rider is not None and rider.batch.adapter is self:  # a decode step rides on this pass (ragkv.model.batch)
+        if rider is not None and ids.shape[1] > 0:
+            if rider.batch.adapter is not self or not steer.plain_attention or steer.weights != "model":
+                raise ValueError("a rider rides on a plain pass of its own batch's model")
             piece_logits, rider.logits = rider.batch.carried_step(rider.tokens, ids[0], cache, start, logits)
             return piece_logits
+        model, kw = self.model_for(steer.weights), self._steering(steer)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         if logits == "none":  # the decoder stack alone: no head at all
-            self._inner(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(self._inner)): cache})
+            inner = model.model
+            inner(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(inner)): cache}, **kw)
             return torch.zeros((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
-        kw = {cache_kwarg(type(self.model)): cache, "logits_to_keep": 1 if logits == "last" else 0}
-        return self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw).logits[0].float()
+        kw |= {cache_kwarg(type(model)): cache, "logits_to_keep": 1 if logits == "last" else 0}
+        return model(input_ids=ids, position_ids=pos, use_cache=True, **kw).logits[0].float()
 
-    def prefill_kv(self, token_ids: Sequence[int], past: Sequence[ChunkKV] = ()) -> ChunkKV:
-        """The KV of ``token_ids`` computed after ``past`` (positions continue after it)."""
+    def model_for(self, weights: DecodeWeights) -> Any:
+        """The model whose linear layers read ``weights``: the loaded one for ``"model"``, else its
+        quantized copy (``ragkv.model.quant.quantized``: made once, every other module shared)."""
+        if weights == "model":
+            return self.model
+        if self.device.type != "cpu":
+            raise ValueError(f"{weights} decode weights use torch's CPU kernels; on {self.device} use 'model'")
+        return quantized(self.model, weights)
+
+    def _steering(self, steer: Steer) -> dict[str, Any]:
+        """The keyword arguments that hand ``steer`` to the attention calls (none for a plain pass)."""
+        if steer.plain_attention:
+            return {}
+        if not is_dispatched(self.model):
+            raise RuntimeError(
+                f"{self.name}'s attention implementation was changed to {self.model.config._attn_implementation!r} "
+                "after its ModelAdapter was made; make a new ModelAdapter (it installs ragkv's dispatcher again)"
+            )
+        return {STEER_KWARG: steer}
+
+    def prefill_kv(
+        self, token_ids: Sequence[int], past: Sequence[ChunkKV] = (), *, probe: AttentionProbe | None = None
+    ) -> ChunkKV:
+        """The KV of ``token_ids`` computed after ``past`` (positions continue after it); ``probe``
+        records the pass's attention weights."""
         if not len(token_ids):
             raise ValueError("prefill_kv needs at least one token")
         start = sum(p.num_tokens for p in past)
         self.check_context(start + len(token_ids))
         cache = self.build_cache(past)
-        self.forward(token_ids, cache, start, logits="none")
+        self.forward(token_ids, cache, start, logits="none", steer=PLAIN if probe is None else Steer(probe=probe))
         return self.cache_to_kv(cache, start, start + len(token_ids), self.fingerprint)
 
     def suffix_logits(
@@ -278,9 +328,9 @@ class ModelAdapter:
         return self._inner.embed_tokens(token_ids.to(self.device, non_blocking=True).reshape(1, -1))
 
     def position_embeddings(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for the model's layers at ``positions``, in the dtype of ``like``."""
-        pos = positions.to(self.device, non_blocking=True).reshape(1, -1)
-        return self._inner.rotary_emb(like, pos)
+        """cos/sin for the model's layers at ``positions`` (``[T]``, or ``[B, q]``: a row each), in ``like``'s dtype."""
+        pos = positions.to(self.device, non_blocking=True)
+        return self._inner.rotary_emb(like, pos if pos.dim() == 2 else pos.reshape(1, -1))
 
     def causal_mask(self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
         """Exact causal mask for queries at ``query_pos`` over ``num_keys`` slots: the query at p sees slots <= p.
@@ -320,11 +370,13 @@ class ModelAdapter:
         cache: ScatterCache,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
+        steer: Steer = PLAIN,
     ) -> torch.Tensor:
         """Run decoder layer ``layer_idx`` for the tokens at ``positions`` (``hidden``: [1, q, hidden]).
 
         Their fresh K/V overwrite ``cache`` at their own slots; their queries attend over every slot
-        the mask allows. This is the model's own layer, called through the Cache seam.
+        the mask allows. This is the model's own layer, called through the Cache seam; ``steer``
+        as for :meth:`forward` (fusion's question pass probes).
         """
         cache.set_write_slots(layer_idx, positions.to(self.device))
         layer = self._inner.layers[layer_idx]
@@ -335,26 +387,43 @@ class ModelAdapter:
             use_cache=True,
             position_embeddings=position_embeddings,
             **{cache_kwarg(type(layer)): cache},
+            **self._steering(steer),
         )
         return out[0] if isinstance(out, tuple) else out
 
-    @contextmanager
-    def attention_probe(self, layer_idx: int | None = None) -> Iterator[AttentionProbe]:
-        """Within the block, this thread's attention records its weights (one layer or all), in fp32.
+    @torch.no_grad()
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Cache,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        steer: Steer,
+    ) -> torch.Tensor:
+        """Every decoder layer over ``hidden`` ``[B, q, hidden]`` at ``positions`` ``[B, q]``, on ``cache``.
 
-        Other threads running the model meanwhile are unaffected: nothing on the model changes.
+        A decode step (``steer.kind == "decode"``: one query per row) and a prefill piece carrying
+        one (``steer.carry``) call this; the layers are those of :meth:`model_for` ``steer.weights``.
         """
-        if not is_dispatched(self.model):
-            raise RuntimeError(
-                f"{self.name}'s attention implementation was changed to {self.model.config._attn_implementation!r} "
-                "after its ModelAdapter was made; make a new ModelAdapter (it installs ragkv's dispatcher again)"
+        kw = self._steering(steer)
+        for layer in self.model_for(steer.weights).model.layers:
+            out = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+                **{cache_kwarg(type(layer)): cache},
+                **kw,
             )
-        with probing(layer_idx) as probe:
-            yield probe
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
 
-    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[1, q, vocab]`` of the last layer's ``hidden`` ``[1, q, hidden]``."""
-        return self.model.lm_head(self._inner.norm(hidden)).float()
+    def final_logits(self, hidden: torch.Tensor, weights: DecodeWeights = "model") -> torch.Tensor:
+        """fp32 logits ``[B, q, vocab]`` of the last layer's ``hidden`` ``[B, q, hidden]`` (the LM head of
+        :meth:`model_for` ``weights``)."""
+        return self.model_for(weights).lm_head(self._inner.norm(hidden)).float()
 
 
 def load_model(

@@ -1,22 +1,28 @@
-"""The attention probe: ragkv's registered attention function, recording weights only where a probe is active.
+"""ragkv's registered attention function: what a call does is read from the pass's :class:`Steer`.
 
 The probe used to switch ``model.config._attn_implementation`` for the length of a block. Every
 thread's forward reads that one config, so a concurrent answer ran in the slow probe mode, and a
 racing thread could restore the wrong value and leave the model there (or switch a probing thread
 back mid-pass, whose probe then missed layers: the KeyError of issue 9). Now the model is switched
 once, when its adapter is made, to a dispatcher registered for the implementation it was loaded
-with (``ragkv_sdpa`` delegates to ``sdpa``); whether a call records is read from a ContextVar,
-which each thread (and each asyncio task) has its own copy of.
+with (``ragkv_sdpa`` delegates to ``sdpa``). What one call does (record the weights, run a decode
+step's one query in fp32, split off decode rows riding on a prefill piece) is an argument of the
+pass: a :class:`Steer` the decoder layers hand on to the attention function in their keyword
+arguments (issue 32: it was read from three ContextVars, which no signature showed). One modeling
+file (StableLM's decoder layer) calls its attention without handing its keyword arguments on; for
+layers like it :func:`relay_steer` adds a hook pair that carries the layer call's ``ragkv_steer``
+across that one call (the only ContextVar left, set and cleared by the layer call it spans).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from contextvars import ContextVar
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 import torch
 from torch.nn.attention.bias import CausalBias
@@ -25,25 +31,29 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 __all__ = [
+    "DECODE_WEIGHTS",
+    "PLAIN",
+    "STEER_KWARG",
     "AttentionProbe",
-    "carrying",
-    "decode_step",
-    "in_decode_step",
+    "Carry",
+    "DecodeWeights",
+    "Steer",
+    "StepKind",
     "install_dispatcher",
     "is_dispatched",
-    "is_probing",
-    "probing",
+    "relay_steer",
 ]
 
 _PREFIX = "ragkv_"  # dispatcher names: _PREFIX + the implementation delegated to
-_ACTIVE_PROBE: ContextVar[AttentionProbe | None] = ContextVar("ragkv_attention_probe", default=None)
-_DECODE_STEP: ContextVar[bool] = ContextVar("ragkv_decode_step", default=False)
-_CARRY: ContextVar[_Carry | None] = ContextVar("ragkv_carry", default=None)
 _REGISTER_LOCK = threading.Lock()
+_RELAYED: ContextVar[Steer | None] = ContextVar("ragkv_relayed_steer", default=None)  # see relay_steer
+StepKind = Literal["prefill", "decode"]
+DecodeWeights = Literal["model", "int8", "int4"]  # the weights a decode step's linear layers read (ragkv.model.quant)
+DECODE_WEIGHTS: tuple[str, ...] = get_args(DecodeWeights)
 
 
 class AttentionProbe:
-    """Records attention weights while active (see :func:`probing`)."""
+    """Records the attention weights of the passes steered with it (``Steer(probe=...)``), in fp32."""
 
     def __init__(self, layer_idx: int | None) -> None:
         self.layer_idx = layer_idx  # None: every layer
@@ -117,33 +127,47 @@ def _one_query_fp32(
     return out.to(query.dtype).reshape(b, 1, hq, d), None  # [B, 1, Hq, D], as the delegated functions return
 
 
-class _Carry:
-    """A forward pass whose last ``rows`` queries are decode rows riding on a prefill piece."""
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """Decode rows riding on a prefill piece's pass (set by ``ragkv.model.batch.DecodeBatch.carried_step``).
 
-    def __init__(
-        self, piece: int, rows_mask: torch.Tensor, row_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        self.piece, self.rows_mask, self.row_kv = piece, rows_mask, row_kv
-
-
-@contextmanager
-def carrying(
-    piece: int, rows_mask: torch.Tensor, row_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-) -> Iterator[None]:
-    """Within the block, this thread's attention calls split their queries: the first ``piece``
-    attend as the model's implementation would, over the key/value the layer passes; the rest are
-    decode rows, one query each over its own slot (``row_kv(layer)``: ``[B, kv_heads, span, head_dim]``,
-    ``rows_mask``: ``[B, 1, 1, span]``), in fp32 as a decode step (``ragkv.model.batch.DecodeBatch.carried_step``).
+    The pass's first ``piece`` queries attend as the model's implementation would, over the key/value
+    the layer passes; the rest are decode rows, one query each over its own slot, in fp32 as a decode step.
     """
-    token = _CARRY.set(_Carry(piece, rows_mask, row_kv))
-    try:
-        yield
-    finally:
-        _CARRY.reset(token)
+
+    piece: int  # the prefill piece's queries (the first ones of the pass)
+    rows_mask: torch.Tensor  # [B, 1, 1, span]: each row's own columns
+    row_kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # layer -> the rows' K/V [B, kv_heads, span, head_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class Steer:
+    """What one forward pass does besides running the model as loaded: the argument every pass takes.
+
+    ``ModelAdapter.forward``/``run_layer``/``run_layers`` take it and hand it to each attention call
+    through transformers' keyword arguments (``ragkv_steer``: the decoder layers pass their
+    ``**kwargs`` on to the attention function, where ragkv's dispatcher reads it); the adapter reads
+    ``weights`` itself (which linear layers the pass runs). :data:`PLAIN` steers nothing: every
+    call delegates to the loaded implementation exactly.
+    """
+
+    kind: StepKind = "prefill"  # "decode": one query per row; on the CPU its attention runs in fp32
+    weights: DecodeWeights = "model"  # the linear layers read the model's weights or an int8/int4 copy
+    probe: AttentionProbe | None = None  # records the attention weights of the pass's queries
+    carry: Carry | None = None  # decode rows riding on the pass's last queries
+
+    @property
+    def plain_attention(self) -> bool:
+        """Whether every attention call of the pass delegates to the loaded implementation as is."""
+        return self.kind == "prefill" and self.probe is None and self.carry is None
+
+
+PLAIN = Steer()
+STEER_KWARG = "ragkv_steer"  # the keyword the dispatcher reads the pass's Steer from
 
 
 def _carried_attention(
-    carry: _Carry,
+    carry: Carry,
     base: str,
     module: Any,
     query: torch.Tensor,
@@ -160,7 +184,7 @@ def _carried_attention(
     row_k, row_v = carry.row_kv(module.layer_idx)
     b, hq, d = query.shape[2] - p, query.shape[1], query.shape[3]
     row_q = query[0, :, p:].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
-    if _takes_fp32_decode(row_q, kwargs):  # as a step of its own would (decode_step's choice)
+    if _takes_fp32_decode(row_q, kwargs):  # as a step of its own would (Steer(kind="decode")'s choice)
         rows, _ = _one_query_fp32(row_q, row_k, row_v, carry.rows_mask, kwargs.get("scaling"))  # [B, 1, Hq, D]
     else:
         rows, _ = _delegate(base, module)(module, row_q, row_k, row_v, carry.rows_mask, *args, **kwargs)
@@ -172,30 +196,6 @@ def _takes_fp32_decode(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     if query.shape[2] != 1 or query.device.type != "cpu":
         return False  # CUDA's SDPA kernels are fast for one query; several queries are a prefill
     return not kwargs.get("softcap") and not kwargs.get("dropout") and kwargs.get("s_aux") is None
-
-
-@contextmanager
-def decode_step() -> Iterator[None]:
-    """Within the block, this thread's one-query attention on the CPU runs in fp32 (a decode step).
-
-    Outside it every call delegates to the loaded implementation exactly; only the static decoder
-    (``ragkv.model.decode``) opens it.
-    """
-    token = _DECODE_STEP.set(True)
-    try:
-        yield
-    finally:
-        _DECODE_STEP.reset(token)
-
-
-def is_probing() -> bool:
-    """Whether this thread's attention calls record weights now (inside :func:`probing`)."""
-    return _ACTIVE_PROBE.get() is not None
-
-
-def in_decode_step() -> bool:
-    """Whether this thread is inside :func:`decode_step`."""
-    return _DECODE_STEP.get()
 
 
 _EAGER: dict[type, Callable[..., Any]] = {}
@@ -222,16 +222,18 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        probe = _ACTIVE_PROBE.get()
+        steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
+        if steer.plain_attention:
+            return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
+        probe, carry = steer.probe, steer.carry
         layer = getattr(module, "layer_idx", None)
-        carry = _CARRY.get()
         if carry is not None and query.shape[2] > carry.piece:
             if layer is None:  # the rows' K/V are found by layer: without one they would read the piece's
                 raise RuntimeError(f"{type(module).__name__} has no layer_idx; decode steps cannot ride on its passes")
             return _carried_attention(carry, base, module, query, key, value, attention_mask, *args, **kwargs)
         if probe is not None and layer is not None and probe.layer_idx in (None, layer):
             return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))
-        if _DECODE_STEP.get() and _takes_fp32_decode(query, kwargs):
+        if steer.kind == "decode" and _takes_fp32_decode(query, kwargs):
             return _one_query_fp32(query, key, value, attention_mask, kwargs.get("scaling"))
         return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
 
@@ -262,19 +264,50 @@ def install_dispatcher(model: Any) -> str:
 
 
 def is_dispatched(model: Any) -> bool:
-    """Whether ``model`` runs ragkv's dispatcher (so :func:`probing` can record)."""
+    """Whether ``model`` runs ragkv's dispatcher (so a :class:`Steer` is heard)."""
     return str(model.config._attn_implementation or "").startswith(_PREFIX)
 
 
-@contextmanager
-def probing(layer_idx: int | None = None) -> Iterator[AttentionProbe]:
-    """Within the block, this thread's attention calls record their weights (one layer or all).
-
-    Only calls from this thread (or asyncio task) record; other threads' forwards are untouched.
-    """
-    probe = AttentionProbe(layer_idx)
-    token = _ACTIVE_PROBE.set(probe)
+def _drops_kwargs(layer: Any) -> bool:
+    """Whether ``layer``'s forward calls ``self.self_attn(...)`` without handing on its ``**kwargs``."""
     try:
-        yield probe
-    finally:
-        _ACTIVE_PROBE.reset(token)
+        src = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return True
+    start = src.find("self.self_attn(")
+    if start < 0:
+        return True
+    depth, i = 1, start + len("self.self_attn(")
+    while depth and i < len(src):
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        i += 1
+    return "**kwargs" not in src[start:i]
+
+
+def relay_steer(model: Any) -> int:
+    """Make ``model``'s decoder layers that drop their keyword arguments relay ``ragkv_steer`` to their
+    attention (once per model); return how many layers needed it (StableLM's; none of the other families).
+
+    A pre-hook takes the layer call's Steer and holds it for the call (a ContextVar: per thread and
+    task), the hook after the call (run on errors too) clears it; the dispatcher reads it only when
+    its own keyword arguments carry none. Hooks live in the module's hook dict, which the quantized
+    decode copies (``ragkv.model.quant``) share.
+    """
+    relayed = 0
+    for layer in model.model.layers:
+        if getattr(layer, "_ragkv_relays", False) or not _drops_kwargs(layer):
+            continue
+        layer.register_forward_pre_hook(_hold_steer, with_kwargs=True)
+        layer.register_forward_hook(_drop_steer, always_call=True)
+        layer._ragkv_relays = True
+        relayed += 1
+    return relayed
+
+
+def _hold_steer(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    _RELAYED.set(kwargs.pop(STEER_KWARG, None))
+    return args, kwargs
+
+
+def _drop_steer(module: Any, args: tuple[Any, ...], output: Any) -> None:
+    _RELAYED.set(None)

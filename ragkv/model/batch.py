@@ -10,31 +10,29 @@ when a joining request needs more columns or slots than they have (capacity then
 doubles, so that copy is amortized), and freed when the batch empties.
 
 A step may also ride on a prefill piece's forward pass (:meth:`DecodeBatch.carried_step`,
-Sarathi-Serve's mixed batch): the server's scheduler offers it (:func:`riding`) and
-``ModelAdapter.forward`` takes it (:func:`take_rider`), so the rows' tokens share the piece's
-weight reads.
+Sarathi-Serve's mixed batch): the scheduler hands the piece a :class:`Rider` and the piece passes
+it to ``ModelAdapter.forward(..., rider=...)``, so the rows' tokens share the piece's weight reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ragkv.model.attention import carrying, decode_step, is_dispatched, is_probing
-from ragkv.model.caches import _layer_tensors, cache_kwarg
-from ragkv.model.quant import step_weights
+from ragkv.model.attention import Carry, DecodeWeights, Steer, is_dispatched
+from ragkv.model.caches import _layer_tensors
 from ragkv.types import LogitsWanted
 
-__all__ = ["DecodeBatch", "Rider", "riding", "riding_tokens", "take_rider"]
+if TYPE_CHECKING:
+    from ragkv.model.adapter import ModelAdapter
+
+__all__ = ["DecodeBatch", "Rider", "one_row"]
 
 _ALIGN = 64  # capacity is rounded up to a multiple of this many columns
-_RIDER: ContextVar[Rider | None] = ContextVar("ragkv_rider", default=None)
 
 
 class _BufferLayer(CacheLayerMixin):
@@ -132,7 +130,7 @@ class _CarryCache(Cache):
 
     A layer's K/V ``[1, kv_heads, p + B, head_dim]`` splits: the first ``p`` columns are appended to
     the piece's own cache (whose whole K/V the layer's attention then reads), the last ``B`` go to
-    each row's slot in the batch buffers (read by :func:`ragkv.model.attention.carrying`'s split).
+    each row's slot in the batch buffers (read by the attention's split: ``ragkv.model.attention.Carry``).
     """
 
     def __init__(self, piece_cache: Cache, rows: list[_RaggedLayer], piece_tokens: int) -> None:
@@ -159,13 +157,16 @@ class DecodeBatch:
     """The rows being decoded together, each in its own slot of static caches.
 
     Args:
-        adapter: the model (a ``ModelAdapter``).
-        weights: the weights a step reads: ``"model"``, or an installed ``"int8"``/``"int4"`` copy.
+        adapter: the model.
+        weights: the weights a step reads: ``"model"``, or an ``"int8"``/``"int4"`` copy
+            (``ragkv.model.quant``; made here, once per model, on the CPU only).
     """
 
-    def __init__(self, adapter: Any, *, weights: str = "model") -> None:
+    def __init__(self, adapter: ModelAdapter, *, weights: DecodeWeights = "model") -> None:
         self.adapter = adapter
-        self.weights = weights
+        self.weights: DecodeWeights = weights
+        self._step = Steer(kind="decode", weights=weights)  # what a step's pass does (ragkv.model.attention)
+        adapter.model_for(weights)  # the quantized copy, made now (a bad format or device raises here)
         self._owner: list[str | None] = []  # slot -> request id (None: free)
         self._length: list[int] = []  # slot -> tokens filled (the next token's position and column)
         self._layers: list[_RaggedLayer] = []
@@ -237,22 +238,13 @@ class DecodeBatch:
         rows = self._start_step(token_ids)
         a = self.adapter
         hidden = a.embed(rows.ids).reshape(rows.count, 1, -1)  # [B, 1, hidden]
-        pe = a._inner.rotary_emb(hidden, rows.pos.unsqueeze(1))
-        mask = rows.mask(hidden.dtype)  # [B, 1, 1, span]
-        cache = _SlotCache(self._layers)
+        pe = a.position_embeddings(rows.pos.unsqueeze(1), hidden)
+        # [B, 1, 1, span]; one row alone sees all its columns: no mask (as a static decoder's step, exactly)
+        mask = rows.mask(hidden.dtype) if rows.count > 1 else None
         # one query per row: fp32 attention on the CPU (ragkv.model.attention); the engine's decode weights
-        with step_weights(self.weights), decode_step():
-            for layer in a._inner.layers:
-                out = layer(
-                    hidden,
-                    attention_mask=mask,
-                    position_ids=rows.pos.unsqueeze(1),
-                    use_cache=True,
-                    position_embeddings=pe,
-                    **{cache_kwarg(type(layer)): cache},
-                )
-                hidden = out[0] if isinstance(out, tuple) else out
-        logits = a.final_logits(hidden.index_select(0, rows.live))[:, -1]  # [A, vocab]: the head on live rows only
+        hidden = a.run_layers(hidden, rows.pos.unsqueeze(1), _SlotCache(self._layers), pe, mask, self._step)
+        # [A, vocab]: the head on live rows only
+        logits = a.final_logits(hidden.index_select(0, rows.live), self.weights)[:, -1]
         self._end_step(rows)
         return logits
 
@@ -283,20 +275,11 @@ class DecodeBatch:
         ids = torch.cat([piece.reshape(-1).to(device=a.device, dtype=torch.long), rows.ids])  # [p + B]
         hidden = a.embed(ids)  # [1, p + B, hidden]
         positions = torch.cat([torch.arange(start, start + p, device=a.device), rows.pos])  # [p + B]
-        pe = a._inner.rotary_emb(hidden, positions.unsqueeze(0))
+        pe = a.position_embeddings(positions.unsqueeze(0), hidden)
         piece_mask = a.causal_mask(torch.arange(start, start + p), start + p, hidden.dtype)  # [1, 1, p, start + p]
         mixed = _CarryCache(cache, self._layers, p)
-        with carrying(p, rows.mask(hidden.dtype), mixed.row_kv):
-            for layer in a._inner.layers:
-                out = layer(
-                    hidden,
-                    attention_mask=piece_mask,
-                    position_ids=positions.unsqueeze(0),
-                    use_cache=True,
-                    position_embeddings=pe,
-                    **{cache_kwarg(type(layer)): mixed},
-                )
-                hidden = out[0] if isinstance(out, tuple) else out
+        carry = Steer(carry=Carry(p, rows.mask(hidden.dtype), mixed.row_kv))
+        hidden = a.run_layers(hidden, positions.unsqueeze(0), mixed, pe, piece_mask, carry)
         piece_rows = torch.arange({"all": 0, "last": p - 1, "none": p}[logits], p)  # where the piece wants logits
         at = torch.cat([piece_rows, p + rows.live.cpu()]).to(a.device)
         out = a.final_logits(hidden.index_select(1, at))[0]  # [n, vocab]: one LM head read for both
@@ -353,11 +336,11 @@ class DecodeBatch:
 
 @dataclass(slots=True)
 class Rider:
-    """A decode step of ``batch`` waiting to ride on this thread's next prefill forward pass.
+    """A decode step of ``batch`` offered to a prefill piece's forward pass.
 
-    The server's scheduler offers one around each prefill piece (:func:`riding`);
-    ``ModelAdapter.forward`` takes it (:func:`take_rider`) and runs
-    :meth:`DecodeBatch.carried_step`, leaving the rows' logits here. ``logits`` still None after
+    The scheduler offers one to each prefill piece (``RagKV.prefill_steps(riders=...)``); a full
+    prefill's piece passes it to ``ModelAdapter.forward(..., rider=...)``, which runs
+    :meth:`DecodeBatch.carried_step` and leaves the rows' logits here. ``logits`` still None after
     the piece: nothing carried it (a fused piece, say), and the scheduler steps on its own.
     """
 
@@ -366,32 +349,14 @@ class Rider:
     logits: torch.Tensor | None = None  # [A, vocab] once carried
 
 
-@contextmanager
-def riding(rider: Rider | None) -> Iterator[Rider | None]:
-    """Within the block, this thread's next plain forward pass may carry ``rider`` (None: nothing to carry)."""
-    token = _RIDER.set(rider)
-    try:
-        yield rider
-    finally:
-        _RIDER.reset(token)
+def one_row(
+    adapter: ModelAdapter, cache: Cache, num_tokens: int, reserve: int, weights: DecodeWeights = "model"
+) -> Callable[[int], torch.Tensor]:
+    """One prompt's decode steps as a function: feed a token, get the next token's fp32 logits ``[vocab]``.
 
-
-def take_rider() -> Rider | None:
-    """The decode step offered to this thread's forward pass, if one is waiting (each is carried once).
-
-    None inside an attention probe: a probe records the weights of the pass's own queries.
+    A batch of one row over ``cache``'s first ``num_tokens`` slots, with room for ``reserve``
+    tokens (the step an answer runs, for benchmarks and tests that feed tokens themselves).
     """
-    rider = _RIDER.get()
-    if rider is None or rider.logits is not None or is_probing():
-        return None
-    return rider
-
-
-def riding_tokens() -> int:
-    """Tokens the decode step waiting to ride on this thread's next forward pass adds to it (0: none waiting).
-
-    One per row the step runs, free slots among the live ones included (``DecodeBatch.step_rows``).
-    A prefill piece counts them in its token budget (``AnswerPath._full_steps``).
-    """
-    rider = take_rider()
-    return rider.batch.step_rows if rider is not None else 0
+    batch = DecodeBatch(adapter, weights=weights)
+    batch.add("row", cache, num_tokens, reserve=reserve)
+    return lambda token: batch.step([token])[0]

@@ -1,11 +1,13 @@
 """Weight-only int8 and int4 copies of a model's linear layers, read by decode steps only.
 
 A CPU decode step streams every weight once per token, so its time is the weight bytes over the
-memory bandwidth: int8 halves a bf16 step's bytes, int4 quarters them. The copies sit beside the
-model's own weights; each linear module's ``forward`` is swapped (once) for one that reads the
-copy of the format this thread's step asks for (:func:`step_weights`) and the module's own weight
-otherwise, so prefill, fusion, the fingerprint and the state dict never change, and a decoder
-reading the model's weights on the same model stays exact.
+memory bandwidth: int8 halves a bf16 step's bytes, int4 quarters them. :func:`quantized` makes
+(once per model and format) a copy of the model that shares every module and parameter with it
+except the decoder's linear layers and the LM head, which read the quantized copies; a decode
+step asking for those weights (``Steer(weights="int8")``) runs that copy's layers, every other
+pass runs the model itself, so prefill, fusion, the fingerprint and the state dict never change,
+and a decoder reading the model's weights on the same model stays exact. (Until issue 32 the
+linear modules' ``forward`` was swapped for one that read the format from a ContextVar.)
 
 Formats (torch's CPU kernels):
 - ``int8``: symmetric, one scale per output channel (``torch._weight_int8pack_mm``).
@@ -16,11 +18,11 @@ Formats (torch's CPU kernels):
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZED", "install", "quantize_int4", "quantize_int8", "step_weights"]
+__all__ = ["QUANTIZED", "quantize_int4", "quantize_int8", "quantized"]
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] activations -> [rows, out]
 
@@ -36,8 +38,8 @@ INT4_GROUP = 32  # input columns sharing one int4 scale and offset (Q4_K's sub-b
 # in_features the kernels handle (torch 2.13, CPU): int8 needs multiples of 16 (24 gave wrong sums,
 # 13 a segfault); int4 needs whole groups
 _ALIGN = {"int8": 16, "int4": INT4_GROUP}
-_STEP: ContextVar[str] = ContextVar("ragkv_step_weights", default="model")
-_KERNELS: weakref.WeakKeyDictionary[nn.Module, dict[str, Kernel]] = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
+_COPY_LOCK = threading.Lock()
 
 
 def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,39 +85,57 @@ _MAKERS: dict[str, Callable[[nn.Linear, torch.dtype], Kernel]] = {"int8": _int8_
 QUANTIZED: tuple[str, ...] = tuple(_MAKERS)
 
 
-def _dispatching_forward(module: nn.Linear, kernels: dict[str, Kernel]) -> Callable[[torch.Tensor], torch.Tensor]:
-    plain = module.forward
+class QuantLinear(nn.Module):
+    """A linear layer computed by a weight-only kernel (its own weight stays with the model's module)."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        kernel = kernels.get(_STEP.get())
-        if kernel is None:
-            return plain(x)
-        out = kernel(x.reshape(-1, x.shape[-1])).to(x.dtype)  # the kernels take 2-D activations
-        if module.bias is not None:
-            out = out + module.bias
+    def __init__(self, kernel: Kernel, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        self.kernel, self.bias, self.in_features = kernel, bias, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.kernel(x.reshape(-1, x.shape[-1])).to(x.dtype)  # the kernels take 2-D activations
+        if self.bias is not None:
+            out = out + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    return forward
+
+def _swapped(module: nn.Module, swap: dict[nn.Module, nn.Module]) -> nn.Module:
+    """``module`` with the descendants in ``swap`` replaced: shallow copies down the paths to them,
+    every other submodule (and every parameter) shared with ``module``."""
+    if module in swap:
+        return swap[module]
+    children = dict(module.named_children())
+    new = {name: _swapped(child, swap) for name, child in children.items()}
+    if all(new[name] is child for name, child in children.items()):
+        return module
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._modules.update(new)
+    return clone
 
 
-def install(model: Any, weights: str) -> int:
-    """Give the decoder's linear layers and the LM head ``weights`` copies (once per format); return bytes added.
+def quantized(model: Any, weights: str) -> Any:
+    """``model`` whose decoder linear layers and LM head read ``weights`` copies (made once per model and format).
 
-    On the CPU the kernels are fast for bf16 activations and slow for fp32 ones, so an fp32 model's
+    Everything else (embeddings, norms, rotary tables, config) is the model's own, shared. On the
+    CPU the kernels are fast for bf16 activations and slow for fp32 ones, so an fp32 model's
     activations go through them in bf16.
     """
     if weights not in _MAKERS:
         raise ValueError(f"quantized decode weights are one of {QUANTIZED}, got {weights!r}")
+    with _COPY_LOCK:
+        made = _COPIES.setdefault(model, {})
+        if weights not in made:
+            made[weights] = _quantized_copy(model, weights)
+        return made[weights]
+
+
+def _quantized_copy(model: Any, weights: str) -> Any:
     act = torch.bfloat16 if model.dtype == torch.float32 else model.dtype
+    swap: dict[nn.Module, nn.Module] = {}
     added = 0
     for module in [*model.model.layers.modules(), model.lm_head]:
         if not isinstance(module, nn.Linear):
-            continue
-        kernels = _KERNELS.get(module)
-        if kernels is None:
-            kernels = _KERNELS[module] = {}
-            module.forward = _dispatching_forward(module, kernels)  # type: ignore[method-assign,assignment]
-        if weights in kernels:
             continue
         fmt = "int8" if module is model.lm_head else weights
         if module.in_features % _ALIGN[fmt]:
@@ -123,16 +143,7 @@ def install(model: Any, weights: str) -> int:
                 "%s decode: a %s keeps its weights (in_features %d)", fmt, type(module).__name__, module.in_features
             )
             continue
-        kernels[weights] = _MAKERS[fmt](module, act)
+        swap[module] = QuantLinear(_MAKERS[fmt](module, act), module.bias, module.in_features)
         added += module.weight.numel() // (1 if fmt == "int8" else 2)
-    return added
-
-
-@contextmanager
-def step_weights(weights: str) -> Iterator[None]:
-    """Within the block, this thread's linear layers read their ``weights`` copies (where installed)."""
-    token = _STEP.set(weights)
-    try:
-        yield
-    finally:
-        _STEP.reset(token)
+    logger.info("%s decode weights: %.0f MB added", weights, added / 1e6)
+    return _swapped(model, swap)

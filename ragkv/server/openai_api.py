@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ragkv.driver import Event, JobRequest
 from ragkv.generation import GenerationConfig
-from ragkv.server.scheduler import Event
 from ragkv.server.state import ApiError, ServerState
 from ragkv.types import Chunk, GenerationStats
 
@@ -125,8 +125,8 @@ async def _prepare(
     prompt: str | None,
     chat: list[Message] | None,
     max_tokens: int | None,
-) -> tuple[dict[str, Any], list[Chunk], int | None]:
-    """The job's arguments, the retrieved sources and how many cached chunks the client's prompt held."""
+) -> tuple[JobRequest, list[Chunk], int | None]:
+    """The job's request, the retrieved sources and how many cached chunks the client's prompt held."""
     engine = await state.engine(request)
     gen = _generation(state, engine, req, max_tokens)
     mode = "full" if req.ragkv.full else "reuse"
@@ -139,15 +139,15 @@ async def _prepare(
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         asked = rag_question([(m.role, m.text()) for m in chat]) if chat else ""
-        args = {"segments": None, "rag": ([c.text for c in sources], asked or question)}
-        return {"engine": engine, "mode": mode, "generation": gen, **args}, sources, None
+        rag = ([c.text for c in sources], asked or question)
+        return JobRequest(engine, gen, mode, rag=rag), sources, None
     if chat is not None:
         prompt = engine.render_chat([{"role": m.role, "content": m.text()} for m in chat])
     if not prompt:
         raise ApiError(400, "the prompt is empty; send some text")
     segments = state.registry(engine).split(prompt) if mode == "reuse" else [prompt]
     found = sum(not isinstance(s, str) for s in segments)
-    return {"engine": engine, "mode": mode, "generation": gen, "segments": segments, "rag": None}, [], found
+    return JobRequest(engine, gen, mode, segments=segments), [], found
 
 
 def retrieval_query(user_turns: list[str]) -> str:
@@ -228,8 +228,8 @@ async def _respond(
     chat: list[Message] | None,
     max_tokens: int | None,
 ) -> Any:
-    args, sources, found = await _prepare(state, request, req, prompt, chat, max_tokens)
-    _, events, _ = await state.run(args)
+    job_request, sources, found = await _prepare(state, request, req, prompt, chat, max_tokens)
+    _, events, _ = await state.run(job_request)
     head = {
         "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),

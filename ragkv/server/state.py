@@ -10,10 +10,10 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
+from ragkv.driver import Event, Job, JobRequest, QueueFullError, Scheduler, queued_post
 from ragkv.matching import ChunkRegistry
 from ragkv.server.metrics import Metrics
 from ragkv.server.quotas import QuotaError, Quotas
-from ragkv.server.scheduler import Event, Job, QueueFullError, Scheduler, queued_post
 from ragkv.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class ServerState:
             engine.adapter,
             max_batch=settings.max_batch,
             max_queue=settings.max_queue,
-            decode_weights=engine.decoder.weights,  # every tenant's engine shares the base engine's model
+            decode_weights=engine.decode_weights,  # every tenant's engine shares the base engine's model
             step_tokens=settings.step_tokens or None,
             carry=settings.carry_steps,
         )
@@ -163,18 +163,18 @@ class ServerState:
         self._register(engine)
 
     # ---- generation -----------------------------------------------------------------------------
-    async def run(self, job_args: dict[str, Any]) -> tuple[Job, AsyncIterator[Event], Event]:
+    async def run(self, request: JobRequest) -> tuple[Job, AsyncIterator[Event], Event]:
         """Queue a generation; wait until it is prefilled. Returns (job, its remaining events, ``started``).
 
         Raises ApiError: 429 when the queue is full, 400 for a prompt the model cannot take.
         """
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        tenant = job_args["engine"].config.tenant
+        tenant = request.engine.config.tenant  # type: ignore[attr-defined]
         try:
             self.quotas.start_generation(tenant)
         except QuotaError as e:
             raise ApiError(e.status, str(e), "rate_limit_error", **{"Retry-After": "1"}) from e
-        job = Job(post=_releasing(queued_post(asyncio.get_running_loop(), queue), self.quotas, tenant), **job_args)
+        job = Job(request, post=_releasing(queued_post(asyncio.get_running_loop(), queue), self.quotas, tenant))
         try:
             self.scheduler.submit(job)
         except QueueFullError as e:

@@ -47,7 +47,7 @@ def test_ragkv_rows_without_llama_cpp(engine):
     systems = {"fused": ("reuse", "model"), "full": ("full", "model"), "fused int8": ("reuse", "int8")}
     rows = run_peer_bench(engine, systems, peers, llm=None, repeats=1, decode_tokens=4)
     assert [r["system"] for r in rows] == ["fused", "full", "fused int8"]
-    assert engine.decoder.weights == "model"  # the engine's own decoder is back
+    assert engine.decode_weights == "model"  # the engine's own decode weights are back
     for row in rows:
         assert row["runs"] == 2 and row["ttft_s"] > 0 and row["decode_tok_s"] > 0
         assert row["answer_s"] == pytest.approx(row["ttft_s"] + (ANSWER - 1) / row["decode_tok_s"])

@@ -218,19 +218,18 @@ def test_qa_bench_on_the_real_model_named_by_the_environment(tmp_path: Path, mon
     assert 0.0 < fused["recompute"] < 0.5 and fused["kl"] >= 0.0
 
 
-def test_answers_decoded_by_static_decoder_steps_equal_the_models_own_forward(tiny_tokenizer, qa) -> None:
-    """``--decode-weights``: the answers go through the decoder's steps; with the model's weights they equal
+def test_answers_decoded_by_decode_steps_equal_the_models_own_forward(tiny_tokenizer, qa) -> None:
+    """``--decode-weights``: the answers go through decode steps (one row); with the model's weights they equal
     the slow path (the model's own forward per token), and int8 is named in the result."""
     from ragkv.bench.fusion import compare_methods
     from ragkv.model import ModelAdapter
-    from ragkv.model.decode import StaticDecoder
     from tests.conftest import make_model
 
     adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer, name="tiny-llama")
     prompt = {"chunks": ["The ferry takes three hours.", "The island has one town."], "question": "How long?"}
     grid = [("full", 1.0), ("naive", 0.0)]
     slow = compare_methods(adapter, prompt, grid, answer_tokens=6)
-    fast = compare_methods(adapter, prompt, grid, answer_tokens=6, decoder=StaticDecoder(adapter, "model"))
+    fast = compare_methods(adapter, prompt, grid, answer_tokens=6, decode_weights="model")
     assert [r["answer"] for r in fast] == [r["answer"] for r in slow]
     assert [r["kl"] for r in fast] == [r["kl"] for r in slow]  # KL compares the model's own logits either way
     short = QASet(qa.name, {k: replace(d, text=d.text[:300]) for k, d in qa.documents.items()}, qa.questions)

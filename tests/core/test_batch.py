@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ragkv.generation import GenerationConfig, decode_loop
+from ragkv.model import AttentionProbe, Steer
 from ragkv.model.batch import DecodeBatch
 
 
@@ -163,8 +165,8 @@ def test_a_carried_step_equals_a_piece_then_a_step_of_its_own(llama_adapter):
                 torch.testing.assert_close(fast_batch.step(nxt), slow_batch.step(nxt), atol=1e-4, rtol=1e-4)
 
 
-def test_a_rider_is_carried_once_by_the_next_plain_forward_pass(llama_adapter):
-    from ragkv.model.batch import Rider, riding
+def test_a_rider_is_carried_by_the_forward_pass_it_is_handed_to(llama_adapter):
+    from ragkv.model.batch import Rider
 
     adapter = llama_adapter
     prompts = _prompts(adapter, 2)
@@ -174,20 +176,17 @@ def test_a_rider_is_carried_once_by_the_next_plain_forward_pass(llama_adapter):
         want = want_batch.step(tokens)
         ids = adapter.encode("Some words of a prompt to prefill")
         cache = adapter.build_cache([])
-        with riding(Rider(batch, tokens)) as rider:
-            adapter.forward(ids[:4], cache, 0, logits="none")
-            assert rider is not None and rider.logits is not None
-            first = rider.logits
-            adapter.forward(ids[4:], cache, 4, logits="last")  # carries nothing more
-        assert rider.logits is first
-        torch.testing.assert_close(first, want, atol=1e-4, rtol=1e-4)
+        rider = Rider(batch, tokens)
+        adapter.forward(ids[:4], cache, 0, logits="none", rider=rider)
+        assert rider.logits is not None
+        adapter.forward(ids[4:], cache, 4, logits="last")  # a pass handed no rider carries nothing
+        torch.testing.assert_close(rider.logits, want, atol=1e-4, rtol=1e-4)
         assert batch._length == want_batch._length
+        with pytest.raises(ValueError, match="plain pass"):  # a probed pass records its own queries only
+            adapter.forward(ids[4:], cache, 4, steer=Steer(probe=AttentionProbe(None)), rider=Rider(batch, tokens))
 
 
 def test_int8_steps_are_not_carried(llama_adapter):
-    from ragkv.model.quant import install
-
-    install(llama_adapter.model, "int8")
     batch = DecodeBatch(llama_adapter, weights="int8")
     cache, _ = _prefilled(llama_adapter, _prompts(llama_adapter, 1)[0])
     batch.add("0", cache, 5)
@@ -195,13 +194,8 @@ def test_int8_steps_are_not_carried(llama_adapter):
     assert not DecodeBatch(llama_adapter).can_carry()  # nothing to carry
 
 
-def test_a_piece_budget_counts_every_row_the_step_runs_free_slots_included(llama_adapter):
-    """The pass is piece + step_rows tokens: a freed slot between live rows still runs (a dummy token)."""
-    from ragkv.model.batch import Rider, riding, riding_tokens
-
+def test_a_step_runs_every_slot_up_to_the_last_live_one_free_slots_included(llama_adapter):
+    """A piece's budget counts ``step_rows`` (AnswerPath._full_steps): a freed slot between live rows still runs."""
     with torch.inference_mode():
-        batch, tokens = _rows(llama_adapter, _prompts(llama_adapter, 3), free_slot=True)
-        assert len(batch) == 2 and batch.step_rows == 3
-        assert riding_tokens() == 0
-        with riding(Rider(batch, tokens)):
-            assert riding_tokens() == 3
+        batch, _ = _rows(llama_adapter, _prompts(llama_adapter, 3), free_slot=True)
+    assert len(batch) == 2 and batch.step_rows == 3

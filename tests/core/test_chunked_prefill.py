@@ -110,7 +110,7 @@ def test_bad_step_tokens_are_refused(tmp_path, llama_adapter):
 
 def test_a_piece_gives_the_rows_riding_on_it_their_share_of_the_budget_but_at_most_half(tmp_path, llama_adapter):
     """The first piece carries a 3-row step: with 8 tokens a piece it runs 5 prompt tokens; with 4, 2 (not 1)."""
-    from ragkv.model.batch import Rider, riding
+    from ragkv.model.batch import Rider
 
     with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
         a = rag.adapter
@@ -122,10 +122,11 @@ def test_a_piece_gives_the_rows_riding_on_it_their_share_of_the_budget_but_at_mo
                 cache = a.build_cache([])
                 a.forward(a.encode(f"Row {i} says hello"), cache, 0, logits="none")
                 batch.add(str(i), cache, 5, reserve=4)
-            with riding(Rider(batch, [1, 2, 3])) as rider:
-                pre, pieces = _pieces(rag.prefill_steps(PROMPT, mode="full", step_tokens=budget))
-            assert rider is not None and rider.logits is not None  # the first pass carried the step
-            assert pieces == 1 + -(-(n - first) // budget)  # later pieces have no rider: whole budgets
+            assert batch.step_rows == 3
+            rider = Rider(batch, [1, 2, 3])
+            pre, pieces = _pieces(rag.prefill_steps(PROMPT, mode="full", step_tokens=budget, riders=lambda: rider))  # noqa: B023
+            assert rider.logits is not None  # the first pass carried the step
+            assert pieces == 1 + -(-(n - first) // budget)  # a step is carried once: later pieces take whole budgets
             torch.testing.assert_close(pre.logits, whole.logits, atol=1e-4, rtol=1e-4)
 
 

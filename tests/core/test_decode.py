@@ -1,15 +1,16 @@
-"""The static decoder (ragkv.model.decode) against the plain transformers forward of the same weights."""
+"""Decode steps (one row of ragkv.model.batch.DecodeBatch, as every answer runs) against the plain
+transformers forward of the same weights; the int8/int4 decode weights (ragkv.model.quant)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ragkv.generation import GenerationConfig, decode_loop, generate_ids
-from ragkv.model import ModelAdapter
-from ragkv.model.attention import _one_query_fp32, decode_step
-from ragkv.model.decode import StaticDecoder
-from ragkv.model.quant import quantize_int4, quantize_int8
+from ragkv.generation import generate_ids
+from ragkv.model import ModelAdapter, Steer
+from ragkv.model.attention import _one_query_fp32
+from ragkv.model.batch import DecodeBatch
+from ragkv.model.quant import quantize_int4, quantize_int8, quantized
 from tests.conftest import make_model
 
 
@@ -24,6 +25,24 @@ def _plain_logits(adapter: ModelAdapter, ids: list[int]) -> torch.Tensor:
         return adapter.model(input_ids=torch.tensor([ids])).logits[0].float()
 
 
+def _steps(a: ModelAdapter, cache, num_tokens: int, tokens: list[int], weights: str = "model") -> torch.Tensor:
+    """Logits ``[len(tokens), vocab]`` after feeding each of ``tokens`` (teacher forcing) as one row of a batch."""
+    batch = DecodeBatch(a, weights=weights)  # type: ignore[arg-type]
+    batch.add("row", cache, num_tokens, reserve=len(tokens))
+    return torch.stack([batch.step([t])[0] for t in tokens])
+
+
+def _greedy(a: ModelAdapter, cache, first: torch.Tensor, num_tokens: int, n: int) -> list[int]:
+    """Greedy ids decoded as one row of a batch from the prompt's last logits ``first`` (stops at EOS)."""
+    batch = DecodeBatch(a)
+    batch.add("row", cache, num_tokens, reserve=n)
+    out, logits = [], first
+    while len(out) < n and int(torch.argmax(logits)) not in a.eos_token_ids:
+        out.append(int(torch.argmax(logits)))
+        logits = batch.step(out[-1:])[0]
+    return out
+
+
 def _tolerance(dtype: torch.dtype) -> float:
     """Logit error allowed between two correct computations in ``dtype`` (unit roundoff x headroom)."""
     return 64 * torch.finfo(dtype).eps if dtype == torch.float32 else 8 * torch.finfo(dtype).eps
@@ -34,15 +53,13 @@ def test_decode_steps_give_the_plain_forwards_logits(tiny_adapter):
     prompt, answer = _ids(40, 1), _ids(12, 2)
     cache = a.build_cache([])
     a.forward(prompt, cache, 0, logits="none")
-    session = StaticDecoder(a).session(cache, len(prompt), len(answer))
-    got = torch.stack([session.step(t) for t in answer])  # [answer, vocab]
+    got = _steps(a, cache, len(prompt), answer)  # [answer, vocab]
     want = _plain_logits(a, prompt + answer)[len(prompt) :]
     scale = want.abs().max()
     assert (got - want).abs().max() <= _tolerance(a.dtype) * scale
-    assert session.length == len(prompt) + len(answer)
 
 
-def test_greedy_static_decode_equals_the_reference_decode(tiny_adapter):
+def test_greedy_batch_decode_equals_the_reference_decode(tiny_adapter):
     a = tiny_adapter
     context, suffix = _ids(30, 3), _ids(6, 4)
     kv = a.prefill_kv(context)
@@ -50,25 +67,19 @@ def test_greedy_static_decode_equals_the_reference_decode(tiny_adapter):
     cache = a.build_cache([kv])
     first = a.forward(suffix, cache, len(context), logits="last")[-1]
     start = len(context) + len(suffix)
-    session = StaticDecoder(a).session(cache, start, 16)
-    cfg = GenerationConfig(max_new_tokens=16)
-    assert list(decode_loop(a, cache, first, start, cfg, step=session.step)) == want
+    assert _greedy(a, cache, first, start, 16) == want
 
 
-def test_a_session_leaves_the_given_cache_alone_and_refuses_to_overflow(llama_adapter):
+def test_a_row_leaves_the_given_cache_alone_and_bad_settings_are_refused(llama_adapter):
     a = llama_adapter
     cache = a.build_cache([a.prefill_kv(_ids(10, 5))])
     before = [layer.keys.clone() for layer in cache.layers]
-    session = StaticDecoder(a).session(cache, 10, 2)
-    session.step(1)
-    session.step(2)
+    _steps(a, cache, 10, [1, 2, 3])
     assert all(torch.equal(b, layer.keys) for b, layer in zip(before, cache.layers, strict=True))
-    with pytest.raises(ValueError, match="larger max_new_tokens"):
-        session.step(3)
     with pytest.raises(ValueError, match="fewer than the prompt"):
-        StaticDecoder(a).session(cache, 11, 2)
-    with pytest.raises(ValueError, match="decode weights must be one of"):
-        StaticDecoder(a, weights="int2")  # type: ignore[arg-type]
+        DecodeBatch(a).add("row", cache, 11)
+    with pytest.raises(ValueError, match="quantized decode weights are one of"):
+        DecodeBatch(a, weights="int2")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,14 +103,13 @@ def test_one_query_fp32_attention_equals_plain_softmax_attention(dtype, masked):
     torch.testing.assert_close(_one_query_fp32(q, k, v, bool_mask, 0.25)[0], got)
 
 
-def test_bf16_static_decode_stays_within_bf16_error_of_the_fp32_forward(tiny_tokenizer):
+def test_bf16_batch_decode_stays_within_bf16_error_of_the_fp32_forward(tiny_tokenizer):
     model32 = make_model("qwen2", len(tiny_tokenizer))
     a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)).to(torch.bfloat16), tiny_tokenizer)
     prompt, answer = _ids(50, 6), _ids(8, 7)
     cache = a.build_cache([])
     a.forward(prompt, cache, 0, logits="none")
-    session = StaticDecoder(a).session(cache, len(prompt), len(answer))
-    got = torch.stack([session.step(t) for t in answer])
+    got = _steps(a, cache, len(prompt), answer)
     with torch.no_grad():
         want = model32(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) :].float()
     ref = _plain_logits(a, prompt + answer)[len(prompt) :]  # the bf16 model's own forward
@@ -124,10 +134,8 @@ def test_int8_decode_is_close_and_touches_neither_prefill_nor_the_fingerprint(ti
     before = _plain_logits(a, prompt)
     cache = a.build_cache([])
     a.forward(prompt, cache, 0, logits="none")
-    exact = StaticDecoder(a).session(cache, len(prompt), len(answer))
-    want = torch.stack([exact.step(t) for t in answer])
-    int8 = StaticDecoder(a, weights="int8").session(cache, len(prompt), len(answer))
-    got = torch.stack([int8.step(t) for t in answer])
+    want = _steps(a, cache, len(prompt), answer)
+    got = _steps(a, cache, len(prompt), answer, "int8")
     assert not torch.equal(got, want)  # the int8 copies are what the steps read
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
     assert float(kl.sum(-1).max()) < 0.05
@@ -142,21 +150,19 @@ def test_a_whole_forward_inside_a_decode_step_matches_the_delegated_attention(ll
     first = a.forward(ids[:-1], cache1, 0, logits="none")
     a.forward(ids[:-1], cache2, 0, logits="none")
     plain = a.forward(ids[-1:], cache1, len(ids) - 1)
-    with decode_step():
-        fast = a.forward(ids[-1:], cache2, len(ids) - 1)
+    fast = a.forward(ids[-1:], cache2, len(ids) - 1, steer=Steer(kind="decode"))
     assert first.shape[0] == 0
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
 
 
-def test_a_model_weights_decoder_reads_the_model_weights_after_int8_was_installed(tiny_tokenizer):
+def test_model_weights_steps_read_the_model_weights_after_int8_steps_ran(tiny_tokenizer):
     a = ModelAdapter(make_model("qwen3", len(tiny_tokenizer)), tiny_tokenizer)
     prompt, answer = _ids(20, 11), _ids(4, 12)
     cache = a.build_cache([])
     a.forward(prompt, cache, 0, logits="none")
-    before = torch.stack([StaticDecoder(a).session(cache, 20, 4).step(t) for t in answer[:1]])
-    StaticDecoder(a, weights="int8")  # installs the copies on the shared modules
-    after = torch.stack([StaticDecoder(a).session(cache, 20, 4).step(t) for t in answer[:1]])
-    assert torch.equal(before, after)
+    before = _steps(a, cache, 20, answer)
+    assert not torch.equal(_steps(a, cache, 20, answer, "int8"), before)  # the copies share the model's modules
+    assert torch.equal(_steps(a, cache, 20, answer), before)
 
 
 @pytest.mark.slow
@@ -170,9 +176,7 @@ def test_the_default_model_decodes_greedily_as_the_reference_and_stays_tied(real
     want = generate_ids(a, [], prompt, 48)
     cache = a.build_cache([])
     first = a.forward(prompt, cache, 0, logits="last")[-1]
-    session = StaticDecoder(a).session(cache, len(prompt), 48)
-    got = list(decode_loop(a, cache, first, len(prompt), GenerationConfig(max_new_tokens=48), step=session.step))
-    assert len(want) > 10 and got == want
+    assert len(want) > 10 and _greedy(a, cache, first, len(prompt), 48) == want
 
 
 def test_int4_weights_round_trip_within_half_a_step_per_group():
@@ -190,10 +194,8 @@ def test_int4_decode_kernel_equals_the_dequantized_weights(tiny_tokenizer):
     prompt, answer = _ids(24, 13), _ids(5, 14)
     cache = a.build_cache([])
     a.forward(prompt, cache, 0, logits="none")
-    exact = StaticDecoder(a).session(cache, len(prompt), len(answer))
-    want = torch.stack([exact.step(t) for t in answer])
-    int4 = StaticDecoder(a, weights="int4").session(cache, len(prompt), len(answer))
-    got = torch.stack([int4.step(t) for t in answer])
+    want = _steps(a, cache, len(prompt), answer)
+    got = _steps(a, cache, len(prompt), answer, "int4")
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
     assert 0 < float(kl.sum(-1).max()) < 0.2
     # the kernel computes x @ dequantized(W).T: one layer checked against its own dequantized copy
@@ -203,8 +205,7 @@ def test_int4_decode_kernel_equals_the_dequantized_weights(tiny_tokenizer):
     scale, zero = sz[..., 0].float().t(), sz[..., 1].float().t()
     deq = ((q.float().reshape(-1, groups, 32) - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)).reshape(q.shape)
     x = torch.randn(3, linear.in_features)
-    from ragkv.model.quant import step_weights
-
-    with step_weights("int4"), torch.no_grad():
-        fast = linear(x)
+    with torch.no_grad():
+        fast = quantized(a.model, "int4").model.layers[0].mlp.down_proj(x)
+        torch.testing.assert_close(linear(x), x @ linear.weight.t())  # the model's own module is untouched
     torch.testing.assert_close(fast, x.to(torch.bfloat16).float() @ deq.t(), atol=0.05, rtol=0.02)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragkv.errors import ContextTooLongError, UnsupportedModelError
-from ragkv.model import ArchSpec, ModelAdapter, concat_kv
+from ragkv.model import ArchSpec, AttentionProbe, ModelAdapter, Steer, concat_kv
 from ragkv.types import ChunkKV
 from tests.conftest import make_model
 
@@ -241,8 +241,8 @@ def test_the_probe_records_the_causal_attention_of_a_whole_forward(tiny_tokenize
     eager.config._attn_implementation = "eager"
     adapter = ModelAdapter(sdpa, tiny_tokenizer)
     ids = _ids(20, 4)
-    with adapter.attention_probe() as probe:
-        adapter.forward(ids, adapter.build_cache([]), 0)
+    probe = AttentionProbe(None)
+    adapter.forward(ids, adapter.build_cache([]), 0, steer=Steer(probe=probe))
     with torch.no_grad():
         attentions = eager(input_ids=torch.tensor([ids]), output_attentions=True).attentions
     for layer, probs in enumerate(attentions):  # probs: [1, heads, q, kv]
@@ -252,7 +252,8 @@ def test_the_probe_records_the_causal_attention_of_a_whole_forward(tiny_tokenize
 def test_threads_probing_and_not_get_what_one_thread_gets(tiny_tokenizer):
     """Issue 9: the probe switched the shared config, so other threads' forwards ran in probe mode and a
     probing thread could be switched back mid-pass (KeyError on the layers it missed). Probing is now
-    per thread: results match a single thread's and the model's attention setting never changes."""
+    an argument of the pass (issue 32: ``Steer(probe=...)``): results match a single thread's and the
+    model's attention setting never changes."""
     adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
     impl = adapter.model.config._attn_implementation
     layers = adapter.spec.num_layers
@@ -263,8 +264,8 @@ def test_threads_probing_and_not_get_what_one_thread_gets(tiny_tokenizer):
     def probed(seed: int) -> list[torch.Tensor]:
         ids, cache = _ids(16, seed), adapter.build_cache([])
         adapter.forward(ids[:-1], cache, 0)
-        with adapter.attention_probe() as probe:
-            logits = adapter.forward(ids[-1:], cache, len(ids) - 1)
+        probe = AttentionProbe(None)
+        logits = adapter.forward(ids[-1:], cache, len(ids) - 1, steer=Steer(probe=probe))
         return [logits, torch.stack([probe.weights[i] for i in range(layers)])]
 
     jobs = [(probed if k % 2 else plain, k % 5) for k in range(160)]

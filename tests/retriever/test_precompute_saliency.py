@@ -8,6 +8,7 @@ from ragkv import codec
 from ragkv.cache.store import open_store
 from ragkv.codec.cachegen import LEVELS
 from ragkv.codec.saliency import normalized_attention
+from ragkv.model import AttentionProbe
 from ragkv.retriever.precompute import ChunkComputer
 from ragkv.types import CodecSpec
 
@@ -24,8 +25,8 @@ def test_a_salient_level_stores_the_tokens_the_chunk_attends_to_most(llama_adapt
     key = computer.chunk_key(chunk, spec)
     header = codec.read_header(store.get(key.storage_key))
     # what the index path measured: the chunk's own normalized attention, from its prefill
-    with llama_adapter.attention_probe() as probe:
-        kv = llama_adapter.prefill_kv(list(chunk), past=[computer.prefix_kv()])
+    probe = AttentionProbe(None)
+    kv = llama_adapter.prefill_kv(list(chunk), past=[computer.prefix_kv()], probe=probe)
     saliency = normalized_attention(probe.weights, kv.num_tokens)
     want = torch.topk(saliency[1:], len(header.params["salient"])).indices.sort().values.tolist()
     assert header.params["salient"] == want

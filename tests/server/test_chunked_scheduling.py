@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from ragkv.driver import Event, Job, JobRequest, Scheduler
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.generation import GenerationConfig
 from ragkv.retriever.embedder import HashingEmbedder
-from ragkv.server.scheduler import Event, Job, Scheduler
 
 LONG = ["Background notes follow. " + "The orchard keeps many apple trees in rows. " * 30 + "Question: why?"]
 
@@ -72,7 +72,7 @@ def engine(tmp_path: Path, llama_adapter):
 
 def _job(engine, log: _Log, who: str, segments: list[str], tokens: int) -> Job:
     gen = GenerationConfig(max_new_tokens=tokens)
-    return Job(_Counted(engine, log, who), segments, None, "full", gen, log.post(who))
+    return Job(JobRequest(_Counted(engine, log, who), gen, "full", segments=segments), log.post(who))
 
 
 def test_a_running_stream_gets_tokens_between_the_pieces_of_a_long_prefill(engine):
@@ -138,7 +138,7 @@ def _answers(engine, carry: bool) -> tuple[dict[str, str], Scheduler]:
             post(event)
 
         gen = GenerationConfig(max_new_tokens=tokens)
-        scheduler.submit(Job(_Counted(engine, log, who), segments, None, "full", gen, collect))
+        scheduler.submit(Job(JobRequest(_Counted(engine, log, who), gen, "full", segments=segments), collect))
     scheduler.start()
     try:
         assert log.finished["long"].wait(120) and log.finished["short"].wait(120)

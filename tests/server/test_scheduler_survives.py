@@ -6,15 +6,15 @@ import queue
 
 import pytest
 
+from ragkv.driver import Event, Job, JobRequest
 from ragkv.generation import GenerationConfig
-from ragkv.server.scheduler import Event, Job
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 
 
 def _job(engine, gen: GenerationConfig) -> tuple[Job, queue.Queue[Event]]:
     events: queue.Queue[Event] = queue.Queue()
-    job = Job(engine=engine, segments=["Hello there"], rag=None, mode="full", generation=gen, post=events.put)
+    job = Job(JobRequest(engine, gen, "full", segments=["Hello there"]), post=events.put)
     return job, events
 
 
@@ -69,7 +69,7 @@ def test_a_dead_scheduler_shows_in_health_and_requests_fail_fast(make_client):
 
 def test_a_row_whose_pick_fails_ends_alone_and_its_batch_mates_finish(make_client, monkeypatch):
     """One request's bad sampling (its own settings) fails that request, not every row decoding with it."""
-    import ragkv.server.scheduler as sched
+    import ragkv.driver.scheduler as sched
 
     client = make_client()
     scheduler = client.app.state.ragkv.scheduler

@@ -1,4 +1,9 @@
-"""The scheduler thread: it owns generation, prefilling requests in pieces between batched decode steps.
+"""The answer driver: one loop that prefills requests in pieces between batched decode steps.
+
+Every answer runs through it: the server's requests on its thread (:meth:`Scheduler.start`), the
+library's ``RagKV.answer``/``stream`` and the framework integrations in the caller's thread, a
+batch of one (:func:`answer_inline`). One place picks tokens, sets TTFT, the load deadline's
+verdict and ``finish_reason``, and fills the stats.
 
 Each loop turn: drop rows whose clients left, run one piece of the prefill under way (a new one
 starts when none is and a batch row is free: ``RagKV.prefill_steps``, about ``step_tokens``
@@ -8,102 +13,35 @@ the running streams by one piece per token, never by its whole prefill. Where th
 forward pass over prompt tokens (a full prefill's piece) and the rows decode with the model's
 own weights on the CPU, their step rides on that pass (Sarathi-Serve's mixed batch,
 ``DecodeBatch.carried_step``): the rows' tokens share the piece's weight reads instead of paying
-a step of their own. Results go back to each request's asyncio queue on its event loop.
+a step of their own. Each request's events go to its ``post``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from ragkv.generation import GenerationConfig, pick_token, stream_text
-from ragkv.model.batch import DecodeBatch, Rider, riding
+from ragkv.driver.jobs import DecodeCounters, Event, Job, JobRequest, QueueFullError
+from ragkv.generation import GenerationConfig, TextStream, pick_token
+from ragkv.model.attention import DecodeWeights
+from ragkv.model.batch import DecodeBatch, Rider
 from ragkv.model.threads import ADAPT_EVERY_STEPS, adapt_threads
-from ragkv.types import CachedText, GenerationStats
+from ragkv.types import GenerationStats
 
 if TYPE_CHECKING:
-    from ragkv.engine import Prefilled
+    from ragkv.answering import Prefilled
+    from ragkv.model import ModelAdapter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Event", "Job", "QueueFullError", "Scheduler", "ServedEngine"]
-
-_IDS = itertools.count()
-
-
-class QueueFullError(Exception):
-    """The scheduler holds ``max_queue`` requests already (the server answers 429)."""
-
-
-class ServedEngine(Protocol):
-    """What the scheduler needs of a tenant's engine (``RagKV`` is one): a prefill and the model's lock."""
-
-    @property
-    def model_lock(self) -> threading.RLock:
-        """Held around every forward pass on the shared model."""
-        ...
-
-    def prefill(
-        self,
-        segments: Sequence[str | CachedText] | None = None,
-        *,
-        rag: tuple[Sequence[str], str] | None = None,
-        mode: str = "reuse",
-        max_new_tokens: int = 0,
-    ) -> Prefilled:
-        """The prompt's cache and last logits, ready for decoding."""
-        ...
-
-    def prefill_steps(
-        self,
-        segments: Sequence[str | CachedText] | None = None,
-        *,
-        rag: tuple[Sequence[str], str] | None = None,
-        mode: str = "reuse",
-        max_new_tokens: int = 0,
-        step_tokens: int | None = None,
-    ) -> Generator[None, None, Prefilled]:
-        """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work (each ``next()`` runs one)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """What a request's queue receives: ``started`` (prefilled), ``delta`` (text), ``done`` or ``error``."""
-
-    kind: str
-    text: str = ""
-    stats: GenerationStats | None = None
-    error: BaseException | None = None
-
-
-@dataclass(slots=True)
-class Job:
-    """One request: its prompt, its engine (tenant) and where its events go."""
-
-    engine: ServedEngine  # the tenant's RagKV
-    segments: Sequence[str | CachedText] | None  # the whole prompt as segments, or None with ``rag``
-    rag: tuple[Sequence[str], str] | None  # (chunk texts, question): ragkv's own prompt layout
-    mode: str  # "reuse" or "full"
-    generation: GenerationConfig
-    post: Callable[[Event], None]  # hands an event to the request's consumer (thread-safe)
-    id: str = field(default_factory=lambda: f"job-{next(_IDS)}")
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    t0: float = field(default_factory=time.perf_counter)
-
-    def cancel(self) -> None:
-        """Stop generating for this request (its client left); the scheduler frees the slot next turn."""
-        self.cancelled.set()
+__all__ = ["Scheduler", "answer_inline"]
 
 
 def _rng(gen: GenerationConfig) -> torch.Generator | None:
@@ -120,24 +58,11 @@ def _rng(gen: GenerationConfig) -> torch.Generator | None:
     return rng
 
 
-class _Feed:
-    """The token iterator a request's ``stream_text`` pulls from: the scheduler sets one token per pull."""
-
-    def __init__(self) -> None:
-        self.token = -1
-        self.done = False
-
-    def __iter__(self) -> Iterator[int]:
-        while not self.done:
-            yield self.token
-
-
 @dataclass(slots=True)
 class _Row:
     job: Job
     stats: GenerationStats
-    feed: _Feed
-    text: Iterator[tuple[str, int]]  # stream_text over ``feed``
+    text: TextStream
     rng: torch.Generator | None
     last: int = -1
     count: int = 0  # tokens generated
@@ -159,50 +84,15 @@ class _Carried(Rider):
     batch_keys: list[str] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class DecodeCounters:
-    """Where the scheduler's decode time goes (for benchmarks: ms per token outside the forward pass)."""
-
-    steps: int = 0  # batched decode steps taken, carried ones included
-    carried_steps: int = 0  # of those, steps that rode on a prefill piece's forward pass
-    tokens: int = 0  # tokens those steps produced (one per row per step)
-    forward_s: float = 0.0  # inside the batched forward pass (model layers and LM head) of steps of their own
-    outside_s: float = 0.0  # the rest of the steps: sampling, detokenizing, stop strings, posting events
-    prefill_pieces: int = 0  # prefill pieces run between steps
-
-    def as_dict(self) -> dict[str, float | int]:
-        """Totals, and the per-token milliseconds a benchmark prints."""
-        per = 1000 / max(1, self.tokens)
-        return {
-            "steps": self.steps,
-            "carried_steps": self.carried_steps,
-            "tokens": self.tokens,
-            "prefill_pieces": self.prefill_pieces,
-            "forward_s": round(self.forward_s, 6),
-            "outside_s": round(self.outside_s, 6),
-            "forward_ms_per_step": round(1000 * self.forward_s / max(1, self.steps - self.carried_steps), 3),
-            "outside_ms_per_token": round(self.outside_s * per, 3),
-        }
-
-
-def queued_post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Event]) -> Callable[[Event], None]:
-    """A ``post`` that puts events on ``queue`` from any thread (dropped once the loop is closed)."""
-
-    def post(event: Event) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-
-    return post
-
-
 class Scheduler:
-    """Runs every request's generation on one thread with batched decode.
+    """Runs requests' generation with batched decode: on its own thread (:meth:`start`), or turn by
+    turn in the caller's (:meth:`turn`, as :func:`answer_inline` does).
 
     Args:
         adapter: the shared model.
         max_batch: requests decoded together at most.
         max_queue: requests held at most (waiting + decoding); more are refused.
-        decode_weights: the weights decode steps read (the engine's ``decoder.weights``).
+        decode_weights: the weights decode steps read (the engine's ``decode_weights``).
         step_tokens: a prefill piece's size in prompt tokens (run between two decode steps);
             None: each prefill runs whole between two steps.
         carry: let the rows' decode step ride on a prefill piece's forward pass where it can
@@ -211,11 +101,11 @@ class Scheduler:
 
     def __init__(
         self,
-        adapter: Any,
+        adapter: ModelAdapter,
         *,
         max_batch: int = 8,
         max_queue: int = 32,
-        decode_weights: str = "model",
+        decode_weights: DecodeWeights = "model",
         step_tokens: int | None = 256,
         carry: bool = True,
     ) -> None:
@@ -233,6 +123,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._prefill: _Prefill | None = None  # the request being prefilled (neither waiting nor a row)
+        self._offer: _Carried | None = None  # the rows' step offered to the prefill piece running now
         self.failure: str | None = None  # why the thread died (a bug); None while it runs or never ran
         self.counters = DecodeCounters()
         self.on_finish: Callable[[Job, GenerationStats | None, str], None] = lambda job, stats, how: None
@@ -292,14 +183,18 @@ class Scheduler:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
-                while self._turn():
+                while self.turn():
                     pass
         except BaseException as e:  # a bug: say so everywhere instead of letting requests hang
             logger.exception("the scheduler thread died")
             self._fail_all(f"{type(e).__name__}: {e}")  # logged; the thread ends here
 
-    def _turn(self) -> bool:
-        """One loop turn: drop, one prefill piece, step. False once stopped with nothing left to finish."""
+    def turn(self) -> bool:
+        """One loop turn: drop, one prefill piece, step. False once stopped with nothing left to finish.
+
+        Waits while there is nothing to do (the thread's loop); :func:`answer_inline` calls it only
+        while its request is unfinished, so it never waits there.
+        """
         with self._cond:
             while not self._waiting and not self._rows and self._prefill is None and not self._stopping:
                 self._cond.wait()
@@ -348,10 +243,20 @@ class Scheduler:
 
     def _start(self, job: Job) -> Generator[None, None, Prefilled]:
         """``job``'s prefill, in pieces (no work done yet: arguments are checked at the first piece)."""
-        n = job.generation.max_new_tokens
-        return job.engine.prefill_steps(
-            job.segments, rag=job.rag, mode=job.mode, max_new_tokens=n, step_tokens=self.step_tokens
+        req = job.request
+        return req.engine.prefill_steps(
+            req.segments,
+            rag=req.rag,
+            mode=req.mode,
+            max_new_tokens=req.generation.max_new_tokens,
+            fusion=req.fusion,
+            step_tokens=self.step_tokens,
+            riders=self._offered,
         )
+
+    def _offered(self) -> Rider | None:
+        """The decode step offered to the prefill piece running now (what ``prefill_steps`` asks before each)."""
+        return self._offer
 
     def _end_prefill(self) -> None:
         with self._cond:
@@ -368,16 +273,17 @@ class Scheduler:
         try:
             pending.done += 1
             self.counters.prefill_pieces += 1
+            self._offer = rider
             try:
-                with riding(rider):
-                    next(pending.pieces)
+                next(pending.pieces)
                 return rider  # more pieces to come, one per turn
             except StopIteration as finished:
                 pre: Prefilled = finished.value
-            gen = job.generation
+            finally:
+                self._offer = None
+            gen = job.request.generation
             rng = _rng(gen)
-            feed = _Feed()
-            row = _Row(job, pre.stats, feed, stream_text(self.adapter, iter(feed), gen.stop), rng)
+            row = _Row(job, pre.stats, TextStream(self.adapter, gen.stop), rng)
             first = pick_token(pre.logits, gen, rng)
         except Exception as e:  # handed to the request (a 400 for bad input); the server keeps going
             logger.info("prefill of %s failed: %s", job.id, e)
@@ -392,7 +298,7 @@ class Scheduler:
         if self._take(job.id, first):
             try:
                 with self._model_lock(job):
-                    self._batch.add(job.id, pre.cache, pre.num_tokens, reserve=job.generation.max_new_tokens)
+                    self._batch.add(job.id, pre.cache, pre.num_tokens, reserve=gen.max_new_tokens)
             except Exception as e:
                 logger.exception("adding %s to the decode batch failed", job.id)
                 self._finish(job.id, "error", e)
@@ -423,7 +329,7 @@ class Scheduler:
         for i, key in enumerate(keys):
             row = self._rows[key]
             try:  # one row's bad pick (its own settings) fails that request, not the batch
-                token = pick_token(logits[i], row.job.generation, row.rng)
+                token = pick_token(logits[i], row.job.request.generation, row.rng)
             except Exception as e:
                 logger.info("picking a token for %s failed: %s", key, e)
                 self._finish(key, "error", e)
@@ -433,32 +339,40 @@ class Scheduler:
 
     @staticmethod
     def _model_lock(job: Job) -> threading.RLock:
-        return job.engine.model_lock
+        return job.request.engine.model_lock
 
     def _take(self, key: str, token: int) -> bool:
-        """Hand ``token`` to its request; False when the request is finished (and gone from the rows)."""
+        """Hand ``token`` to its request; False when the request is finished (and gone from the rows).
+
+        The one place an answer's first token is timed (TTFT: from the job's ``t0``, when it was
+        asked) and the load deadline judged (met when the first token came within it).
+        """
         row = self._rows[key]
-        if token in self.adapter.eos_token_ids and not row.job.generation.ignore_eos:
+        gen = row.job.request.generation
+        if token in self.adapter.eos_token_ids and not gen.ignore_eos:
             self._finish(key, "stop")
             return False
         if row.count == 0:
-            row.stats.ttft_ms = (time.perf_counter() - row.job.t0) * 1000
+            _first_token(row.stats, row.job.t0)
         row.count += 1
         row.last = token
-        row.feed.token = token
-        delta = next(row.text, None)
-        if delta is None:  # a stop string ended the text
+        delta = row.text.push(token)
+        if delta:
+            row.job.post(Event("delta", text=delta))
+        if row.text.stopped:  # a stop string ended the text
             self._finish(key, "stop")
             return False
-        if delta[0]:
-            row.job.post(Event("delta", text=delta[0]))
-        if row.count >= row.job.generation.max_new_tokens:
+        if row.count >= gen.max_new_tokens:
             self._finish(key, "length")
             return False
         return True
 
     def _finish(self, key: str, how: str, error: BaseException | None = None) -> None:
-        """End a request: flush its held-back text, post ``done`` (or ``error``), drop its row (and batch row)."""
+        """End a request: flush its held-back text, post ``done`` (or ``error``), drop its row (and batch row).
+
+        The one place an answer's ``finish_reason`` (``how``: stop, length, cancelled) and its
+        ``total_ms`` are set.
+        """
         with self._cond:
             row = self._rows[key]
         if key in self._batch.keys:  # out of the batch first: if that raises, the row stays for _fail_all
@@ -469,15 +383,56 @@ class Scheduler:
             row.job.post(Event("error", error=error))
             self.on_finish(row.job, None, "error")
             return
-        if how != "cancelled":
-            row.feed.done = True
-            for delta, _ in row.text:
-                if delta:
-                    row.job.post(Event("delta", text=delta))
-        row.stats.generated_tokens = row.count
-        row.stats.total_ms = (time.perf_counter() - row.job.t0) * 1000
+        rest = row.text.flush() if how != "cancelled" else ""
+        if rest:
+            row.job.post(Event("delta", text=rest))
+        stats = row.stats
+        stats.generated_tokens = row.count
+        stats.total_ms = (time.perf_counter() - row.job.t0) * 1000
         if row.count == 0:
-            row.stats.ttft_ms = row.stats.total_ms
-        row.stats.extra["finish_reason"] = how
-        row.job.post(Event("done", stats=row.stats))
-        self.on_finish(row.job, row.stats, how)
+            _first_token(stats, row.job.t0)
+        stats.extra["finish_reason"] = how
+        row.job.post(Event("done", stats=stats))
+        self.on_finish(row.job, stats, how)
+
+
+def _first_token(stats: GenerationStats, t0: float) -> None:
+    """Set TTFT (now, from ``t0``) and whether the load deadline was met (the first token came within it)."""
+    stats.ttft_ms = (time.perf_counter() - t0) * 1000
+    load = stats.extra.get("load")
+    if isinstance(load, dict) and load.get("deadline_ms") is not None:
+        load["deadline_met"] = stats.ttft_ms <= load["deadline_ms"]
+
+
+def answer_inline(request: JobRequest, adapter: ModelAdapter, decode_weights: DecodeWeights) -> Iterator[Event]:
+    """``request`` answered through the driver in the calling thread: a scheduler of one row, turned here.
+
+    Yields its ``delta`` events, then ``done`` (the stats); an ``error`` event is raised (a bad
+    prompt's ValueError, say). What the library's ``RagKV.answer``/``stream`` and the framework
+    integrations run: concurrent callers share the model through the engine's model lock, taken
+    for each prefill piece and each step, so their answers interleave token by token. A caller
+    that stops reading ends the answer (its row is cancelled).
+    """
+    events: deque[Event] = deque()
+    scheduler = Scheduler(adapter, max_batch=1, max_queue=1, decode_weights=decode_weights, step_tokens=None)
+    job = Job(request, post=events.append)
+    scheduler.submit(job)
+    try:
+        while True:
+            while events:
+                event = events.popleft()
+                if event.kind == "error" and event.error is not None:
+                    raise event.error
+                if event.kind in ("delta", "done"):
+                    yield event
+                if event.kind == "done":
+                    return
+            if not scheduler.depth[1] and not scheduler.depth[0]:  # pragma: no cover - a bug, not a request's fault
+                raise RuntimeError(f"the driver dropped {job.id} without a last event")
+            with torch.inference_mode():
+                scheduler.turn()
+    finally:
+        job.cancel()
+        if scheduler.depth != (0, 0):  # the caller stopped reading: the next turn drops the row, computing nothing
+            with torch.inference_mode():
+                scheduler.turn()
