@@ -225,10 +225,13 @@ class ChunkLoader:
         tier = self.device_tier
         if tier is None:
             return
+        tenant = self.computer.tenant
         for i, loaded in list(done.items()):
             key = keys[i].storage_key
             if not loaded.hit or loaded.device or key != primary[i]:
                 continue  # a miss, a tier hit already, or another level than a lookup asks for
+            if self.catalog.is_removed(tenant, keys[i].tokens_digest):
+                continue  # read just before its document's removal discarded the tier's copy: not kept
             if loaded.kv.keys.device == tier.device:
                 tier.put(key, loaded.kv, seconds.get(i, 0.0))
             elif (sink := tier.reserve(key, loaded.kv, self.adapter.dtype, seconds.get(i, 0.0))) is not None:

@@ -144,6 +144,24 @@ def test_remove_reaches_the_device_tier(tmp_path, llama_adapter):
         assert keys and keys <= before and not keys & after
 
 
+def test_a_chunk_read_as_its_document_is_removed_is_not_kept(tmp_path, llama_adapter):
+    """A hit read just before its document's removal discarded the tier's copy: not admitted."""
+    from ragkv.digests import tokens_digest
+
+    with _engine(tmp_path, llama_adapter, device_tier=DeviceTierConfig(budget_bytes=64 << 20)) as rag:
+        rag.index(DOCS, progress=False)
+        chunks = rag.retrieve("Where do apples grow?")
+        apples = [c for c in chunks if c.source == "mem:apples"]
+        assert apples
+        # the removal has marked the chunks but not yet deleted their blobs
+        rag.catalog.mark_removed("mem:apples", rag.config.tenant, [tokens_digest(c.token_ids) for c in apples])
+        rag.answer("Where do apples grow?", chunks=chunks, generation=GEN)
+        assert rag.device_tier is not None
+        spec = rag.retriever.config.codec
+        keys = {rag.retriever.computer.chunk_key(c.token_ids, spec).storage_key for c in apples}
+        assert not keys & set(rag.device_tier.keys())
+
+
 def test_a_cpu_engine_has_no_device_tier_by_default(tmp_path, llama_adapter):
     with _engine(tmp_path, llama_adapter) as rag:
         assert rag.device_tier is None
