@@ -114,10 +114,10 @@ class ServerSpec:
 def ragkv_serve_spec(model: str, threads: int, data_dir: Path, max_tokens: int) -> ServerSpec:
     """``ragkv serve`` with its defaults on ``data_dir``; the answer cap raised to ``max_tokens`` if needed."""
     port = free_port()
-    command = (sys.executable, "-m", "ragkv.cli", "serve", "--model", model, "--port", str(port))
-    command += ("--data-dir", str(data_dir), "--max-new-tokens", str(max(128, max_tokens)))
+    command = [sys.executable, "-m", "ragkv.cli", "serve", "--model", model, "--port", str(port)]
+    command += ["--data-dir", str(data_dir), "--max-new-tokens", str(max(128, max_tokens))]
     # ragkv retrieves nothing here: the trace carries the chunks, its prompt matcher finds them.
-    return ServerSpec("ragkv", command, port, {"RAGKV_THREADS": str(threads)}, {"ragkv": {"retrieve": False}})
+    return ServerSpec("ragkv", tuple(command), port, {"RAGKV_THREADS": str(threads)}, {"ragkv": {"retrieve": False}})
 
 
 def llama_server_spec(
@@ -125,10 +125,10 @@ def llama_server_spec(
 ) -> ServerSpec:
     """llama-server on ``gguf`` with ``parallel`` slots of ``context`` tokens each (see the module docstring)."""
     port = free_port()
-    command = (str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port))
-    command += ("-t", str(threads), "-tb", str(threads), "-c", str(context * parallel), "-np", str(parallel))
-    command += ("-cb", "--cache-reuse", str(cache_reuse), "--jinja", "-ngl", "0")
-    return ServerSpec("llama-server", command, port, {"OMP_WAIT_POLICY": "PASSIVE"}, {"cache_prompt": True})
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["-t", str(threads), "-tb", str(threads), "-c", str(context * parallel), "-np", str(parallel)]
+    command += ["-cb", "--cache-reuse", str(cache_reuse), "--jinja", "-ngl", "0"]
+    return ServerSpec("llama-server", tuple(command), port, {"OMP_WAIT_POLICY": "PASSIVE"}, {"cache_prompt": True})
 
 
 class ServerProcess:
