@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's `llama-server` (CPU only) from the llama.cpp sources that llama-cpp-python's
 # sdist vendors, for `ragkv bench goodput` (issue 37). The only download is the sdist from PyPI
-# (through pip); cmake fetches nothing (no curl, no tests, no examples, no web UI download).
+# (through pip); cmake fetches nothing: no curl or OpenSSL, no tests or examples, and no web UI (newer
+# llama.cpp would download a prebuilt one from Hugging Face; the bench needs only the HTTP API).
 # Idempotent: when the binary exists it only prints its path. CI need not run it.
 #   bash tools/build_llama_server.sh [DEST]      (default ~/.cache/ragkv/llama-server)
 # Settings (environment): JOBS (default 2), NICE (default 19), PIP (default: python3 -m pip),
@@ -57,7 +58,8 @@ build="$WORK/build"
 cmake -S "$llama" -B "$build" \
   -DCMAKE_BUILD_TYPE=Release \
   -DBUILD_SHARED_LIBS=OFF \
-  -DLLAMA_CURL=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_SERVER=ON \
