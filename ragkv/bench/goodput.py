@@ -203,7 +203,7 @@ def summarize(rows: Sequence[Mapping[str, Any]], servers: Sequence[str], attain:
 
 def format_goodput(rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
     """The table, then the SLO, the highest sustained rates, the ratios and the share of identical answers."""
-    lines = [format_table(rows, COLUMNS), ""]
+    lines = [summary.get("machine", ""), format_table(rows, COLUMNS), ""]
     lines.append(f"SLO: TTFT <= {summary['slo_ms']:,.0f} ms ({summary['slo_source']})")
     for server in ("ragkv", "llama-server"):
         rate = summary.get(f"sustained_{server}")
@@ -283,6 +283,17 @@ def index_chunks(url: str, trace: Sequence[TraceRequest]) -> int:
     return len(chunks)
 
 
+def _machine(ragkv_url: str) -> str:
+    """The bench's machine note: the model, ragkv's dtype and why, its decode weights, the CPU."""
+    import httpx
+
+    from ragkv.bench.table import machine_note
+
+    health = httpx.get(f"{ragkv_url}/health", timeout=30).json()
+    note = machine_note(health.get("model", "?"), health.get("dtype", "?"), health.get("dtype_reason", "?"))
+    return f"{note}; ragkv decode weights: {health.get('decode_weights', '?')}"
+
+
 def _slo(cfg: GoodputConfig, peer_url: str, trace: Sequence[TraceRequest], echo: Echo) -> tuple[float, str]:
     if cfg.slo_ms is not None:
         return cfg.slo_ms / 1000, "given with --slo-ms"
@@ -315,6 +326,7 @@ def run_goodput(cfg: GoodputConfig, trace: Sequence[TraceRequest], workdir: Path
         servers = [stack.enter_context(ServerProcess(s, workdir / f"{s.name}.log")) for s in specs]
         echo("starting ragkv serve and llama-server ...")
         wait_all_ready(servers, cfg.start_timeout_s)
+        machine = _machine(specs[0].url)
         echo(f"indexing the trace's chunks into ragkv ({index_chunks(specs[0].url, trace)} chunks) ...")
         slo_s, slo_source = _slo(cfg, specs[1].url, trace, echo)
         for spec in specs:  # warm-up: first-request costs (allocations, thread pools) stay out of the timings
@@ -335,5 +347,7 @@ def run_goodput(cfg: GoodputConfig, trace: Sequence[TraceRequest], workdir: Path
     rows.sort(key=lambda r: (r["server"] != "ragkv", r["rate"]))
     summary = summarize(rows, [s.name for s in specs], cfg.attain)
     summary.update(slo_ms=slo_s * 1000, slo_source=slo_source, attain=cfg.attain, same_answers=(same, both))
-    summary["llama_server_settings"] = " ".join(specs[1].command[7:]) + " + cache_prompt: true per request"
+    flags = specs[1].command[specs[1].command.index("-t") :]
+    summary["llama_server_settings"] = " ".join(flags) + " + cache_prompt: true per request"
+    summary["machine"] = machine
     return rows, summary

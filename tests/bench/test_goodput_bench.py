@@ -215,7 +215,7 @@ def test_one_run_against_ragkv_serve_on_the_default_model(tmp_path):
     assert all(r["cached"] > 0 for r in rows if r["server"] == "ragkv")  # its matcher found the indexed chunks
     assert summary["slo_ms"] > 0 and "cache off" in summary["slo_source"]
     assert summary["same_answers"][1] == 4 and (real or summary["same_answers"][0] == 0)
-    assert "--cache-reuse 256" in summary["llama_server_settings"]
+    assert "--cache-reuse 256" in summary["llama_server_settings"] and "dtype" in summary["machine"]
     text = format_goodput(rows, summary)
     assert "highest rate sustained within the SLO" in text and "greedy answers identical" in text
     plot_goodput(rows, summary["slo_ms"], tmp_path / "p.png")
