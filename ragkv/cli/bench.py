@@ -577,8 +577,10 @@ def bench_goodput(
         if trace is not None:
             requests_ = gt.load_trace(trace)
         else:
-            requests_ = gt.build_trace(gt.trace_corpus(text_tokens, chunk_tokens), requests * len(swept), skew=zipf,
-                                       seed=seed)  # fmt: skip
+            corpus = gt.trace_corpus(text_tokens, chunk_tokens)  # 3 spare requests: the SLO and the warm-up
+            requests_ = gt.build_trace(corpus, requests * len(swept) + 3, skew=zipf, seed=seed)
+        if len(requests_) < requests * len(swept):
+            raise ValueError(f"{trace}: {len(requests_)} requests; {len(swept)} rates x {requests} requests need more")
         longest = gt.check_context(requests_, prompt_tokens, ctx, max_tokens, str(trace or "generated trace"))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--trace" if trace else "--ctx") from e
