@@ -18,7 +18,7 @@ from typing import Any
 
 from ragkv.bench.table import Column, format_table
 
-__all__ = ["COLUMNS", "format_serve_table", "run_serve_bench"]
+__all__ = ["COLUMNS", "format_serve_table", "percentile", "run_serve_bench"]
 
 COLUMNS = (
     Column("mode"),
@@ -38,7 +38,12 @@ COLUMNS = (
 )
 
 
-def _pct(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (0 when empty): ``q=0.95`` is the p95.
+
+    >>> percentile([4.0, 1.0, 3.0, 2.0, 5.0], 0.5), percentile([1.0, 2.0], 0.95), percentile([], 0.5)
+    (3.0, 2.0, 0.0)
+    """
     if not values:
         return 0.0
     ordered = sorted(values)
@@ -128,12 +133,12 @@ async def _level(url: str, key: str | None, questions: Sequence[str], concurrenc
         "requests": n,
         "req_s": len(results) / wall,
         "tok_s": sum(r["tokens"] for r in results) / wall,
-        "ttft_p50": _pct(ttfts, 0.5),
-        "ttft_p95": _pct(ttfts, 0.95),
-        "lat_p50": _pct(lats, 0.5),
-        "lat_p95": _pct(lats, 0.95),
-        "gap_p50": _pct(gaps, 0.5),
-        "gap_p95": _pct(gaps, 0.95),
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p95": percentile(ttfts, 0.95),
+        "lat_p50": percentile(lats, 0.5),
+        "lat_p95": percentile(lats, 0.95),
+        "gap_p50": percentile(gaps, 0.5),
+        "gap_p95": percentile(gaps, 0.95),
         **({"outside_ms": outside} if outside is not None else {}),
         "cached": sum(r["cached"] for r in results) / max(1, len(results)),
         "errors": errors,

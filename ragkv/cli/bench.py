@@ -522,3 +522,80 @@ def _index_on_server(client: Any, docs: list[dict[str, str]]) -> None:
     if "error" in report or report.get("status") != 201:
         typer.echo(f"error: indexing the demo documents on the server failed: {report}", err=True)
         raise typer.Exit(2)
+
+
+@bench_app.command("goodput")
+def bench_goodput(
+    model: Model = None,
+    rates: Annotated[str, typer.Option("--rates", help="Poisson arrival rates swept, req/s, comma-separated.")] = (
+        "0.05,0.1,0.2"
+    ),
+    requests: Annotated[int, typer.Option("--requests", help="Requests per rate.", min=1)] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer tokens per request (greedy).", min=1)] = 32,
+    threads: Annotated[int | None, typer.Option("--threads", help="Threads of each server [the CPU count].")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", help="Context per request, both servers.", min=256)] = 4096,
+    parallel: Annotated[int, typer.Option("--parallel", help="llama-server's slots (-np).", min=1)] = 4,
+    cache_reuse: Annotated[int, typer.Option("--cache-reuse", help="llama-server's --cache-reuse N.", min=0)] = 256,
+    zipf: Annotated[float, typer.Option("--zipf", help="Zipf skew of chunk popularity (0: uniform).", min=0)] = 1.0,
+    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", help="Largest chunk of the corpus.", min=64)] = 384,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the trace and the arrivals.")] = 0,
+    trace: Annotated[Path | None, typer.Option("--trace", help="A JSONL trace {chunks, question} to replay.")] = None,
+    save_trace: Annotated[Path | None, typer.Option("--save-trace", help="Write the trace used here (JSONL).")] = None,
+    slo_ms: Annotated[float | None, typer.Option("--slo-ms", help="TTFT SLO [2x llama-server's full prefill].")] = None,
+    llama_server: Annotated[
+        str | None, typer.Option("--llama-server", help="The llama-server binary [RAGKV_LLAMA_SERVER, PATH].")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Save a p95 TTFT vs rate plot here.")] = None,
+    out: JsonOut = None,
+) -> None:
+    """ragkv serve against llama-server on one RAG trace at swept Poisson rates: TTFT, goodput, tokens/s.
+
+    Both load the same GGUF with the same threads; see docs/goodput.md.
+    """
+    import tempfile
+
+    from ragkv.bench import goodput as gp
+    from ragkv.bench import goodput_trace as gt
+    from ragkv.bench.goodput_servers import LlamaServerMissingError, ServerStartError, find_llama_server
+    from ragkv.bench.peer import gguf_path
+
+    try:
+        binary = find_llama_server(llama_server)
+    except LlamaServerMissingError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    try:
+        gguf = gguf_path(model or engine_config().model)
+        swept = tuple(float(r) for r in rates.split(",") if r.strip())
+        if not swept or min(swept) <= 0:
+            raise ValueError(f"--rates needs positive rates; got {rates!r}")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    text_tokens, prompt_tokens = gt.gguf_token_counters(gguf)
+    try:
+        if trace is not None:
+            requests_ = gt.load_trace(trace)
+        else:
+            corpus = gt.trace_corpus(text_tokens, chunk_tokens)  # 3 spare requests: the SLO and the warm-up
+            requests_ = gt.build_trace(corpus, requests * len(swept) + 3, skew=zipf, seed=seed)
+        if len(requests_) < requests * len(swept):
+            raise ValueError(f"{trace}: {len(requests_)} requests; {len(swept)} rates x {requests} requests need more")
+        longest = gt.check_context(requests_, prompt_tokens, ctx, max_tokens, str(trace or "generated trace"))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--trace" if trace else "--ctx") from e
+    if save_trace is not None:
+        gt.save_trace(requests_, save_trace)
+    typer.echo(f"trace: {len(requests_)} requests, prompts up to {longest} tokens; llama-server: {binary}", err=True)
+    cfg = gp.GoodputConfig(gguf, binary, swept, requests, max_tokens, threads or os.cpu_count() or 1, ctx, parallel,
+                           cache_reuse, slo_ms, seed=seed)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="ragkv-goodput-") as tmp:
+        try:
+            rows, summary = gp.run_goodput(cfg, requests_, Path(tmp), echo=lambda line: typer.echo(line, err=True))
+        except ServerStartError as e:
+            typer.echo(f"error: {e}\n(no server was timed)", err=True)
+            raise typer.Exit(2) from e
+    typer.echo(gp.format_goodput(rows, summary))
+    typer.echo(f"llama-server settings: {summary['llama_server_settings']}")
+    _write_rows([*rows, {"summary": summary}], out)
+    if plot:
+        gp.plot_goodput(rows, summary["slo_ms"], plot)
