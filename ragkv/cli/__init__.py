@@ -95,6 +95,8 @@ def ask(
     slo_ms: SloMs = None,
 ) -> None:
     """Answer a question from the indexed documents, reusing their chunk caches."""
+    if slo_ms is not None and not slo_ms > 0:  # a bad option is said before the data dir is looked at
+        raise ValueError(f"slo_ms must be a positive number of milliseconds (or None); got {slo_ms!r}")
     check_indexed(ctx.params)  # before config_from: building the config imports torch and transformers
     cfg = config_from(ctx)
     check_setup(cfg)

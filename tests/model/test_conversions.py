@@ -192,7 +192,12 @@ def test_a_second_load_reads_the_entry_and_another_dtype_converts_anew(real_adap
 
     # a cache holding only the session's fp32 entry (other tests may have added bf16/fp16 ones)
     session = loading.model_cache()
-    (fp32,) = [e for e in session.entries() if e.name == "smollm2-135m" and e.dtype == "float32"]
+    # by its source file: a run that named the file instead of the alias (ragkv bench goodput's
+    # server) renames the same entry
+    from ragkv.bench.peer import gguf_path
+
+    source = gguf_path("smollm2-135m").resolve()
+    (fp32,) = [e for e in session.entries() if Path(e.source).resolve() == source and e.dtype == "float32"]
     shutil.copytree(fp32.path, tmp_path / fp32.path.relative_to(session.root))
     monkeypatch.setenv("RAGKV_MODEL_CACHE", str(tmp_path))
 
