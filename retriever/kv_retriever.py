@@ -43,7 +43,7 @@ from ragkv.retriever.records import (
     RemoveReport,
     RetrieverConfig,
 )
-from ragkv.retriever.removal import remove_document
+from ragkv.retriever.removal import forget_chunks, remove_document
 from ragkv.types import Chunk, validate_tenant
 
 logger = logging.getLogger(__name__)
@@ -207,13 +207,17 @@ class KVRetriever:
         """
         report = IndexReport(documents=len(documents))
         todo: dict[str, tuple[Document, Digest]] = {}  # source -> (document, content digest)
+        replacing: set[str] = set()  # sources indexed before, with other content (or damaged)
         for doc in documents:
             doc = replace(doc, source=document_source(doc))
             digest = text_digest(doc.text)
-            if (doc.source in todo and todo[doc.source][1] == digest) or self._is_indexed(doc.source, digest):
+            old = self.catalog.get_document(doc.source, self.tenant)
+            if (doc.source in todo and todo[doc.source][1] == digest) or self._is_indexed(old, digest):
                 report.unchanged += 1
             else:
                 todo[doc.source] = (doc, digest)
+                if old is not None:
+                    replacing.add(doc.source)
         chunked: list[tuple[Document, Digest, list[Chunk]]] = []  # chunking is cheap next to prefill
         for doc, digest in todo.values():
             chunked.append((doc, digest, self._chunk(doc, digest)))
@@ -230,7 +234,7 @@ class KVRetriever:
                     seen.add(chunk.token_ids)
                     if self.computer.missing(chunk.token_ids):  # stored chunks are skipped before scheduling
                         work.append(chunk.token_ids)
-        return IndexPlan(report, chunked, work)
+        return IndexPlan(report, chunked, work, replacing=replacing)
 
     def _commit_ready(
         self,
@@ -286,12 +290,12 @@ class KVRetriever:
         if sum(len(c) for _, _, c in plan.ready) >= batch_chunks(len(self.index)):
             self._commit(plan)
 
-    def _is_indexed(self, source: str, digest: str) -> bool:
-        """Whether ``source`` is indexed with content ``digest``: document, chunk rows, vectors and caches."""
-        old = self.catalog.get_document(source, self.tenant)
+    def _is_indexed(self, old: DocumentRecord | None, digest: str) -> bool:
+        """Whether ``old`` (a source's catalog record) is indexed with content ``digest``: document,
+        chunk rows, vectors and caches."""
         if old is None or old.content_digest != digest:
             return False
-        rows = self.catalog.document_chunks(source, self.tenant)
+        rows = self.catalog.document_chunks(old.source, self.tenant)
         if len(rows) != old.num_chunks or any(row not in self.index for row in rows):
             return False
         return all(
@@ -304,6 +308,12 @@ class KVRetriever:
         """Commit the ready documents to the catalog and the FAISS index, together (see
         :func:`~ragkv.retriever.commit.commit_documents`)."""
         batch, plan.ready = plan.ready, []
+        # the versions these documents replace: their chunks no document keeps lose their caches below
+        replaced = {
+            doc.source: [c.token_ids for c in self.catalog.document_chunks(doc.source, self.tenant).values()]
+            for doc, _, _ in batch
+            if doc.source in plan.replacing
+        }
         records = [
             (
                 DocumentRecord(
@@ -319,6 +329,8 @@ class KVRetriever:
             for doc, digest, chunks in batch
         ]
         plan.report.chunks += commit_documents(self.catalog, self.index, self.embedder, records)
+        for source, token_ids in replaced.items():
+            forget_chunks(self, source, token_ids)
 
     def _doc_id(self, doc: Document, digest: str) -> Digest:
         return fields_digest([("source", doc.source), ("content", digest), ("tenant", self.tenant)])

@@ -97,6 +97,7 @@ class IndexPlan:
     counted: set[tuple[int, ...]] = field(default_factory=set)  # chunks already counted in the report
     finished: int = 0  # documents committed or reported failed so far
     ready: list[tuple[Document, Digest, list[Chunk]]] = field(default_factory=list)  # complete, not committed yet
+    replacing: set[str] = field(default_factory=set)  # sources of ``documents`` indexed before (another version)
 
     def __post_init__(self) -> None:
         self.scheduled = set(self.work)

@@ -9,6 +9,7 @@ tier, otherwise it stays *pending* and removing the same source again finishes t
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoveReport", "remove_document", "retry_pending"]
+__all__ = ["RemoveReport", "forget_chunks", "remove_document", "retry_pending"]
 
 
 def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
@@ -50,9 +51,25 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
     if rows:
         retriever.index.remove(rows)
         retriever.index.save()
-    kept = {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
-    gone = {c.token_ids for c in chunks.values()} - kept
-    # marked before the entries are listed: a query-path record after this point is refused
+    deleted, left = forget_chunks(retriever, source, [c.token_ids for c in chunks.values()])
+    return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted, pending=left)
+
+
+def forget_chunks(retriever: KVRetriever, source: str, token_ids: Iterable[tuple[int, ...]]) -> tuple[int, int]:
+    """Delete the caches of the chunks ``token_ids`` that ``source`` had (removed, or replaced by a
+    new version) and that no indexed chunk of the tenant still has; returns (entries deleted,
+    entries pending).
+
+    Called after the catalog dropped ``source``'s old chunk rows. The chunks are marked removed before
+    their entries are listed, so a query-path record after this point is refused.
+    """
+    catalog, tenant = retriever.catalog, retriever.tenant
+    gone = set(token_ids)
+    if not gone:
+        return 0, 0
+    gone -= {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
+    if not gone:
+        return 0, 0
     catalog.mark_removed(source, tenant, [tokens_digest(ids) for ids in gone])
     # keys made now (an entry stored but never recorded goes too), then whatever the catalog recorded
     made: dict[str, tuple[tuple[int, ...], CodecSpec]] = {
@@ -61,8 +78,7 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
         for spec in retriever.config.stored_codecs
     }
     recorded = catalog.entry_keys_for_tokens([tokens_digest(ids) for ids in gone], tenant)
-    deleted, left = _delete_entries(retriever, sorted(set(made) | set(recorded)), made)
-    return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted, pending=left)
+    return _delete_entries(retriever, sorted(set(made) | set(recorded)), made)
 
 
 def retry_pending(retriever: KVRetriever, source: str | None = None) -> tuple[int, int]:

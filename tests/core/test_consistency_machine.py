@@ -169,10 +169,6 @@ class Consistency(RuleBasedStateMachine):
         assert {c.source for c in rag.retrieve("water trees time wind", k=8)} <= set(self.indexed)
 
 
-# Not strict: one run at the end of the session that built it found a removed document's cache
-# stored again (index clocks, remove it, index apples, index apples edited: a clocks key stored and
-# not pending). Open in issue 33; the count is 100 until that is fixed, to keep CI under its budget.
-@pytest.mark.xfail(strict=False, reason="a removed document's key found stored after two re-indexes (issue 33)")
 def test_catalog_faiss_and_tiers_agree_under_any_interleaving(llama_adapter):
     Consistency.adapter = llama_adapter
     threads = torch.get_num_threads()

@@ -72,6 +72,32 @@ def test_a_request_queued_before_a_delete_does_not_bring_the_caches_back(tmp_pat
         assert _held(rag, keys) == keys
 
 
+def test_an_edited_document_takes_its_old_versions_caches_with_it(tmp_path, llama_adapter):
+    """Re-indexing a source with other content drops the old version's chunk caches that no document
+    keeps (found by the consistency state machine: a removed document's text stayed stored)."""
+    from ragkv.retriever.documents import Document
+
+    shared = "Kettles whistle when the water boils. " * 2  # a chunk of its own in both documents
+    apples = Document("mem:apples", "Apples grow on trees in orchards. " * 2 + "\n\n" + shared, "apples")
+    kettles = Document("mem:kettles", "Kettles are made of steel or copper. " * 2 + "\n\n" + shared, "kettles")
+    with engine(tmp_path, llama_adapter) as rag:
+        rag.index([apples, kettles], progress=False)
+        chunks, old_keys = _apples(rag)
+        assert len(chunks) == 2
+        edited = Document("mem:apples", "Apples are red or green and taste sweet. " * 2, "apples")
+        rag.index([edited], progress=False)
+        _, new_keys = _apples(rag)
+        _, kettle_keys = _apples(rag, "mem:kettles")
+        shared_keys = old_keys & kettle_keys
+        assert len(shared_keys) == len(rag.config.retriever.stored_codecs)  # the shared chunk is kept
+        assert _held(rag, old_keys) == shared_keys and _held(rag, new_keys) == new_keys
+        recorded = {e.storage_key for e in rag.catalog.entries("default")}
+        assert recorded == new_keys | kettle_keys and rag.catalog.pending_entries("default") == []
+        # the old text is gone for good: a request holding the old chunks does not store it again
+        rag.answer("Where do apples grow?", chunks=chunks, generation=GEN)
+        assert _held(rag, old_keys) == shared_keys
+
+
 def test_a_removal_between_the_check_and_the_record_erases_the_stored_cache(tmp_path, llama_adapter, monkeypatch):
     with engine(tmp_path, llama_adapter) as rag:
         rag.index(DOCS[:2], progress=False)
