@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
