@@ -176,7 +176,7 @@ def test_catalog_faiss_and_tiers_agree_under_any_interleaving(llama_adapter):
         run_state_machine_as_test(
             Consistency,
             settings=settings(
-                max_examples=int(os.environ.get("RAGKV_MACHINE_EXAMPLES", "100")),
+                max_examples=int(os.environ.get("RAGKV_MACHINE_EXAMPLES", "200")),
                 stateful_step_count=6,
                 deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
