@@ -65,8 +65,10 @@ def mypy_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Pat
     src.mkdir()
     (src / "planted.py").write_text(textwrap.dedent(PLANTED))
     (src / "correct.py").write_text(textwrap.dedent(CORRECT))
+    # the repository's mypy cache: `make lint` (after the tests in CI) then finds torch and
+    # transformers analysed already; mypy keys its cache by module and checks each source's hash
     command = typecheck.mypy_command(
-        ["planted.py", "correct.py"], "--follow-imports=silent", "--cache-dir", str(tmp / "cache")
+        ["planted.py", "correct.py"], "--follow-imports=silent", "--cache-dir", str(ROOT / ".mypy_cache")
     )
     env = {**os.environ, "MYPYPATH": str(tree)}  # ahead of the configured mypy_path
     proc = subprocess.run(command, cwd=src, env=env, capture_output=True, text=True, timeout=600)
