@@ -29,6 +29,7 @@ from ragkv.gpu.tier import DeviceTier, DeviceTierConfig
 from ragkv.matching import ChunkRegistry, TenantChunks
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.attention import DecodeWeights
+from ragkv.model.placement import resolve_decode_weights
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates
 from ragkv.prompt import render_chat, render_completion
@@ -98,12 +99,17 @@ class RagKV:
             self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
             self.catalog = Catalog(self.config.catalog_url())
             # the weights decode steps read; an int8/int4 copy is made now (a bad format or device raises here)
-            self.decode_weights: DecodeWeights = self.config.decode_weights  # type: ignore[assignment]
+            adapter = self.adapter
+            weights, why = resolve_decode_weights(self.config.decode_weights, adapter.device, adapter.weight_bits)
+            self.decode_weights: DecodeWeights = weights  # type: ignore[assignment]
+            self.decode_weights_reason = why
             self.adapter.model_for(self.decode_weights)
+            logger.info("decode steps read the %s weights (%s)", self.decode_weights, why)
             self.device_tier = _device_tier(self.config.device_tier, self.adapter)  # every tenant's, one per process
         else:  # another tenant's engine: the model, embedder, stores and speeds are share's
             self.load_estimates, self._model_lock = share.load_estimates, share._model_lock
             self.adapter, self.embedder, self.decode_weights = share.adapter, share.embedder, share.decode_weights
+            self.decode_weights_reason = share.decode_weights_reason
             self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
             self.device_tier = share.device_tier
         self.retriever = self._retriever(self.config.tenant)
@@ -318,6 +324,7 @@ class RagKV:
             "dtype": dtype_name(self.adapter.dtype),
             "dtype_reason": str(self.adapter.dtype_reason),
             "decode_weights": str(self.decode_weights),
+            "decode_weights_reason": self.decode_weights_reason,
         }
 
     def encode(self, text: str) -> list[int]:

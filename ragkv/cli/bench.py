@@ -247,6 +247,8 @@ def bench_peer(
         run_peer_bench,
     )
     from ragkv.bench.table import format_table
+    from ragkv.model.attention import DECODE_WEIGHTS
+    from ragkv.model.placement import resolve_decode_weights
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads is not None:
@@ -264,12 +266,10 @@ def bench_peer(
             llm = load_llama(gguf, torch.get_num_threads(), n_ctx=max(len(p.ids) for p in peers) + decode_tokens + 8)
         except PeerMissingError as e:
             typer.echo(f"{e}; running the ragkv rows alone", err=True)
-        systems = {
-            "ragkv fused": ("reuse", "model"),
-            "ragkv full": ("full", "model"),
-            "ragkv fused, int8 decode": ("reuse", "int8"),
-            "ragkv fused, int4 decode": ("reuse", "int4"),
-        }
+        # the first two rows run the defaults (decode_weights=auto: int8 for a quantized file on the CPU)
+        default, _ = resolve_decode_weights("auto", adapter.device, adapter.weight_bits)
+        systems = {"ragkv fused": ("reuse", default), "ragkv full": ("full", default)}
+        systems |= {f"ragkv fused, {w} decode": ("reuse", w) for w in DECODE_WEIGHTS if w != default}
 
         def progress(name: str, run: Any) -> None:
             typer.echo(f"  {name}: TTFT {run.ttft_s:.2f} s, {run.per_token_s * 1000:.0f} ms/token", err=True)

@@ -74,6 +74,7 @@ class ModelAdapter:
         self._inner = model.model
         self._fingerprint: str | None = None
         self.dtype_reason = "given"  # why the weights run in their dtype (load_model says, e.g. "auto: ...")
+        self.weight_bits: int | None = None  # bits a weight value is stored in, in its GGUF file (None: not GGUF)
         self._tok_fingerprint: str | None = None
         self._eos: frozenset[int] | None = None
         self._layouts: dict[str, PromptLayout] = {}
@@ -442,7 +443,8 @@ def load_model(
     the default model). Hub names download into the Hugging Face cache unless ``offline`` or
     ``HF_HUB_OFFLINE=1`` (see ``ragkv.model.loading``). A loaded adapter is returned as is.
     """
-    from ragkv.model.loading import resolve
+    from ragkv.model.gguf_header import weight_bits
+    from ragkv.model.loading import gguf_file, resolve
     from ragkv.model.placement import dtype_reason, resolve_device, resolve_dtype
 
     if isinstance(spec, ModelAdapter):
@@ -457,5 +459,7 @@ def load_model(
     model = model.to(device=dev, dtype=dt) if dt is not None else model.to(dev)
     adapter = ModelAdapter(model, tokenizer, name=name)
     adapter.dtype_reason = dtype_reason(dtype, dev)
+    if isinstance(spec, str) and (path := gguf_file(spec)) is not None:
+        adapter.weight_bits = weight_bits(path)
     logger.info("model %s on %s in %s (%s)", name, dev, adapter.dtype, adapter.dtype_reason)
     return adapter

@@ -123,6 +123,18 @@ def resolve(name: str, dtype: torch.dtype | str | None = None, *, offline: bool 
 
 
 # ---- GGUF: header check, convert once, load the entry ----------------------------------------------
+def gguf_file(name: str) -> Path | None:
+    """The GGUF file ``resolve(name)`` loads (an alias's packaged file, or a .gguf path), else None."""
+    if name in ALIASES:
+        package, filename = ALIASES[name]
+        try:
+            return _package_dir(package) / filename
+        except ModuleNotFoundError:
+            return None
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _load_gguf(path: Path, name: str, dt: torch.dtype | None) -> tuple[Any, Any]:
     from ragkv.model.gguf_header import check_gguf
 

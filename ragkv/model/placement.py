@@ -16,6 +16,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "dtype_name",
     "dtype_reason",
+    "resolve_decode_weights",
     "resolve_device",
     "resolve_dtype",
     "validate_placement",
@@ -30,6 +31,10 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")  # for messages
+# ``decode_weights="auto"`` picks the int8 copy for a GGUF file whose decoder matrices are stored in at
+# most this many bits: there one more (per-row int8) rounding adds 1/60-1/100 of the KL that one more
+# rounding of the file's own kind adds (experiments/decode_weight_error.py, docs/benchmarks.md).
+INT8_DECODE_MAX_FILE_BITS = 8
 
 
 @functools.cache
@@ -113,3 +118,20 @@ def validate_placement(dtype: str, device: str) -> None:
     kind, _, index = device.partition(":")
     if kind not in ("auto", "cpu", "cuda", "mps") or (index and (kind != "cuda" or not index.isdigit())):
         raise ValueError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
+
+
+def resolve_decode_weights(requested: str, device: torch.device, weight_bits: int | None) -> tuple[str, str]:
+    """The weights decode steps read, and why: ``requested`` unless it is ``auto``.
+
+    ``auto`` picks ``int8`` on the CPU for a GGUF file stored in at most
+    :data:`INT8_DECODE_MAX_FILE_BITS` bits (its own rounding dwarfs the copy's), else ``model``.
+    """
+    if requested != "auto":
+        return requested, "asked for"
+    if device.type != "cpu":
+        return "model", f"auto: the int8 copy runs on CPU kernels, not on {device.type}"
+    if weight_bits is None:
+        return "model", "auto: not a quantized GGUF file"
+    if weight_bits > INT8_DECODE_MAX_FILE_BITS:
+        return "model", f"auto: the file stores {weight_bits}-bit weights"
+    return "int8", f"auto: the file stores weights in {weight_bits} bits or fewer; int8 adds far less error"

@@ -275,7 +275,7 @@ def test_int8_decode_is_a_setting_the_stats_name(tmp_path, tiny_tokenizer, monke
     from ragkv.model import ModelAdapter
     from tests.conftest import make_model
 
-    with pytest.raises(ValueError, match="decode_weights must be one of"):
+    with pytest.raises(ValueError, match="decode_weights must be auto or one of"):
         EngineConfig(data_dir=tmp_path, decode_weights="int2")
     monkeypatch.setenv("RAGKV_DECODE_WEIGHTS", "int8")
     assert EngineConfig.from_env(data_dir=tmp_path).decode_weights == "int8"
@@ -284,6 +284,22 @@ def test_int8_decode_is_a_setting_the_stats_name(tmp_path, tiny_tokenizer, monke
         rag.index(DOCS[:1], progress=False)
         res = rag.answer("Where do apples grow?", generation=GEN)
     assert res.stats.decode_weights == "int8" and res.stats.generated_tokens > 0
+
+
+def test_auto_decode_weights_are_int8_for_a_quantized_gguf_on_the_cpu(tmp_path, tiny_tokenizer):
+    """The default (auto) reads a GGUF file's bits: int8 at <= 8 bits on the CPU, else the model's weights."""
+    from ragkv.model import ModelAdapter
+    from tests.conftest import make_model
+
+    assert EngineConfig(data_dir=tmp_path).decode_weights == "auto"
+    adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
+    for bits, want in ((4, "int8"), (8, "int8"), (16, "model"), (None, "model")):
+        adapter.weight_bits = bits
+        with _engine(tmp_path / str(bits), adapter) as rag:
+            rag.index(DOCS[:1], progress=False)
+            res = rag.answer("Where do apples grow?", generation=GEN)
+            assert res.stats.decode_weights == want and rag.model_info()["decode_weights"] == want
+            assert rag.model_info()["decode_weights_reason"].startswith("auto: ")
 
 
 def test_an_answer_stream_resumed_on_other_threads_equals_one_read_on_one(tmp_path, llama_adapter):

@@ -153,6 +153,34 @@ def test_the_architecture_is_read_from_the_header_alone(tmp_path):
     assert read_architecture(path) == "qwen2" and check_gguf(path) == "qwen2"
 
 
+def test_tensor_types_and_weight_bits_come_from_the_header(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from ragkv.model.gguf_header import read_tensor_types, weight_bits
+
+    path = tmp_path / "m.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_token_list([f"t{i}".encode() for i in range(1000)])  # a vocabulary: skipped by lengths
+    w.add_tensor("token_embd.weight", np.ones((8, 64), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.ones((8, 64), dtype=np.float16))
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 68), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    types = read_tensor_types(path)
+    assert types == {
+        "token_embd.weight": ("F32", (64, 8)),
+        "blk.0.attn_q.weight": ("F16", (64, 8)),
+        "blk.0.ffn_up.weight": ("Q8_0", (64, 8)),
+    }
+    assert weight_bits(path) == 16  # the widest decoder matrix
+    data = path.read_bytes()
+    path.write_bytes(data[:100])  # cut inside the vocabulary
+    with pytest.raises(ValueError, match="truncated"):
+        read_tensor_types(path)
+
+
 def test_an_unsupported_architecture_is_refused_without_reading_tensor_data(tmp_path, monkeypatch):
     path = _gguf(tmp_path / "gemma-3-270m.gguf", "gemma3", truncate_after_header=True)
     converted: list[str] = []

@@ -54,3 +54,24 @@ def test_load_model_places_a_model_in_the_dtype_asked(tiny_tokenizer):
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cpu", dtype="bfloat16")
     assert a.dtype == torch.bfloat16 and a.device.type == "cpu"
     assert a.rotated_layers.all()  # the load-time probe passes in bf16 too
+
+
+def test_auto_decode_weights_follow_the_device_and_the_files_bits():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert placement.resolve_decode_weights("auto", cpu, 4)[0] == "int8"
+    assert placement.resolve_decode_weights("auto", cpu, 8)[0] == "int8"
+    assert placement.resolve_decode_weights("auto", cpu, 16) == ("model", "auto: the file stores 16-bit weights")
+    assert placement.resolve_decode_weights("auto", cpu, None)[0] == "model"
+    assert placement.resolve_decode_weights("auto", cuda, 4)[0] == "model"  # the int8 kernels are the CPU's
+    assert placement.resolve_decode_weights("int4", cuda, None) == ("int4", "asked for")
+
+
+@pytest.mark.slow
+def test_the_default_models_file_is_4_bit_and_its_adapter_says_so(real_adapter):
+    from ragkv.bench.peer import gguf_path
+    from ragkv.model.gguf_header import read_tensor_types, weight_bits
+
+    types = read_tensor_types(gguf_path("smollm2-135m"))
+    assert {kind for name, (kind, dims) in types.items() if name.startswith("blk.") and len(dims) == 2} == {"Q4_1"}
+    assert types["token_embd.weight"] == ("Q8_0", (576, 49152))
+    assert weight_bits(gguf_path("smollm2-135m")) == 4 and real_adapter.weight_bits == 4
