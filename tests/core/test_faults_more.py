@@ -3,13 +3,20 @@ an engine, the PostgreSQL catalog under ``kill -9`` of the indexer."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from ragkv.engine import RagKV
 from ragkv.retriever.check import check, faiss_disagreement
 from ragkv.retriever.documents import Document
-from tests.integrations.conftest import DOCS, make_engine
+from tests.integrations.conftest import DOCS, GEN, make_engine
+from tests.server.conftest import free_port
 
 EXTRA = [
     Document("mem:drums", "Drums are struck with sticks to keep the beat. " * 10, "drums"),
@@ -75,3 +82,96 @@ def test_two_engines_indexing_and_removing_at_once_agree_afterwards(tmp_path, ll
             _agree(rag)
             found = _sources(rag, "Apples boats clocks drums eagles")
             assert found == {"mem:clocks", "mem:drums", "mem:eagles"}
+
+
+class PrivateRedis:
+    """A redis-server of the test's own on a free loopback port, in memory only (nothing saved), that
+    the test kills and restarts (never the shared one the other Redis tests use)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port, self.dir = free_port(), tmp
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0?timeout=0.5"
+
+    def start(self) -> None:
+        import redis
+
+        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(self.dir)]  # fmt: skip
+        self.process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def flushall(self) -> None:
+        import redis
+
+        with redis.Redis(port=self.port) as client:
+            client.flushall()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server, or .ci/services.sh)")
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+def _redis_engine(data_dir: Path, adapter, redis_url: str) -> RagKV:
+    from dataclasses import replace
+
+    rag = make_engine(data_dir, adapter)
+    rag.close()
+    return RagKV(replace(rag.config, store=(redis_url,)), adapter=adapter, embedder=rag.embedder)
+
+
+def test_redis_flushed_killed_and_restarted_under_an_engine_is_a_miss_never_an_error(
+    tmp_path, llama_adapter, private_redis
+):
+    question = "Where do apples grow?"
+    with _redis_engine(tmp_path, llama_adapter, private_redis.url) as rag:
+        rag.index(DOCS[:2], progress=False)
+        first = rag.answer(question, generation=GEN)
+        assert first.stats.cache_hits > 0 and first.stats.cache_misses == 0
+        private_redis.flushall()  # restarted empty, as far as the engine can tell
+        flushed = rag.answer(question, generation=GEN)
+        assert flushed.stats.cache_misses > 0 and flushed.text == first.text  # recomputed, and stored again
+        assert rag.answer(question, generation=GEN).stats.cache_misses == 0
+        private_redis.kill()
+        down = rag.answer(question, generation=GEN)  # every call to the tier fails
+        # the load planner heard the tier fail: the chunks are prefilled as text, no cache loaded
+        assert down.stats.prefilled_chunk_tokens > 0 and down.stats.extra["load"]["tier_failed"]
+        assert down.text == first.text
+        private_redis.start()  # back, empty
+        back = rag.answer(question, generation=GEN)
+        assert back.text == first.text
+        found = check(rag.retriever)
+        # the catalog remembers entries the flush took: check reports them and the missing caches
+        assert found.caches_missing and found.entries_dangling and not found.pending
+        assert {c.split("#")[0] for c in found.caches_missing} <= {d.source for d in DOCS[:2]}
+    with _redis_engine(tmp_path, llama_adapter, private_redis.url) as rag:  # `ragkv check --repair`: a new process
+        fixed = check(rag.retriever, repair=True)
+        assert fixed.problems == 0 and fixed.repaired > 0
+        assert check(rag.retriever).problems == 0
+        assert rag.answer(question, generation=GEN).stats.cache_misses == 0
