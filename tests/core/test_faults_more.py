@@ -3,10 +3,13 @@ an engine, the PostgreSQL catalog under ``kill -9`` of the indexer."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +18,11 @@ import pytest
 from ragkv.engine import RagKV
 from ragkv.retriever.check import check, faiss_disagreement
 from ragkv.retriever.documents import Document
+from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.types import tenant_namespace
+from tests.cache.conftest import postgres_server  # noqa: F401
 from tests.integrations.conftest import DOCS, GEN, make_engine
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, tiny_model_dir  # noqa: F401
 
 EXTRA = [
     Document("mem:drums", "Drums are struck with sticks to keep the beat. " * 10, "drums"),
@@ -175,3 +181,62 @@ def test_redis_flushed_killed_and_restarted_under_an_engine_is_a_miss_never_an_e
         assert fixed.problems == 0 and fixed.repaired > 0
         assert check(rag.retriever).problems == 0
         assert rag.answer(question, generation=GEN).stats.cache_misses == 0
+
+
+# `ragkv index FILES` with the hashing embedder (the CLI's default embedder takes seconds to load)
+_INDEXER = """
+import sys
+from pathlib import Path
+from ragkv.engine import EngineConfig, RagKV
+from ragkv.retriever.embedder import HashingEmbedder
+files, data, catalog, tenant, model = sys.argv[1:]
+cfg = EngineConfig(data_dir=Path(data), catalog=catalog, tenant=tenant, model=model, dtype="float32", offline=True)
+with RagKV(cfg, embedder=HashingEmbedder(dim=64)) as rag:
+    rag.index([files], progress=False)
+"""
+
+
+def _write_files(folder: Path, n: int) -> None:
+    folder.mkdir()
+    for i in range(n):  # about three chunks each (the default chunker's 256..512 tokens; a byte a token)
+        text = " ".join(f"Note {i}.{j}: the orchard in valley {i} grows {j} kinds of apple." for j in range(22))
+        (folder / f"note{i:02d}.txt").write_text(text)
+
+
+@pytest.mark.postgres
+def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(tmp_path, tiny_model_dir, postgres_server):  # noqa: F811
+    """``kill -9`` of an indexer (``RagKV.index``, what ``ragkv index`` runs) after its first committed
+    batch: what was committed has its rows, vectors and caches; nothing half; a second run indexes the
+    rest. A tenant of its own keeps the shared database's other rows out of it (and this test leaves
+    the tables in place: the other PostgreSQL tests empty them before and after themselves)."""
+    from ragkv.cache.catalog import Catalog
+    from ragkv.engine import EngineConfig
+
+    files, data, tenant, n = tmp_path / "notes", tmp_path / "data", f"kill-{uuid.uuid4().hex[:8]}", 26
+    _write_files(files, n)
+    cmd = [sys.executable, "-c", _INDEXER, str(files), str(data), postgres_server, tenant, str(tiny_model_dir)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")} | {"HF_HUB_OFFLINE": "1"}
+    indexer = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with Catalog(postgres_server) as catalog:
+        deadline = time.monotonic() + 120
+        while not catalog.documents(tenant) and indexer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        indexer.kill()  # SIGKILL: no cleanup of any kind
+        _, err = indexer.communicate()
+        assert indexer.returncode == -9, f"the indexer ended before it was killed: {err.decode()[-2000:]}"
+        committed = {d.source for d in catalog.documents(tenant)}
+        assert 0 < len(committed) < n
+        path = data / f"chunks-{tenant_namespace(tenant)}.faiss"
+        missing, _stale = faiss_disagreement(catalog, tenant, path)  # stale: killed between save and commit
+        assert missing == 0  # every committed row has its vector
+    cfg = EngineConfig(data_dir=data, catalog=postgres_server, tenant=tenant, model=str(tiny_model_dir),
+                       dtype="float32", offline=True)  # fmt: skip
+    with RagKV(
+        cfg, embedder=HashingEmbedder(dim=64)
+    ) as rag:  # as `ragkv check`: opening it reconciles the FAISS file with the catalog
+        assert check(rag.retriever).problems == 0  # each committed document has every cache
+        report = rag.index([files], progress=False)  # the second run indexes the rest
+        assert report.unchanged == len(committed) and report.failed == 0
+        assert len(rag.catalog.documents(tenant)) == n
+        assert check(rag.retriever).problems == 0
+        assert faiss_disagreement(rag.catalog, tenant, path) == (0, 0)
