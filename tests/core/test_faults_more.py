@@ -152,6 +152,7 @@ def _redis_engine(data_dir: Path, adapter, redis_url: str) -> RagKV:
     return RagKV(replace(rag.config, store=(redis_url,)), adapter=adapter, embedder=rag.embedder)
 
 
+@pytest.mark.slow  # over 10 s on a 2-core CI machine
 def test_redis_flushed_killed_and_restarted_under_an_engine_is_a_miss_never_an_error(
     tmp_path, llama_adapter, private_redis
 ):
@@ -203,6 +204,7 @@ def _write_files(folder: Path, n: int) -> None:
         (folder / f"note{i:02d}.txt").write_text(text)
 
 
+@pytest.mark.slow  # over 10 s: a second Python process loads torch
 @pytest.mark.postgres
 def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(tmp_path, tiny_model_dir, postgres_server):  # noqa: F811
     """``kill -9`` of an indexer (``RagKV.index``, what ``ragkv index`` runs) after its first committed

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ragkv.cache.catalog import Catalog
 from ragkv.cache.store import open_store
@@ -36,6 +37,7 @@ def _blobs(data_dir: Path) -> int:
     return sum(1 for p in kv.rglob("*") if p.is_file()) if kv.is_dir() else 0
 
 
+@pytest.mark.slow  # over 10 s: a real server starts
 def test_sigterm_during_an_upload_indexes_it_or_reports_it_failed(tiny_model_dir, tmp_path):
     data = tmp_path / "d"
     served = start_server(tiny_model_dir, data)
