@@ -17,8 +17,10 @@ import pytest
 
 from ragkv.engine import RagKV
 from ragkv.retriever.check import check, faiss_disagreement
+from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.retriever.kv_retriever import RetrieverConfig
 from ragkv.types import tenant_namespace
 from tests.cache.conftest import postgres_server  # noqa: F401
 from tests.integrations.conftest import DOCS, GEN, make_engine
@@ -189,9 +191,14 @@ _INDEXER = """
 import sys
 from pathlib import Path
 from ragkv.engine import EngineConfig, RagKV
+from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.embedder import HashingEmbedder
+from ragkv.retriever import kv_retriever
+from ragkv.retriever.kv_retriever import RetrieverConfig
 files, data, catalog, tenant, model = sys.argv[1:]
-cfg = EngineConfig(data_dir=Path(data), catalog=catalog, tenant=tenant, model=model, dtype="float32", offline=True)
+cfg = EngineConfig(data_dir=Path(data), catalog=catalog, tenant=tenant, model=model, dtype="float32", offline=True,
+                   retriever=RetrieverConfig(chunker=ChunkerConfig(min_tokens=40, max_tokens=120)))
+kv_retriever.batch_chunks = lambda index_size: 4  # commits of a few documents: killed after the first
 with RagKV(cfg, embedder=HashingEmbedder(dim=64)) as rag:
     rag.index([files], progress=False)
 """
@@ -199,14 +206,19 @@ with RagKV(cfg, embedder=HashingEmbedder(dim=64)) as rag:
 
 def _write_files(folder: Path, n: int) -> None:
     folder.mkdir()
-    for i in range(n):  # about three chunks each (the default chunker's 256..512 tokens; a byte a token)
-        text = " ".join(f"Note {i}.{j}: the orchard in valley {i} grows {j} kinds of apple." for j in range(22))
+    for i in range(n):  # a chunk each (of 40..120 tokens; a byte a token)
+        text = " ".join(f"Note {i}.{j}: the orchard in valley {i} grows {j} kinds of apple." for j in range(2))
         (folder / f"note{i:02d}.txt").write_text(text)
 
 
 @pytest.mark.slow  # over 10 s: a second Python process loads torch
 @pytest.mark.postgres
-def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(tmp_path, tiny_model_dir, postgres_server):  # noqa: F811
+def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(
+    tmp_path,
+    tiny_model_dir,  # noqa: F811
+    llama_adapter,
+    postgres_server,  # noqa: F811
+):
     """``kill -9`` of an indexer (``RagKV.index``, what ``ragkv index`` runs) after its first committed
     batch: what was committed has its rows, vectors and caches; nothing half; a second run indexes the
     rest. A tenant of its own keeps the shared database's other rows out of it (and this test leaves
@@ -214,7 +226,7 @@ def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(tmp_pat
     from ragkv.cache.catalog import Catalog
     from ragkv.engine import EngineConfig
 
-    files, data, tenant, n = tmp_path / "notes", tmp_path / "data", f"kill-{uuid.uuid4().hex[:8]}", 26
+    files, data, tenant, n = tmp_path / "notes", tmp_path / "data", f"kill-{uuid.uuid4().hex[:8]}", 16
     _write_files(files, n)
     cmd = [sys.executable, "-c", _INDEXER, str(files), str(data), postgres_server, tenant, str(tiny_model_dir)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")} | {"HF_HUB_OFFLINE": "1"}
@@ -231,11 +243,11 @@ def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(tmp_pat
         path = data / f"chunks-{tenant_namespace(tenant)}.faiss"
         missing, _stale = faiss_disagreement(catalog, tenant, path)  # stale: killed between save and commit
         assert missing == 0  # every committed row has its vector
-    cfg = EngineConfig(data_dir=data, catalog=postgres_server, tenant=tenant, model=str(tiny_model_dir),
-                       dtype="float32", offline=True)  # fmt: skip
-    with RagKV(
-        cfg, embedder=HashingEmbedder(dim=64)
-    ) as rag:  # as `ragkv check`: opening it reconciles the FAISS file with the catalog
+    cfg = EngineConfig(data_dir=data, catalog=postgres_server, tenant=tenant,
+                       retriever=RetrieverConfig(chunker=ChunkerConfig(min_tokens=40, max_tokens=120)))  # fmt: skip
+    # as `ragkv check`: opening the engine reconciles the FAISS file with the catalog; the model is the
+    # one the indexer loaded from its folder (the same weights: the same fingerprint, so the same keys)
+    with RagKV(cfg, adapter=llama_adapter, embedder=HashingEmbedder(dim=64)) as rag:
         assert check(rag.retriever).problems == 0  # each committed document has every cache
         report = rag.index([files], progress=False)  # the second run indexes the rest
         assert report.unchanged == len(committed) and report.failed == 0
