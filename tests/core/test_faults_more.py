@@ -254,3 +254,29 @@ def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(
         assert len(rag.catalog.documents(tenant)) == n
         assert check(rag.retriever).problems == 0
         assert faiss_disagreement(rag.catalog, tenant, path) == (0, 0)
+
+
+def test_a_server_on_a_redis_store_answers_through_a_flush_and_a_restart(tmp_path, llama_adapter, private_redis):
+    """The same through the HTTP app (its scheduler, the chat route): every answer is a 200."""
+    from fastapi.testclient import TestClient
+
+    from ragkv.server.app import create_app
+    from ragkv.server.settings import ServerSettings
+
+    rag = _redis_engine(tmp_path, llama_adapter, private_redis.url)
+    body = {"model": "x", "messages": [{"role": "user", "content": "Where do apples grow?"}], "max_tokens": 4,
+            "ragkv": {"retrieve": True}}  # fmt: skip
+    with TestClient(create_app(rag, ServerSettings()), base_url="http://127.0.0.1") as client:
+        for doc in DOCS[:2]:
+            assert client.post("/v1/documents", json={"source": doc.source, "text": doc.text}).status_code == 201
+        answers, hits = [], []
+        faults = (lambda: None, private_redis.flushall, private_redis.kill, private_redis.start, lambda: None)
+        for fault in faults:
+            fault()
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["message"]["content"])
+            hits.append((r.json()["ragkv"]["cache_hits"], r.json()["ragkv"]["cache_misses"]))
+        assert len(set(answers)) == 1  # a miss recomputes the same caches
+        # flushed: missed and stored again; down: prefilled as text; back empty: missed, stored, then hit
+        assert hits == [(2, 0), (0, 2), (0, 0), (0, 2), (2, 0)]
