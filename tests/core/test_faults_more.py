@@ -154,7 +154,6 @@ def _redis_engine(data_dir: Path, adapter, redis_url: str) -> RagKV:
     return RagKV(replace(rag.config, store=(redis_url,)), adapter=adapter, embedder=rag.embedder)
 
 
-@pytest.mark.slow  # over 10 s on a 2-core CI machine
 def test_redis_flushed_killed_and_restarted_under_an_engine_is_a_miss_never_an_error(
     tmp_path, llama_adapter, private_redis
 ):
