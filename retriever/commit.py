@@ -4,6 +4,10 @@ The FAISS file is written inside the catalog's transaction: a failed write (a fu
 document of the batch and leaves the index as it was, so no committed document lacks its vectors.
 A crash between the file's write and the catalog's commit leaves vectors the catalog does not know,
 which are dropped when the index is next opened (the catalog is the truth).
+
+The index file's lock is held from before the transaction until after its commit: another process
+sharing the data directory neither writes the file meanwhile nor reads vectors whose rows it cannot
+see yet (it would drop them as stale), and this copy starts from the file as saved last, by whoever.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def commit_documents(
             raise
 
     try:
-        catalog.replace_documents(records, before_commit=write_index)
+        with index.locked():  # lock order: the index file, then the catalog's write transaction
+            catalog.replace_documents(records, before_commit=write_index)
     except OSError as e:
         raise StorageWriteError(
             e.errno,

@@ -4,16 +4,26 @@ Vectors are expected L2-normalized (as every ``Embedder`` returns them), so inne
 cosine similarity. The index file is written atomically (temp file, fsync, ``os.replace``), and a
 sidecar ``<index>.meta.json`` records the dimension and the embedder fingerprint, so opening an
 index with a different embedder fails loudly instead of returning nonsense neighbours.
+
+Several processes may share one index file (two servers on one data directory): each holds a copy in
+memory, and a save wrote that copy over the others' additions and brought back what they had removed
+(found by issue 33's faults). Now every writer takes ``<index>.lock`` (``flock``, exclusive), re-reads
+the file if another process replaced it since, re-applies its own changes not yet saved on top, and
+writes the result; a search re-reads a replaced file first (under the lock, shared, so it never sees
+a commit in flight). The indexer holds the lock across its catalog transaction (see
+:mod:`ragkv.retriever.commit`), so what another process reads is committed or a crash's leftover.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +40,12 @@ logger = logging.getLogger(__name__)
 META_SUFFIX = ".meta.json"
 _META_VERSION = 1
 _MAX_ID = 2**63 - 1
+LOCK_SUFFIX = ".lock"
+
+# (inode, mtime_ns, size) of the index file: a save replaces the file, so any save changes it
+_Stamp = tuple[int, int, int]
+# a change not yet saved, re-applied on top of a file another process wrote: (ids, vectors or None to remove)
+_Change = tuple[np.ndarray, np.ndarray | None]
 
 
 def digest_to_id(digest: Digest | str) -> int:
@@ -83,6 +99,9 @@ class FaissIndex:
         self._index: Any = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         self._ids: set[int] = set()  # mirror of the stored ids, for O(1) membership
         self._lock = threading.RLock()
+        self._stamp: _Stamp | None = None  # the file this copy was last read from or written to
+        self._unsaved: list[_Change] = []  # changes since then, in order
+        self._held = 0  # depth of locked() on this object (the file lock is taken once)
 
     def __repr__(self) -> str:
         return f"FaissIndex(dim={self.dim}, path={self.path}, size={len(self)})"
@@ -128,6 +147,8 @@ class FaissIndex:
                 )
             self._index.add_with_ids(np.ascontiguousarray(vecs), id_arr)
             self._ids.update(id_arr.tolist())
+            if self.path is not None:
+                self._unsaved.append((id_arr, np.array(vecs, dtype=np.float32)))
 
     def remove(self, ids: Iterable[int]) -> int:
         """Remove ids; absent ids are ignored.
@@ -141,6 +162,8 @@ class FaissIndex:
         with self._lock:
             removed = int(self._index.remove_ids(faiss.IDSelectorBatch(id_arr)))
             self._ids.difference_update(id_arr.tolist())
+            if self.path is not None:
+                self._unsaved.append((id_arr, None))
             return removed
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
@@ -167,6 +190,7 @@ class FaissIndex:
         """
         if k < 1:
             raise ValueError(f"k must be >= 1; got {k}")
+        self.refresh()  # another process may have saved since (a second server on this data directory)
         q = np.asarray(query, dtype=np.float32)
         single = q.ndim == 1
         if single:
@@ -197,20 +221,84 @@ class FaissIndex:
     # -- persistence -----------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Write the index and its sidecar atomically to ``self.path``."""
+        """Write the index and its sidecar atomically to ``self.path``.
+
+        Under the file lock: what another process saved since this copy was read is kept (the file is
+        re-read and this copy's changes re-applied on top), then the result is written.
+        """
         if self.path is None:
             raise ValueError("this FaissIndex has no path; create it with FaissIndex(dim, path) to save it")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": _META_VERSION, "dim": self.dim, "fingerprint": self.fingerprint, "metric": "ip"}
-        with self._lock:
+        with self.locked(), self._lock:
             # serialize_index gives the same bytes faiss.write_index writes, but in memory, so the
             # temp file can be fsynced before it replaces the old index.
             data = faiss.serialize_index(self._index).tobytes()
-        # The sidecar never changes after creation; writing it first means a crash in between
-        # leaves a matching pair.
-        _atomic_write(_meta_path(self.path), json.dumps(meta, sort_keys=True).encode("utf-8"))
-        _atomic_write(self.path, data)
+            # The sidecar never changes after creation; writing it first means a crash in between
+            # leaves a matching pair.
+            _atomic_write(_meta_path(self.path), json.dumps(meta, sort_keys=True).encode("utf-8"))
+            _atomic_write(self.path, data)
+            self._stamp, self._unsaved = _stamp(self.path), []
         logger.debug("saved %d vectors to %s", len(self), self.path)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the index file's lock (exclusive, across processes) with this copy up to date with the
+        file; re-entrant. A writer that must keep other processes from reading the file until its
+        catalog transaction commits holds it across the transaction."""
+        if self.path is None:
+            yield
+            return
+        with self._lock:
+            if self._held:
+                self._held += 1
+                try:
+                    yield
+                finally:
+                    self._held -= 1
+                return
+            with _file_lock(self.path, fcntl.LOCK_EX):
+                self._held = 1
+                try:
+                    self._reread(self.path)
+                    yield
+                finally:
+                    self._held = 0
+
+    def refresh(self) -> bool:
+        """Re-read the file if another process replaced it since this copy last read or wrote it,
+        keeping this copy's unsaved changes. Returns whether it was re-read. Cheap when nothing changed
+        (one ``stat``)."""
+        if self.path is None or _stamp(self.path) == self._stamp:
+            return False
+        with self._lock:
+            if self._held:
+                return self._reread(self.path)
+            with _file_lock(self.path, fcntl.LOCK_SH):  # a writer in its commit holds it exclusively
+                return self._reread(self.path)
+
+    def _reread(self, path: Path) -> bool:
+        """Load ``path`` (this index's file) if it changed (the caller holds the file lock), then
+        re-apply ``_unsaved``."""
+        stamp = _stamp(path)
+        if stamp == self._stamp or stamp is None:
+            return False
+        raw = _read_faiss(path)
+        if raw.d != self.dim or not isinstance(raw, faiss.IndexIDMap2):
+            raise _mismatch(path, f"another process wrote a {type(raw).__name__} of dim {raw.d}")
+        ids = {int(i) for i in faiss.vector_to_array(raw.id_map)}
+        for id_arr, vecs in self._unsaved:
+            if vecs is None:
+                raw.remove_ids(faiss.IDSelectorBatch(id_arr))
+                ids.difference_update(id_arr.tolist())
+                continue
+            new = np.array([i not in ids for i in id_arr.tolist()], dtype=bool)
+            if new.any():
+                raw.add_with_ids(np.ascontiguousarray(vecs[new]), id_arr[new])
+                ids.update(id_arr[new].tolist())
+        self._index, self._ids, self._stamp = raw, ids, stamp
+        logger.debug("re-read %s (saved by another process): %d vectors", path, len(ids))
+        return True
 
     @classmethod
     def load(cls, path: Path | str, dim: int, *, fingerprint: str | None = None) -> FaissIndex:
@@ -235,10 +323,8 @@ class FaissIndex:
         stored_fp = meta.get("fingerprint") if meta else None
         if fingerprint is not None and stored_fp is not None and stored_fp != fingerprint:
             raise _mismatch(path, f"fingerprint {stored_fp!r}, this one is {fingerprint!r}")
-        try:
-            raw = faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
-        except Exception as e:  # faiss raises RuntimeError with a C++ message
-            raise RagkvError(f"{path} is not a readable FAISS index ({e}); delete it and re-index the documents") from e
+        stamp = _stamp(path)
+        raw = _read_faiss(path)
         if raw.d != dim:
             raise _mismatch(path, f"dim {raw.d}, this one has dim {dim}")
         if not isinstance(raw, faiss.IndexIDMap2):
@@ -246,6 +332,7 @@ class FaissIndex:
         index = cls(dim, path, fingerprint=fingerprint if fingerprint is not None else (stored_fp or ""))
         index._index = raw
         index._ids = {int(i) for i in faiss.vector_to_array(raw.id_map)}
+        index._stamp = stamp
         if meta is None:
             logger.warning("%s has no sidecar %s; assuming it matches this embedder", path, META_SUFFIX)
         return index
@@ -258,6 +345,33 @@ class FaissIndex:
         if path.exists():
             return cls.load(path, dim, fingerprint=fingerprint)
         return cls(dim, path, fingerprint=fingerprint or "")
+
+
+def _read_faiss(path: Path) -> Any:
+    try:
+        return faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
+    except Exception as e:  # faiss raises RuntimeError with a C++ message
+        raise RagkvError(f"{path} is not a readable FAISS index ({e}); delete it and re-index the documents") from e
+
+
+def _stamp(path: Path) -> _Stamp | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, mode: int) -> Iterator[None]:
+    """``flock`` ``<path>.lock`` (created if missing) in ``mode`` until the block ends."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(path.name + LOCK_SUFFIX), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, mode)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _meta_path(path: Path) -> Path:

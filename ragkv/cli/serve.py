@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -129,8 +130,9 @@ def serve(
     typer.echo(f"ragkv serve: {engine.model_name} on http://{settings.host}:{settings.port}", err=True)
     if settings.access_log:
         logging.getLogger("ragkv.server.access").setLevel(logging.INFO)
-    uvicorn.run(
-        create_app(engine, settings),
+    app = create_app(engine, settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_level="warning",
@@ -140,6 +142,19 @@ def serve(
         limit_concurrency=settings.max_connections,
         http=header_timeout_protocol(settings.header_timeout_s),
     )
+    _server(config, app.state.ragkv.closing).run()
+
+
+def _server(config: Any, closing: threading.Event) -> Any:
+    """uvicorn's server, setting ``closing`` when a signal asks it to stop (uploads in flight then stop)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            closing.set()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def register(app: typer.Typer) -> None:

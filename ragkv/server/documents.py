@@ -6,6 +6,11 @@ chat completions stream: ``{"object": "document.progress", "phase", "done", "tot
 then ``{"object": "document.index", "status", ...report}`` and ``data: [DONE]``. Without it the
 call blocks and answers the report, as before. Indexing runs to the end even when the client
 leaves: what it stored is committed, and posting the same documents again costs little.
+
+When the server is told to stop (SIGTERM) an upload in flight stops at its next step: the documents
+complete by then are committed, the others are not (none is ever half committed), and the answer is
+a 503 naming which were indexed (before, uvicorn's drain ran out and cut it to a bare 500 while the
+indexing went on behind it).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ragkv.digests import text_digest
 from ragkv.errors import DocumentNotFoundError, RagkvError, StorageWriteError
+from ragkv.retriever.documents import document_source
 from ragkv.retriever.kv_retriever import IndexProgress, ProgressFn
 from ragkv.server.state import ApiError, ServerState
 
@@ -31,6 +38,10 @@ __all__ = ["router"]
 _END = object()
 
 
+class _Closing(Exception):
+    """The server began shutting down while an upload was indexing."""
+
+
 def router(state: ServerState) -> APIRouter:
     """The /v1/documents routes bound to ``state``."""
     api = APIRouter(prefix="/v1/documents")
@@ -38,6 +49,8 @@ def router(state: ServerState) -> APIRouter:
     @api.post("")
     async def add_document(request: Request) -> Any:
         engine = await state.engine(request)
+        if state.closing.is_set():
+            raise ApiError(503, "the server is shutting down; upload again once it is back", "unavailable")
         docs = await _read_documents(request)  # bad input is a 4xx before any stream starts
         size = sum(len(d.text.encode()) for d in docs)
         await state.admit_upload(engine, size)  # reserves size (and the tenant's turn) until upload_done
@@ -85,10 +98,19 @@ def _index(
     state: ServerState, engine: Any, docs: list[Any], on_progress: ProgressFn | None
 ) -> tuple[dict[str, Any], int]:
     """Index ``docs`` and make their chunks findable in prompts; the report body and its HTTP status."""
+
+    def step(done: IndexProgress) -> None:
+        if state.closing.is_set():  # raised here, the indexer commits what is complete and stops
+            raise _Closing
+        if on_progress is not None:
+            on_progress(done)
+
     try:
-        report = engine.index(docs, progress=False, on_progress=on_progress)
+        report = engine.index(docs, progress=False, on_progress=step)
     except StorageWriteError as e:  # the FAISS file could not be written: nothing was committed
         raise ApiError(507, str(e.strerror or e), "insufficient_storage") from e
+    except _Closing:
+        raise ApiError(503, _interrupted(engine, docs), "unavailable", **{"Retry-After": "10"}) from None
     state.refresh(engine)
     body = asdict(report)
     body["sources"] = [d.source for d in docs]
@@ -97,6 +119,20 @@ def _index(
     # no lasting tier took some chunk caches (full, over a limit, down): those documents were not committed
     body["error"] = {"message": _refused(engine, report.failed), "type": "insufficient_storage"}
     return body, 507
+
+
+def _interrupted(engine: Any, docs: list[Any]) -> str:
+    """What an upload stopped by the server's shutdown left indexed (its documents committed whole)."""
+    retriever = engine.retriever
+    indexed = []
+    for doc in docs:
+        record = retriever.catalog.get_document(document_source(doc), retriever.tenant)
+        if record is not None and record.content_digest == text_digest(doc.text):
+            indexed.append(doc.source)
+    return (
+        f"the server is shutting down: the upload stopped with {len(indexed)} of its {len(docs)} documents "
+        f"indexed ({', '.join(indexed) or 'none'}); the others are not: upload them again once it is back"
+    )
 
 
 def _refused(engine: Any, failed: int) -> str:
@@ -148,6 +184,8 @@ async def _events(queue: asyncio.Queue[Any], work: asyncio.Future[tuple[dict[str
         yield _sse({"object": "document.progress", "phase": item.phase, "done": item.done, "total": item.total})
     try:
         body, status = work.result()
+    except ApiError as e:  # the server is shutting down (see _index)
+        yield _sse({"error": {"message": str(e.detail), "type": e.kind, "status": e.status_code}})
     except (ValueError, RagkvError) as e:
         yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "status": 400}})
     except Exception:

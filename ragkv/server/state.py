@@ -52,6 +52,9 @@ class ServerState:
         self._engines: dict[str, Any] = {engine.config.tenant: engine}
         self._lock = threading.RLock()  # guards the dicts below, held only briefly
         self._making: dict[str, threading.Lock] = {}  # per tenant: held while its engine is made
+        # set when the process is told to stop (SIGTERM): uploads in flight stop at their next step and
+        # answer 503 naming what was indexed, before uvicorn's drain runs out and cuts them to a bare 500
+        self.closing = threading.Event()
         self._register(engine)
 
     # ---- tenants ------------------------------------------------------------------------------

@@ -173,7 +173,8 @@ def test_failed_save_leaves_old_index_and_no_temp_file(
     with pytest.raises(OSError, match="simulated"):
         index.save()
     assert path.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx.faiss", f"idx.faiss{META_SUFFIX}"]
+    # no temp file left (the lock file, which writers share, stays)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx.faiss", "idx.faiss.lock", f"idx.faiss{META_SUFFIX}"]
     assert FaissIndex.load(path, DIM).ids() == [1, 2]
 
 
