@@ -206,6 +206,7 @@ class KVRetriever:
         ``on_progress`` hears a ``chunking`` step per new or changed document.
         """
         report = IndexReport(documents=len(documents))
+        self.index.refresh()  # another process on this data dir may have saved since (one stat if not)
         todo: dict[str, tuple[Document, Digest]] = {}  # source -> (document, content digest)
         replacing: set[str] = set()  # sources indexed before, with other content (or damaged)
         for doc in documents:
