@@ -36,6 +36,18 @@ _DISKCACHE_SETTINGS: dict[str, Any] = {
 }
 
 
+# Keep RagkvUsage (namespace -> entries, bytes) equal to Cache's rows, in the writing transaction.
+_USAGE_TRIGGERS = (
+    "CREATE TRIGGER IF NOT EXISTS RagkvUsage_insert AFTER INSERT ON Cache FOR EACH ROW BEGIN"
+    " INSERT INTO RagkvUsage VALUES (substr(NEW.key, 1, 16), 1, NEW.size)"
+    " ON CONFLICT(namespace) DO UPDATE SET count = count + 1, size = size + NEW.size; END",
+    "CREATE TRIGGER IF NOT EXISTS RagkvUsage_update AFTER UPDATE OF size ON Cache FOR EACH ROW BEGIN"
+    " UPDATE RagkvUsage SET size = size - OLD.size + NEW.size WHERE namespace = substr(NEW.key, 1, 16); END",
+    "CREATE TRIGGER IF NOT EXISTS RagkvUsage_delete AFTER DELETE ON Cache FOR EACH ROW BEGIN"
+    " UPDATE RagkvUsage SET count = count - 1, size = size - OLD.size WHERE namespace = substr(OLD.key, 1, 16); END",
+)
+
+
 def _namespace_range(namespace: str) -> tuple[str, str]:
     # Keys are "<ns>/<digest>"; "0" sorts right after "/", so [ns/, ns0) is exactly one namespace.
     return f"{namespace}/", f"{namespace}0"
@@ -46,7 +58,25 @@ class _KVCache(diskcache.Cache):  # type: ignore[misc]
 
     Uses diskcache's documented ``Cache`` table (key, size, access_time, access_count, tag,
     filename, expire_time) through the subclass's SQL connection.
+
+    Each namespace's entries and bytes are kept in a ``RagkvUsage`` table by triggers on ``Cache``
+    (in the writing transaction, so exact across processes): a write reads its tier's and its
+    namespace's usage in one lookup, where summing ``Cache`` cost a scan per write (10,000 files
+    indexed took twice the time per file of 1,000).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        with self.transact():  # one process creates and fills it, from the rows already there
+            known = self._sql("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'RagkvUsage'").fetchall()
+            if not known:
+                self._sql(
+                    "CREATE TABLE RagkvUsage"
+                    " (namespace TEXT PRIMARY KEY, count INTEGER NOT NULL, size INTEGER NOT NULL)"
+                )
+                self._sql("INSERT INTO RagkvUsage SELECT substr(key, 1, 16), COUNT(*), SUM(size) FROM Cache GROUP BY 1")
+            for statement in _USAGE_TRIGGERS:
+                self._sql(statement)
 
     def touch(self, keys: list[str]) -> None:
         """Count a read of ``keys`` (hits + 1, last access now), best effort."""
@@ -58,10 +88,10 @@ class _KVCache(diskcache.Cache):  # type: ignore[misc]
             logger.debug("disk tier: could not record access: %s", e)
 
     def usage(self, namespace: str | None = None) -> tuple[int, int]:
-        """(entries, value bytes) of one namespace, or of the whole cache."""
-        query, args = "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM Cache", tuple[str, ...]()
+        """(entries, value bytes) of one namespace, or of the whole cache (from ``RagkvUsage``)."""
+        query, args = "SELECT COALESCE(SUM(count), 0), COALESCE(SUM(size), 0) FROM RagkvUsage", tuple[str, ...]()
         if namespace is not None:
-            query, args = f"{query} WHERE key >= ? AND key < ?", _namespace_range(namespace)
+            query, args = f"{query} WHERE namespace = ?", (namespace,)
         ((count, nbytes),) = self._sql(query, args).fetchall()
         return int(count), int(nbytes)
 

@@ -315,3 +315,48 @@ def test_a_tenant_within_its_fair_share_is_never_locked_out(tmp_path: Path) -> N
     assert tier.put(make_key(8, "b"), b"b" * 65536)  # B over its share: its own oldest goes, not A's
     assert len(keys_of(tier, "a")) == 8 and make_key(0, "b") not in keys_of(tier, "b")
     tier.close()
+
+
+def _scanned_usage(cache: Any, namespace: str | None) -> tuple[int, int]:
+    """The obvious slow path: sum the Cache table (what the tier did per write before)."""
+    query, args = "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM Cache", ()
+    if namespace is not None:
+        query, args = f"{query} WHERE key >= ? AND key < ?", (f"{namespace}/", f"{namespace}0")
+    ((count, nbytes),) = cache._sql(query, args).fetchall()
+    return int(count), int(nbytes)
+
+
+def test_the_kept_usage_equals_a_scan_through_writes_overwrites_evictions_and_deletes(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(7)
+    tier = disk(tmp_path / "kv", "max_bytes=6000&tenant_max_bytes=4000")
+    tenants = ("alice", "bob", "carol")
+    for step in range(300):
+        tenant, n = rng.choice(tenants), rng.randrange(12)
+        key = make_key(n, tenant)
+        if rng.random() < 0.2:
+            tier.delete(key)
+        else:  # small values in the database, large ones in files; overwrites change the size
+            tier.put(key, bytes(rng.randrange(256) for _ in range(rng.choice((10, 300, 900)))))
+        if step % 50 == 49:
+            tier.close()  # the kept counts outlive the process's connection
+            tier = disk(tmp_path / "kv", "max_bytes=6000&tenant_max_bytes=4000")
+        cache = tier._cache
+        for namespace in (None, *(tenant_namespace(t) for t in tenants)):
+            assert cache.usage(namespace) == _scanned_usage(cache, namespace), (step, namespace)
+    tier.close()
+
+
+def test_a_tier_written_before_the_kept_usage_existed_counts_its_rows(tmp_path: Path) -> None:
+    tier = disk(tmp_path / "kv")
+    for n in range(5):
+        tier.put(make_key(n, "bob"), b"x" * (100 + n))
+    cache = tier._cache
+    cache._sql("DROP TABLE RagkvUsage")  # as a directory an older ragkv wrote
+    for name in ("insert", "update", "delete"):
+        cache._sql(f"DROP TRIGGER RagkvUsage_{name}")
+    tier.close()
+    tier = disk(tmp_path / "kv")
+    assert tier._cache.usage(tenant_namespace("bob")) == (5, 510) == tier._cache.usage()
+    tier.close()
