@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from ragkv.cache.config import TierConfig
 from ragkv.cache.entry_meta import EntryMeta
+from ragkv.cache.fair_share import fair_victims
 from ragkv.cache.policy import policy_for
 from ragkv.cache.tier import Tier
 
@@ -29,10 +30,10 @@ class MemoryTier(Tier):
 
     URL: ``memory://?max_bytes=1GiB&tenant_max_bytes=256MiB&policy=lru|cost``.
 
-    Eviction stays inside a tenant: a put evicts only entries of its own namespace, so one
-    tenant's traffic never pushes out another's. If its own entries cannot make room (the
-    rest of the budget is held by other tenants) the put is refused. ``tenant_max_bytes``
-    caps each tenant's share so that late tenants are not starved.
+    A put evicts its own tenant's entries first. A tenant within its fair share of the budget (split
+    evenly among the tenants holding entries) is never locked out by tenants that filled the tier:
+    the room it needs is taken from those over their share, never below it (as the disk tier
+    does; ``ragkv.cache.fair_share``). ``tenant_max_bytes`` caps each tenant's share.
     """
 
     accepts: ClassVar[frozenset[str]] = frozenset({"writable", "timeout", "max_bytes", "tenant_max_bytes", "policy"})
@@ -80,7 +81,8 @@ class MemoryTier(Tier):
                 space_bytes - old_nbytes + nbytes - self._tenant_max_bytes,
                 0,
             )
-            if need and not self._evict(namespace, need, keep=key):
+            if need and not self._evict(namespace, key, total_after=self._total_bytes - old_nbytes + nbytes,
+                                        space_after=space_bytes - old_nbytes + nbytes):  # fmt: skip
                 if not space:
                     del self._spaces[namespace]
                 return False
@@ -90,12 +92,26 @@ class MemoryTier(Tier):
             self._total_bytes += nbytes - old_nbytes
             return True
 
-    def _evict(self, namespace: str, need: int, keep: str) -> bool:
-        """Free ``need`` bytes from ``namespace`` by policy (lock held). False: cannot, nothing done."""
-        space = self._spaces[namespace]
-        candidates = [EntryMeta(k, len(s.value), s.hits, s.last_access, s.cost) for k, s in space.items() if k != keep]
-        victims = self._policy.victims(candidates, need)
-        if sum(v.nbytes for v in victims) < need:
+    def _evict(self, namespace: str, keep: str, *, total_after: int, space_after: int) -> bool:
+        """Make room for ``keep`` (lock held): the writer's own entries by policy, and, for a writer
+        within its fair share, room taken from tenants over theirs (``ragkv.cache.fair_share``).
+        False: cannot, nothing done."""
+
+        def entries(ns: str) -> list[EntryMeta]:
+            slots = self._spaces.get(ns, {})
+            return [EntryMeta(k, len(s.value), s.hits, s.last_access, s.cost) for k, s in slots.items() if k != keep]
+
+        others = {ns: (self._space_bytes[ns], entries(ns)) for ns in self._spaces if ns != namespace}
+        victims = fair_victims(
+            self._policy,
+            entries(namespace),
+            others,
+            need_tier=max(total_after - self._max_bytes, 0),
+            need_own=max(space_after - self._tenant_max_bytes, 0),
+            fair_share=self._max_bytes // (len(others) + 1),
+            writer_after=space_after,
+        )
+        if victims is None:
             return False
         for victim in victims:
             self._remove(victim.key)

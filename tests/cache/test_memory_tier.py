@@ -92,19 +92,25 @@ def test_replacing_a_key_counts_its_old_size_once() -> None:
     assert tier.stats().bytes_stored == 300
 
 
-def test_a_tenant_never_evicts_another_tenants_entries() -> None:
+def test_a_tenant_within_its_fair_share_takes_room_only_from_tenants_over_theirs() -> None:
+    """As the disk tier (issue 33): bob filled the tier; alice, within her share, is not locked out;
+    bob is never pushed below his share; a tenant over its share evicts only its own entries."""
     tier = MemoryTier.from_url("memory://?max_bytes=400")
-    for i in range(3):
+    for i in range(4):
         tier.put(make_key(i, "bob"), b"b" * 100)
-    assert tier.put(make_key(0, "alice"), b"a" * 100)  # fits: 400 in all
-    # Full: alice may only evict her own entries.
-    assert tier.put(make_key(1, "alice"), b"a" * 100)
-    assert keys_of(tier, "alice") == {make_key(1, "alice")}
-    assert keys_of(tier, "bob") == {make_key(i, "bob") for i in range(3)}
-    # A value alice's own entries cannot make room for is refused, and bob keeps everything.
-    assert tier.put(make_key(2, "alice"), b"a" * 200) is False
-    assert keys_of(tier, "bob") == {make_key(i, "bob") for i in range(3)}
-    assert keys_of(tier, "alice") == {make_key(1, "alice")}
+    assert tier.put(make_key(0, "alice"), b"a" * 100)  # within her share (200): bob's oldest goes
+    assert keys_of(tier, "bob") == {make_key(i, "bob") for i in (1, 2, 3)}
+    assert tier.put(make_key(1, "alice"), b"a" * 100)  # up to her share: bob's next oldest
+    assert keys_of(tier, "bob") == {make_key(2, "bob"), make_key(3, "bob")}
+    assert tier.put(make_key(2, "alice"), b"a" * 100)  # over her share: her own oldest, never bob's
+    assert keys_of(tier, "alice") == {make_key(1, "alice"), make_key(2, "alice")}
+    assert keys_of(tier, "bob") == {make_key(2, "bob"), make_key(3, "bob")}
+    # a value her own entries cannot make room for is refused, and nothing is evicted
+    assert tier.put(make_key(3, "alice"), b"a" * 300) is False
+    assert keys_of(tier, "alice") == {make_key(1, "alice"), make_key(2, "alice")}
+    assert keys_of(tier, "bob") == {make_key(2, "bob"), make_key(3, "bob")}
+    assert tier.put(make_key(4, "bob"), b"b" * 100)  # bob at his share: his own oldest goes
+    assert keys_of(tier, "bob") == {make_key(3, "bob"), make_key(4, "bob")} and len(keys_of(tier, "alice")) == 2
 
 
 def test_tenant_quota_leaves_room_for_other_tenants() -> None:

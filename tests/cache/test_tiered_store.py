@@ -82,15 +82,16 @@ def test_tenants_never_read_list_push_out_or_lock_out_each_other(
     for key in bob:
         store.put(key, b"b" * 100)
     alice = make_key(0, "alice")
-    # bob filled the disk: alice, within her fair share (150 of 300), takes room from bob, over his
+    # bob filled both tiers: alice, within her fair share (150 of 300), takes room from bob, over his
     assert store.put(alice, b"a" * 100) is True
     assert list(disk.keys(tenant_namespace("alice"))) == [alice]
     assert len(list(disk.keys(tenant_namespace("bob")))) == 2
-    assert sorted(store.keys(tenant_namespace("bob"))) == sorted(bob)  # the memory tier still holds all three
+    assert sorted(store.keys(tenant_namespace("bob"))) == sorted(bob[1:])  # the memory tier made room alike
     # bob, over his share, evicts only his own entries: alice is never pushed out
     assert store.put(make_key(3, "bob"), b"b" * 100) is True
     assert list(disk.keys(tenant_namespace("alice"))) == [alice]
-    assert all(store.get(key) == b"b" * 100 for key in bob[1:])
+    assert all(store.get(key) == b"b" * 100 for key in [*bob[2:], make_key(3, "bob")])
+    assert store.get(bob[1]) is None  # his own oldest went, from both tiers
     # Reading bob's entries needs bob's keys: alice's keys name a different namespace.
     assert store.get(make_key(1, "alice")) is None and make_key(0, "alice") != make_key(0, "bob")
 
