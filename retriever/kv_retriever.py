@@ -43,7 +43,7 @@ from ragkv.retriever.records import (
     RemoveReport,
     RetrieverConfig,
 )
-from ragkv.retriever.removal import forget_chunks, remove_document
+from ragkv.retriever.removal import forget_chunks, live_token_ids, remove_document
 from ragkv.types import Chunk, validate_tenant
 
 logger = logging.getLogger(__name__)
@@ -330,8 +330,10 @@ class KVRetriever:
             for doc, digest, chunks in batch
         ]
         plan.report.chunks += commit_documents(self.catalog, self.index, self.embedder, records)
-        for source, token_ids in replaced.items():
-            forget_chunks(self, source, token_ids)
+        if any(replaced.values()):
+            live = live_token_ids(self)  # once per batch, not per replaced document
+            for source, token_ids in replaced.items():
+                forget_chunks(self, source, token_ids, live)
 
     def _doc_id(self, doc: Document, digest: str) -> Digest:
         return fields_digest([("source", doc.source), ("content", digest), ("tenant", self.tenant)])

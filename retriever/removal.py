@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoveReport", "forget_chunks", "remove_document", "retry_pending"]
+__all__ = ["RemoveReport", "forget_chunks", "live_token_ids", "remove_document", "retry_pending"]
 
 
 def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
@@ -55,19 +55,31 @@ def remove_document(retriever: KVRetriever, source: str) -> RemoveReport:
     return RemoveReport(source=source, chunks=len(rows), cache_entries=deleted, pending=left)
 
 
-def forget_chunks(retriever: KVRetriever, source: str, token_ids: Iterable[tuple[int, ...]]) -> tuple[int, int]:
+def live_token_ids(retriever: KVRetriever) -> set[tuple[int, ...]]:
+    """The token ids of every chunk the tenant's catalog indexes now."""
+    catalog, tenant = retriever.catalog, retriever.tenant
+    return {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
+
+
+def forget_chunks(
+    retriever: KVRetriever,
+    source: str,
+    token_ids: Iterable[tuple[int, ...]],
+    live: set[tuple[int, ...]] | None = None,
+) -> tuple[int, int]:
     """Delete the caches of the chunks ``token_ids`` that ``source`` had (removed, or replaced by a
     new version) and that no indexed chunk of the tenant still has; returns (entries deleted,
     entries pending).
 
     Called after the catalog dropped ``source``'s old chunk rows. The chunks are marked removed before
-    their entries are listed, so a query-path record after this point is refused.
+    their entries are listed, so a query-path record after this point is refused. ``live``: the
+    tenant's indexed chunks (:func:`live_token_ids`), when the caller has them for several sources.
     """
     catalog, tenant = retriever.catalog, retriever.tenant
     gone = set(token_ids)
     if not gone:
         return 0, 0
-    gone -= {c.token_ids for c in catalog.chunks_by_rows(catalog.all_chunk_rows(tenant), tenant)}
+    gone -= live_token_ids(retriever) if live is None else live
     if not gone:
         return 0, 0
     catalog.mark_removed(source, tenant, [tokens_digest(ids) for ids in gone])

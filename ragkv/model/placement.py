@@ -32,7 +32,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")  # for messages
 # ``decode_weights="auto"`` picks the int8 copy for a GGUF file whose decoder matrices are stored in at
-# most this many bits: there one more (per-row int8) rounding adds 1/60-1/100 of the KL that one more
+# most this many bits: there one more (per-row int8) rounding adds 1/90-1/125 of the KL that one more
 # rounding of the file's own kind adds (experiments/decode_weight_error.py, docs/benchmarks.md).
 INT8_DECODE_MAX_FILE_BITS = 8
 
