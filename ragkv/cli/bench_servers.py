@@ -28,18 +28,12 @@ def bench_serve(
 
     Indexes the stdlib demo documents through POST /v1/documents first when the server has none.
     """
-    import httpx
 
     from ragkv.bench.serve import format_serve_table, run_serve_bench
-    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
+    from ragkv.retriever.corpus import DEMO_QUESTIONS
 
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
-        if not client.get("/v1/documents").raise_for_status().json()["data"]:
-            typer.echo("indexing the stdlib demo documents on the server ...", err=True)
-            docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
-            _index_on_server(client, docs)
+    _ensure_demo_documents(url, api_key)
     rows = run_serve_bench(url, levels, requests, questions=DEMO_QUESTIONS, api_key=api_key, max_tokens=max_tokens)
     typer.echo(format_serve_table(rows))
     _write_rows(rows, out)
@@ -100,24 +94,32 @@ def bench_soak(
 
     Indexes the stdlib demo documents for each tenant that has none first.
     """
-    import httpx
 
     from ragkv.bench.soak import format_soak, run_soak
-    from ragkv.retriever.corpus import DEMO_QUESTIONS, stdlib_corpus
+    from ragkv.retriever.corpus import DEMO_QUESTIONS
 
     keys: list[str | None] = list(api_key) if api_key else [None]
     for key in keys:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
-            if not client.get("/v1/documents").raise_for_status().json()["data"]:
-                typer.echo("indexing the stdlib demo documents on the server ...", err=True)
-                docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
-                _index_on_server(client, docs)
+        _ensure_demo_documents(url, key)
     result = run_soak(url, keys, DEMO_QUESTIONS, minutes=minutes, concurrency=concurrency, max_tokens=max_tokens,
                       pid=pid)  # fmt: skip
     table, rows = format_soak(result, minutes)
     typer.echo(table)
     _write_rows(rows, out)
+
+
+def _ensure_demo_documents(url: str, api_key: str | None) -> None:
+    """Index the stdlib demo documents on the server (for ``api_key``'s tenant) unless it has some."""
+    import httpx
+
+    from ragkv.retriever.corpus import stdlib_corpus
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=3600) as client:
+        if not client.get("/v1/documents").raise_for_status().json()["data"]:
+            typer.echo("indexing the stdlib demo documents on the server ...", err=True)
+            docs = [{"source": d.source, "text": d.text, "title": d.title} for d in stdlib_corpus()]
+            _index_on_server(client, docs)
 
 
 def _index_on_server(client: Any, docs: list[dict[str, str]]) -> None:
