@@ -66,6 +66,11 @@ def main() -> None:
         print(f"--- {name}: kernels launched {sum(r.count for r in rows if r.key == 'cudaLaunchKernel')}")
         if name == "probe":
             print(rows.table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=48))
+        else:  # where a fused request's device time goes (the recompute's kernels)
+            try:
+                print(rows.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=48))
+            except (KeyError, AttributeError, ValueError):
+                print(rows.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=48))
         if name == "probe":
             prof.export_chrome_trace(str(args.out / f"{name}.json"))
 

@@ -97,6 +97,7 @@ class FusedContext:
     forced_tokens: int = 0  # tokens of uncached segments, computed through every layer
     selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # final slots
     suffix_logits: torch.Tensor | None = None  # [suffix, vocab] fp32 when fused with prefill_suffix
+    token_passes: int = 0  # tokens run through a decoder layer, summed over layers (the recompute's work)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,8 +169,8 @@ def fuse_steps(
     budget = None if step_tokens is None else step_tokens * adapter.spec.num_layers
     if budget is not None:
         yield  # placement and the question probe were this piece
-    active, hidden = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
-    return _finish(adapter, placed, active, forced, hidden, tail.numel())
+    active, hidden, passes = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
+    return _finish(adapter, placed, active, forced, hidden, tail.numel(), passes)
 
 
 def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:
@@ -215,13 +216,13 @@ def _recompute(
     forced: torch.Tensor,
     tail: torch.Tensor,
     budget: int | None = None,
-) -> Pieces[tuple[torch.Tensor, torch.Tensor]]:
+) -> Pieces[tuple[torch.Tensor, torch.Tensor, int]]:
     """Run the ``active`` chunk tokens and the ``tail`` through every layer, narrowing at check layers.
 
     Writes the fresh K/V into ``placed.keys``/``placed.values`` (the scatter cache's layers are
-    views of them). Returns the chunk tokens active after the last layer and the last hidden
-    states ``[1, active + tail, hidden]``. Pauses after a layer once ``budget`` token passes ran
-    since the last pause (None: never).
+    views of them). Returns the chunk tokens active after the last layer, the last hidden states
+    ``[1, active + tail, hidden]`` and the token passes run (tokens summed over layers). Pauses
+    after a layer once ``budget`` token passes ran since the last pause (None: never).
     """
     cache = adapter.scatter_cache(placed.keys, placed.values)
     checks = set(strategy.check_layers(state, adapter.spec.num_layers)) if active.numel() else set()
@@ -234,11 +235,13 @@ def _recompute(
         hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
     step: _Step | None = None
     done = 0  # token passes through a layer since the last pause
+    passes = 0  # all of them
     for layer in range(adapter.spec.num_layers):
         if budget is not None and done >= budget:
             done = 0
             yield
         done += int(hidden.shape[1])
+        passes += int(hidden.shape[1])
         placed.feed.ready(layer)
         if step is None:  # the active set changed: new positions, mask and rotary tables
             step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
@@ -249,7 +252,7 @@ def _recompute(
         step = None
         if active.numel() == 0 and not tail.numel():
             break
-    return active, hidden
+    return active, hidden, passes
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +302,13 @@ def _checked_layer(
 
 
 def _finish(
-    adapter: ModelAdapter, placed: _Placed, active: torch.Tensor, forced: torch.Tensor, hidden: torch.Tensor, tail: int
+    adapter: ModelAdapter,
+    placed: _Placed,
+    active: torch.Tensor,
+    forced: torch.Tensor,
+    hidden: torch.Tensor,
+    tail: int,
+    passes: int,
 ) -> FusedContext:
     """The fused cache (prefix, chunks, and the tail's K/V when it rode along) and the tail's logits."""
     placed.feed.all_ready()  # the loop stops early once no token is left to recompute
@@ -313,6 +322,7 @@ def _finish(
         forced_tokens=int(forced.numel()),
         selected=placed.slots[active.cpu()],
         suffix_logits=logits,
+        token_passes=passes,
     )
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device check (issue 34): `ragkv bench gpu` at 4K/16K/32K tokens, then every CUDA test, on a
+# The device check (issue 34): `ragkv bench gpu` at 4K/16K/32K tokens, every CUDA test, then the
+# profile of one fused request (experiments/gpu_profile.py), on a
 # lent GPU machine. Packages that machine lacks (and ragkv itself, as a wheel) may be carried in
 # .whl/: they are installed into /tmp/site first. Results go to $OUT (or /tmp/ragkv-gpu).
 #   bash tools/gpu_check.sh [extra args for ragkv bench gpu]
@@ -8,7 +9,7 @@ OUT=${OUT:-/tmp/ragkv-gpu}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=$PWD:/tmp/site
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -16,3 +17,5 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout "${BENCH_TIMEOUT:-300}" python3 -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
+timeout "${PROFILE_TIMEOUT:-120}" python3 experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
+head -30 "$OUT/profile.txt"

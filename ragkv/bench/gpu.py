@@ -17,11 +17,16 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   host and is staged layer by layer through pinned memory under the probe; entropy-coded levels
   decode onto the device), then fusion with the question riding along: the first token's logits;
 - fused from the device tier: the same with the decoded chunks already in GPU memory;
-- the parts: staging + placement from the host (the copy), placement from the device tier, the
+- fused from pinned host memory (raw chunks on a GPU only): the decoded chunks already in
+  page-locked host memory, crossing by DMA from where they are (what a pinned host tier of
+  decoded chunks would cost: no checksum, no slab copy);
+- the parts: the stored bytes' decode as the loader does it (checksums included; raw stays on the
+  host), staging + placement from the host (the copy), placement from the device tier, the
   question probe, and the recompute (device-tier TTFT minus placement and probe);
 - the bounds: the probe's weight reads at the measured HBM copy rate, the recompute's FLOPs
   (linear layers over the recomputed tokens, attention over the context) at the measured bf16
-  matmul rate.
+  matmul rate; the work bound counts the token passes the method ran (its focus share and check
+  layers run more tokens through the early layers than the final 15%).
 
 Peak memory is ``torch.cuda.max_memory_allocated`` during each run, weights included (and, for
 the device tier, the tier's chunks). KL is the first answer token's distribution, fused against
@@ -46,7 +51,7 @@ import torch
 
 from ragkv import codec
 from ragkv.bench.table import Column, format_table
-from ragkv.fusion import FusionConfig, FusionInput, _question_attention, fuse
+from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
 from ragkv.gpu.feed import LayerFeed
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
@@ -158,10 +163,10 @@ def _full_prefill(a: ModelAdapter, p: _Prompt) -> torch.Tensor:
     return out.logits[0, -1].float()
 
 
-def _fused(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], p: _Prompt, config: FusionConfig) -> torch.Tensor:
+def _fused(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], p: _Prompt, config: FusionConfig) -> FusedContext:
     fused = fuse(a, FusionInput(prefix, chunks, p.chunks, p.question), config, prefill_suffix=True)
     assert fused.suffix_logits is not None  # prefill_suffix always fills it
-    return fused.suffix_logits[-1]
+    return fused
 
 
 def _decode_all(blobs: Sequence[bytes], a: ModelAdapter, spec: CodecSpec) -> list[ChunkKV]:
@@ -224,10 +229,19 @@ def _row(
     dev = a.device
     full_s, full_peak, full = _timed(lambda: _full_prefill(a, p), dev, repeats)
     host_s, host_peak, fused = _timed(lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config), dev, repeats)
-    decoded = _decode_all(blobs, a, spec)
+    decode_s, _, decoded = _timed(lambda: _decode_all(blobs, a, spec), dev, repeats)
     copy_s, _, _ = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)
+    # what a host tier of decoded chunks in page-locked memory would cost (no decode, no slab copy)
+    pinned_s = pinned_copy_s = math.nan
+    if dev.type == "cuda" and all(kv.keys.device.type == "cpu" for kv in decoded):
+        pinned = [
+            ChunkKV(kv.keys.pin_memory(), kv.values.pin_memory(), kv.positions, kv.model_fingerprint) for kv in decoded
+        ]
+        pinned_copy_s, _, _ = _timed(lambda: _feed(a, prefix, pinned, len(p.question)), dev, repeats)
+        pinned_s, _, _ = _timed(lambda: _fused(a, prefix, pinned, p, config), dev, repeats)
+        del pinned
     tier = [codec.decode(b, expect=None, device=dev, dtype=a.dtype) for b in blobs]  # the device tier's entries
-    tier_s, tier_peak, _ = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
+    tier_s, tier_peak, ctx = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
     place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
     probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
@@ -236,6 +250,11 @@ def _row(
     linear = sum(m.numel() for name, m in a.model.named_parameters() if "layers." in name and m.dim() == 2)
     s = a.spec
     attn_flops = 4 * s.num_layers * a.model.config.num_attention_heads * s.head_dim * recomputed * tokens
+    # the work the default method does: its focus share and the check layers run more than 15%
+    # through the early layers (each pass = one token through one layer, attending the context)
+    passes = ctx.token_passes
+    heads = a.model.config.num_attention_heads
+    work_flops = 2 * linear / s.num_layers * passes + 4 * heads * s.head_dim * passes * tokens
     weight_bytes = sum(m.numel() * m.element_size() for m in a.model.parameters())
     return {
         "tokens": tokens,
@@ -245,18 +264,24 @@ def _row(
         "host_speedup": full_s / host_s,
         "tier_ms": tier_s * 1e3,
         "tier_speedup": full_s / tier_s,
+        "decode_ms": decode_s * 1e3,
         "copy_ms": copy_s * 1e3,
         "copy_gb_s": kv_bytes / copy_s / 1e9,
+        "pinned_ms": pinned_s * 1e3,
+        "pinned_speedup": full_s / pinned_s,
+        "pinned_copy_gb_s": kv_bytes / pinned_copy_s / 1e9,
         "place_ms": place_s * 1e3,
         "probe_ms": probe_s * 1e3,
         "probe_bound_ms": weight_bytes / rates[0] * 1e3,
         "recompute_ms": max(tier_s - place_s - probe_s, 0.0) * 1e3,
         "recompute_bound_ms": (2 * linear * recomputed + attn_flops) / rates[1] * 1e3,
+        "token_passes": passes,
+        "recompute_work_bound_ms": work_flops / rates[1] * 1e3,
         "full_peak_gib": full_peak / 2**30,
         "host_peak_gib": host_peak / 2**30,
         "tier_peak_gib": tier_peak / 2**30,
         "tier_gib": kv_bytes / 2**30,
-        "kl": _kl(full, fused),
+        "kl": _kl(full, fused.suffix_logits[-1]),
     }
 
 
@@ -268,13 +293,18 @@ COLUMNS = (
     Column("host_speedup", "vs full", "{:.1f}x"),
     Column("tier_ms", "fused from device tier ms", "{:,.0f}"),
     Column("tier_speedup", "vs full", "{:.1f}x"),
+    Column("decode_ms", "decode from host ms", "{:,.0f}"),
     Column("copy_ms", "copy+place from host ms", "{:,.0f}"),
     Column("copy_gb_s", "copy GB/s", "{:.1f}"),
+    Column("pinned_ms", "fused from pinned host ms", "{:,.0f}"),
+    Column("pinned_speedup", "vs full", "{:.1f}x"),
+    Column("pinned_copy_gb_s", "pinned copy GB/s", "{:.1f}"),
     Column("place_ms", "place ms", "{:,.1f}"),
     Column("probe_ms", "probe ms", "{:,.1f}"),
     Column("probe_bound_ms", "probe bound ms", "{:,.1f}"),
     Column("recompute_ms", "recompute ms", "{:,.0f}"),
     Column("recompute_bound_ms", "recompute bound ms", "{:,.0f}"),
+    Column("recompute_work_bound_ms", "work bound ms", "{:,.0f}"),
     Column("full_peak_gib", "peak GiB full", "{:.1f}"),
     Column("tier_peak_gib", "peak GiB fused (tier)", "{:.1f}"),
     Column("tier_gib", "tier GiB", "{:.2f}"),

@@ -25,10 +25,13 @@ def test_a_tiny_run_fills_every_column(bench, capsys, tmp_path) -> None:
     out_json = tmp_path / "gpu.json"
     rows = bench.main(["--tiny", "--contexts", "200,300", "--chunk", "32", "--repeats", "1", "--json", str(out_json)])
     assert [r["chunks"] for r in rows] == [4, 7] and [r["tokens"] for r in rows] == [176, 272]
-    bounds = {"probe_bound_ms", "recompute_bound_ms"}  # rates measured on a GPU only (nan on the CPU)
+    # rates measured on a GPU only (nan on the CPU)
+    bounds = {"probe_bound_ms", "recompute_bound_ms", "recompute_work_bound_ms"}
+    bounds |= {"pinned_ms", "pinned_speedup", "pinned_copy_gb_s"}  # page-locked memory needs CUDA
     for row in rows:
         assert {c.key for c in bench.COLUMNS} <= row.keys()
         assert all(math.isfinite(v) for k, v in row.items() if k not in bounds)
+        assert row["token_passes"] > 0 and row["decode_ms"] > 0
         assert row["full_ms"] > 0 and row["host_ms"] > 0 and row["tier_ms"] > 0 and row["copy_gb_s"] > 0
         assert row["kl"] >= 0
     out = capsys.readouterr().out

@@ -15,6 +15,7 @@ import torch
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.gpu.feed import DeviceSink, LayerFeed, PinnedPool
 from ragkv.model import ModelAdapter
+from ragkv.types import ChunkKV
 from tests.core.test_fusion import _prompt
 
 
@@ -38,6 +39,49 @@ def test_the_feed_equals_placing_chunk_by_chunk(tiny_adapter, stage):
     feed.all_ready()
     want_k, want_v = _slow_place(a, inp, 5)
     assert torch.equal(feed.keys, want_k) and torch.equal(feed.values, want_v)
+
+
+def test_chunks_stored_in_another_dtype_are_staged_as_stored_and_converted_on_the_way(tiny_adapter):
+    # raw chunks of a bf16 model on a GPU stay fp16 views of their bytes: the slab holds fp16 (a
+    # memcpy) and the conversion runs after the crossing; the result is the in-place conversion's
+    a = tiny_adapter
+    _, _, _, inp = _prompt(a)
+    half = [type(kv)(kv.keys.half(), kv.values.half(), kv.positions, kv.model_fingerprint) for kv in inp.chunks]
+    eager = LayerFeed(a, inp.prefix, half, extra=3, stage=False)
+    eager.all_ready()
+    staged = LayerFeed(a, inp.prefix, half, extra=3, stage=True)
+    staged.all_ready()
+    assert staged.keys.dtype == a.dtype != torch.float16
+    assert torch.equal(staged.keys, eager.keys) and torch.equal(staged.values, eager.values)
+    mixed = [half[0], *inp.chunks[1:]]  # dtypes differ: staged in the model's dtype, as before
+    eager = LayerFeed(a, inp.prefix, mixed, stage=False)
+    eager.all_ready()
+    staged = LayerFeed(a, inp.prefix, mixed, stage=True)
+    staged.all_ready()
+    assert torch.equal(staged.keys, eager.keys) and torch.equal(staged.values, eager.values)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["model-dtype", "fp16"])
+def test_pinned_chunks_cross_from_where_they_are_and_equal_the_slab_path(tiny_adapter, monkeypatch, half):
+    # a CPU has no page-locked memory: the test says every chunk is pinned, and the direct path
+    # (no slab) must fill the buffer as the slab path does
+    import ragkv.gpu.feed as feed_mod
+
+    a = tiny_adapter
+    _, _, _, inp = _prompt(a)
+    chunks = [ChunkKV(kv.keys.half(), kv.values.half(), kv.positions, kv.model_fingerprint) for kv in inp.chunks]
+    chunks = chunks if half else list(inp.chunks)
+    want = LayerFeed(a, inp.prefix, chunks, extra=2, stage=True)
+    want.all_ready()
+
+    class NoSlabs(PinnedPool):
+        def take(self, nbytes: int) -> torch.Tensor:
+            raise AssertionError("pinned chunks need no slab")
+
+    monkeypatch.setattr(feed_mod, "_is_pinned", lambda t: True)
+    got = LayerFeed(a, inp.prefix, chunks, extra=2, stage=True, pool=NoSlabs())
+    got.all_ready()
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
 
 
 def test_layers_become_ready_one_at_a_time_in_any_order(llama_adapter):
@@ -166,6 +210,23 @@ def test_on_cuda_staged_host_chunks_equal_chunks_on_the_device(tiny_tokenizer, d
     got = fuse(a, host_inp, FusionConfig(), prefill_suffix=True)
     assert got.suffix_logits is not None and want.suffix_logits is not None
     assert torch.equal(got.suffix_logits, want.suffix_logits)
+
+    # fp16 chunks of a bf16 model (raw chunks as the loader leaves them): converted after crossing
+    def half(kv: ChunkKV, device: str) -> ChunkKV:
+        return ChunkKV(kv.keys.half().to(device), kv.values.half().to(device), kv.positions, kv.model_fingerprint)
+
+    on_device = LayerFeed(a, inp.prefix, [half(kv, "cuda") for kv in inp.chunks])
+    on_device.all_ready()
+    staged = LayerFeed(a, inp.prefix, [half(kv, "cpu") for kv in inp.chunks])
+    staged.all_ready()
+    torch.cuda.synchronize()
+    assert torch.equal(staged.keys, on_device.keys) and torch.equal(staged.values, on_device.values)
+    pinned = [ChunkKV(kv.keys.pin_memory(), kv.values.pin_memory(), kv.positions, kv.model_fingerprint) for kv in
+              (half(kv, "cpu") for kv in inp.chunks)]  # fmt: skip
+    direct = LayerFeed(a, inp.prefix, pinned)
+    direct.all_ready()
+    torch.cuda.synchronize()
+    assert torch.equal(direct.keys, on_device.keys) and torch.equal(direct.values, on_device.values)
 
 
 def test_a_staged_feed_made_in_inference_mode_fills_its_buffer(llama_adapter):
