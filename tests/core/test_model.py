@@ -275,3 +275,33 @@ def test_threads_probing_and_not_get_what_one_thread_gets(tiny_tokenizer):
     for g, w in zip(got, want, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(g, w, strict=True))
     assert adapter.model.config._attn_implementation == impl
+
+
+def test_the_half_precision_probe_computes_as_transformers_eager_attention(monkeypatch):
+    """On a GPU with a bf16/fp16 model the probe's products run in the model's dtype (tensor cores).
+    Forced here on the CPU: the grouped computation equals eager attention done the obvious way
+    (K/V repeated per query head, products in bf16, softmax in fp32), and its weights stay close to
+    the fp32 probe's."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    import ragkv.model.attention as attention
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, q_len, kv_len, d = 8, 2, 5, 40, 16
+    query = torch.randn(1, hq, q_len, d, generator=g).bfloat16()
+    key = torch.randn(1, hkv, kv_len, d, generator=g).bfloat16()
+    value = torch.randn(1, hkv, kv_len, d, generator=g).bfloat16()
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+    full = attention.AttentionProbe(None)
+    want_full, _ = attention._probe_attention(full, 0, query, key, value, mask, None)
+    monkeypatch.setattr(attention, "_half_products", lambda q: True)
+    half = attention.AttentionProbe(None)
+    got, _ = attention._probe_attention(half, 0, query, key, value, mask, None)
+    # the obvious way: transformers' eager attention
+    scores = torch.matmul(query, repeat_kv(key, hq // hkv).transpose(2, 3)).float() * d**-0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    want = torch.matmul(probs.to(torch.bfloat16), repeat_kv(value, hq // hkv)).transpose(1, 2)
+    torch.testing.assert_close(half.weights[0], probs.sum(dim=(0, 1, 2)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # bf16 sums in another order
+    torch.testing.assert_close(half.weights[0], full.weights[0], atol=0.05, rtol=0.05)
+    torch.testing.assert_close(got.float(), want_full.float(), atol=0.05, rtol=0.05)
