@@ -153,6 +153,8 @@ def fuse_steps(
     placed = _place(adapter, inp, suffix.numel() if (probe or prefill_suffix) else 0)
     state = SelectionState.start([len(ids) for ids in inp.chunk_ids])
     state.stored_scores = _stored_scores(inp)
+    if strategy.wants_numbers and placed.ids.numel():
+        state.number_runs = adapter.number_runs(placed.ids)
     if probe and placed.slots.numel() > 0:
         slots = placed.slots.to(adapter.device, non_blocking=True)
         keys, values, n_ctx = placed.keys, placed.values, placed.n_ctx

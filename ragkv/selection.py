@@ -98,10 +98,18 @@ class QueryFocusParams(StrategyParams):
     # spends budget on nothing. The engine's caches come through the codec and framework prefixes
     # differ, so there it stays False (measured a wash in the benches; docs/benchmarks-history.md).
     first_chunk_exact: bool = False
+    # Numbers (issue 36: most answers the default lost to full prefill were numbers, a digit changed
+    # or a near-miss figure taken): a selected token of a number pulls in the whole number (its
+    # digit tokens and the separators between them), and number tokens' scores are multiplied by
+    # ``number_boost``. Off by default until measured on two model sizes (docs/benchmarks.md).
+    number_spans: bool = False
+    number_boost: float = 1.0
 
     def __post_init__(self) -> None:
         check_layer_knobs(self.check_layer, self.deviation)
         check_sink_tokens(self.sink_tokens)
+        if self.number_boost <= 0:
+            raise ValueError(f"number_boost must be > 0 (1 = no boost), got {self.number_boost}")
         if self.narrow_layer < 0:
             raise ValueError(f"narrow_layer must be >= 0 (0 = num_layers // 4), got {self.narrow_layer}")
         if not 0.0 <= self.focus_ratio <= 1.0:
@@ -123,6 +131,9 @@ class SelectionState:
     # [chunk tokens] deviation recorded at index time, for strategies with wants_stored_scores
     # (experiments/craft.py)
     stored_scores: torch.Tensor | None = None
+    # [chunk tokens] id of the number each token belongs to (-1: none), for strategies that
+    # ask for it (``wants_numbers``); see ragkv.model.ModelAdapter.number_runs
+    number_runs: torch.Tensor | None = None
 
     @classmethod
     def start(cls, chunk_lengths: Sequence[int]) -> SelectionState:
@@ -137,6 +148,31 @@ class SelectionState:
             return torch.zeros(active.shape, dtype=torch.bool)
         idx = torch.searchsorted(self.chunk_starts, active.cpu(), right=True) - 1
         return (active.cpu() - self.chunk_starts[idx]) < sink_tokens
+
+    def complete_numbers(self, chosen: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
+        """``chosen`` plus every token of each number one of them belongs to, sorted.
+
+        ``chosen`` indexes ``among`` (chunk-token indices; None: all chunk tokens); only tokens of
+        ``among`` can be added (at a check layer, only the active tokens have hidden states).
+        """
+        runs = self.number_runs
+        if runs is None or chosen.numel() == 0:
+            return chosen
+        universe = torch.arange(self.num_chunk_tokens) if among is None else among.cpu()
+        run_of = runs[universe]  # [len(universe)]
+        picked = run_of[chosen.cpu()]
+        picked = picked[picked >= 0].unique()
+        if picked.numel() == 0:
+            return chosen
+        extra = torch.nonzero(torch.isin(run_of, picked)).flatten()
+        return torch.unique(torch.cat([chosen.cpu(), extra]))
+
+    def number_weight(self, boost: float, among: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``[len(among)]`` ``boost`` for tokens of numbers, 1 elsewhere (None: no boost or no runs)."""
+        if self.number_runs is None or boost == 1.0:
+            return None
+        runs = self.number_runs if among is None else self.number_runs[among.cpu()]
+        return torch.where(runs >= 0, boost, 1.0)
 
     def budget(self, share: float) -> int:
         """Number of chunk tokens a ``share`` of them is (rounded, within [0, all])."""
@@ -202,6 +238,7 @@ class Strategy:
     Params: ClassVar[type[StrategyParams]] = NoParams  # the record this strategy takes
     wants_query_attention: ClassVar[bool] = False  # fusion runs the question probe for it
     wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time
+    wants_numbers: bool = False  # fusion fills SelectionState.number_runs for it
 
     def __init__(self, ratio: float, params: StrategyParams | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
@@ -321,6 +358,10 @@ class QueryFocus(Strategy):
     params: QueryFocusParams
     wants_query_attention = True
 
+    @property
+    def wants_numbers(self) -> bool:  # type: ignore[override]
+        return self.params.number_spans or self.params.number_boost != 1.0
+
     def initial(self, state: SelectionState) -> torch.Tensor:
         p = self.params
         if state.budget(self.ratio) == 0:
@@ -330,9 +371,13 @@ class QueryFocus(Strategy):
             return torch.arange(state.num_chunk_tokens)
         share = max(p.focus_ratio, self.ratio * p.narrow_factor)
         forced = state.sink_mask(torch.arange(state.num_chunk_tokens), p.sink_tokens)
-        return top_indices(
+        weight = state.number_weight(p.number_boost)
+        if weight is not None:
+            importance = importance * weight
+        chosen = top_indices(
             *state.skip_exact_first(p.first_chunk_exact, importance, state.budget(min(1.0, share)), forced)
         )
+        return state.complete_numbers(chosen) if p.number_spans else chosen
 
     def check_layers(self, state: SelectionState, num_layers: int) -> tuple[int, ...]:
         first = min(self.params.check_layer, num_layers - 1)
@@ -353,10 +398,13 @@ class QueryFocus(Strategy):
             return score
         importance = everywhere[state.active[layer]]
         importance = importance / importance.mean().clamp_min(1e-12)
-        return score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(self.params.query_weight)
+        score = score / score.mean().clamp_min(1e-12) * (importance + 1e-3).pow(self.params.query_weight)
+        weight = state.number_weight(self.params.number_boost, state.active[layer])
+        return score if weight is None else score * weight
 
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
         first_check = len(state.deviations) == 1
         share = self.ratio * (self.params.narrow_factor if first_check else 1.0)
         forced = state.sink_mask(state.active[layer], self.params.sink_tokens)
-        return top_indices(self.score(state, layer), state.budget(min(1.0, share)), forced)
+        chosen = top_indices(self.score(state, layer), state.budget(min(1.0, share)), forced)
+        return state.complete_numbers(chosen, state.active[layer]) if self.params.number_spans else chosen

@@ -26,6 +26,7 @@ from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model import ModelAdapter
 from ragkv.model.attention import DecodeWeights
 from ragkv.model.batch import one_row
+from ragkv.selection import StrategyParams
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +140,13 @@ def _greedy(
 def compare_methods(
     adapter: ModelAdapter,
     prompt: Mapping[str, Any],
-    grid: Sequence[tuple[str, float]],
+    grid: Sequence[tuple[str, float] | tuple[str, float, StrategyParams | None]],
     scores: Sequence[torch.Tensor] | None = None,
     *,
     answer_tokens: int = ANSWER_TOKENS,
     decode_weights: DecodeWeights | None = None,
 ) -> list[dict]:
-    """One prompt, every (method, ratio) of ``grid`` against full prefill: one row per grid entry, in order.
+    """One prompt, every (method, ratio[, params]) of ``grid`` against full prefill: one row per entry, in order.
 
     Rows hold :data:`KEYS` and ``answer`` (the method's greedy answer ids, at most ``answer_tokens``;
     full prefill's own for ``full``), so a caller can score the answers (``ragkv bench qa``).
@@ -172,7 +173,7 @@ def compare_methods(
     pre = adapter.prefill_kv(prefix)
     cached = [adapter.prefill_kv(c, past=[pre]) for c in chunks]  # index time: each chunk alone
     rows = []
-    for method, ratio in grid:
+    for method, ratio, *extra in grid:
         if method == "full":
             rows.append(
                 dict(
@@ -188,7 +189,7 @@ def compare_methods(
                 )
             )
             continue
-        cfg = FusionConfig(method=method, ratio=ratio)
+        cfg = FusionConfig(method=method, ratio=ratio, params=extra[0] if extra else None)
         t0 = time.perf_counter()
         inp = FusionInput(pre, cached, chunks, suffix, stored_scores=scores)
         fused = fuse(adapter, inp, cfg, prefill_suffix=True)

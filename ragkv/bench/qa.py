@@ -15,6 +15,7 @@ TTFT ratio the median of per-question ratios to full prefill.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from ragkv.bench.qa_score import best_f1, contains_answer
 from ragkv.bench.table import Column
 from ragkv.fusion import FusionConfig
 from ragkv.model import ModelAdapter
+from ragkv.selection import StrategyParams, strategy_class
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -54,15 +56,47 @@ class Method:
     method: str  # strategy name, or "full" for full prefill
     ratio: float
     default: bool = False  # the engine's default fusion (EngineConfig().fusion)
+    params: str = ""  # the method's own knobs, "name=value+name=value" (its Params record's fields)
 
     @property
     def label(self) -> str:
         name = self.method if self.method in ("full", "naive") else f"{self.method}:{self.ratio:g}"
+        name += f":{self.params}" if self.params else ""
         return name + (" (default)" if self.default else "")
+
+    def grid_entry(self) -> tuple[str, float, StrategyParams | None]:
+        """``(method, ratio, params record)`` for :func:`ragkv.bench.fusion.compare_methods`."""
+        return self.method, self.ratio, method_params(self.method, self.params)
+
+
+def method_params(method: str, text: str) -> StrategyParams | None:
+    """``"number_spans=1+sink_tokens=4"`` -> ``method``'s Params record with those fields (None: none given).
+
+    Values are read as the field's type (bool: 1/0/true/false); an unknown field raises ValueError
+    naming the fields there are.
+    """
+    if not text or method in ("full", "naive"):
+        return None
+    cls = strategy_class(method).Params
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for item in text.split("+"):
+        key, _, raw = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"{method} has no parameter {key!r}; its parameters are {sorted(fields)}")
+        default = fields[key].default
+        if isinstance(default, bool):
+            values[key] = raw.strip().lower() in ("1", "true", "yes")
+        else:
+            values[key] = type(default)(raw) if default is not dataclasses.MISSING else raw
+    return cls(**values)
 
 
 def parse_methods(spec: str = DEFAULT_METHODS) -> list[Method]:
     """``"full,naive,blend:0.3,default"`` -> methods; a bare name takes the default ratio.
+
+    ``method:ratio:knob=value+knob=value`` sets the method's own parameters (its Params record),
+    e.g. ``query_focus:0.15:number_spans=1+sink_tokens=4``.
 
     ``default`` is the engine's default fusion (``EngineConfig().fusion``, a plain ``FusionConfig()``);
     a method equal to it is listed once, marked default. Full prefill is always included (first),
@@ -76,14 +110,16 @@ def parse_methods(spec: str = DEFAULT_METHODS) -> list[Method]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
-        name, _, ratio = part.partition(":")
+        name, _, rest = part.partition(":")
+        ratio, _, params = rest.partition(":")
         if name == "default":
             name, ratio = base.method, str(base.ratio)
         r = {"full": 1.0, "naive": 0.0}.get(name, float(ratio) if ratio else base.ratio)
         if name not in ("full", "naive"):
-            FusionConfig(method=name, ratio=r)  # unknown method or bad ratio: fail before loading anything
-        m = Method(name, r, default=(name, r) == (base.method, base.ratio))
-        if all((o.method, o.ratio) != (m.method, m.ratio) for o in out):
+            # unknown method, bad ratio or parameter: fail before loading anything
+            FusionConfig(method=name, ratio=r, params=method_params(name, params))
+        m = Method(name, r, default=(name, r, params) == (base.method, base.ratio, ""), params=params)
+        if all((o.method, o.ratio, o.params) != (m.method, m.ratio, m.params) for o in out):
             out.append(m)
     return out
 
@@ -123,7 +159,7 @@ def run_qa_bench(
         return len(adapter.encode(text))
 
     prompts = [build_prompt(qa, q, count, seed=seed) for q in questions]
-    grid = [(m.method, m.ratio) for m in methods]
+    grid = [m.grid_entry() for m in methods]
     weights = decode_weights if decode_weights != "model" else None
     compare_methods(adapter, {"chunks": ["warm up the kernels."], "question": "ok?"}, [("blend", 0.5)])
     per_question = []

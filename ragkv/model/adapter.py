@@ -76,6 +76,7 @@ class ModelAdapter:
         self.dtype_reason = "given"  # why the weights run in their dtype (load_model says, e.g. "auto: ...")
         self.weight_bits: int | None = None  # bits a weight value is stored in, in its GGUF file (None: not GGUF)
         self._tok_fingerprint: str | None = None
+        self._number_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._eos: frozenset[int] | None = None
         self._layouts: dict[str, PromptLayout] = {}
         self._rotary_fn: RotaryFn | None = model_rotary_fn(model)
@@ -124,6 +125,38 @@ class ModelAdapter:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def number_runs(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[len(ids)]`` id of the number each token belongs to, -1 for tokens of no number.
+
+        A number is a run of tokens that hold a digit, with single ``,`` ``.`` ``:`` tokens between
+        two of them joined in ("4,412", "3.5", "03:40"); separated by anything else, two numbers
+        are two runs. Ids count from 0 in order.
+        """
+        digit, sep = self._number_table()
+        ids = ids.cpu().long()
+        if ids.numel() == 0:
+            return torch.zeros(0, dtype=torch.long)
+        inside = (ids >= 0) & (ids < digit.numel())
+        safe = torch.where(inside, ids, 0)
+        num = digit[safe] & inside
+        mid = sep[safe] & inside
+        prev_num = torch.cat([torch.zeros(1, dtype=torch.bool), num[:-1]])
+        next_num = torch.cat([num[1:], torch.zeros(1, dtype=torch.bool)])
+        member = num | (mid & prev_num & next_num)
+        prev_member = torch.cat([torch.zeros(1, dtype=torch.bool), member[:-1]])
+        run = torch.cumsum((member & ~prev_member).long(), 0) - 1
+        return torch.where(member, run, -1)
+
+    def _number_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[vocab]`` bools: the token holds a digit; the token is one separator (built once)."""
+        if self._number_tables is None:
+            tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            texts = [self.tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in tokens]
+            digit = torch.tensor([any(c.isdigit() for c in t) for t in texts], dtype=torch.bool)
+            sep = torch.tensor([t in (",", ".", ":") for t in texts], dtype=torch.bool)
+            self._number_tables = (digit, sep)
+        return self._number_tables
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

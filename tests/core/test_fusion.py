@@ -122,11 +122,15 @@ def test_the_question_probe_records_the_attention_the_question_pays(llama_adapte
     torch.testing.assert_close(got, _slow_question_attention(a, inp, slots), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["full", "blend", "query_focus"])
+@pytest.mark.parametrize("method", ["full", "blend", "query_focus", "query_focus+numbers"])
 def test_selective_recompute_equals_slow_loop(llama_adapter, method):
     a = llama_adapter
     _, chunk_ids, suffix, inp = _prompt(a)
-    cfg = _config(method, 0.3, narrow_layer=2, focus_ratio=0.6)
+    numbers = method.endswith("+numbers")  # whole numbers recomputed, their tokens weighed up
+    method = method.removesuffix("+numbers")
+    cfg = _config(
+        method, 0.3, narrow_layer=2, focus_ratio=0.6, number_spans=numbers, number_boost=3.0 if numbers else 1.0
+    )
     fused = fuse(a, inp, cfg)
     # the slow path replays the same selection decisions layer by layer with explicit attention
     slots = torch.arange(inp.prefix.num_tokens, fused.num_tokens)
@@ -134,6 +138,9 @@ def test_selective_recompute_equals_slow_loop(llama_adapter, method):
     strategy, state = cfg.strategy(), SelectionState.start([len(c) for c in chunk_ids])
     if strategy.wants_query_attention:
         state.query_attention = _slow_question_attention(a, inp, slots)
+    if numbers:
+        state.number_runs = a.number_runs(torch.tensor(sum(chunk_ids, [])))
+        assert (state.number_runs >= 0).any()  # the random prompt holds numbers to complete
     active = strategy.initial(state)
     checks = set(strategy.check_layers(state, a.spec.num_layers))
     hidden = a.embed(torch.tensor(sum(chunk_ids, []))[active])

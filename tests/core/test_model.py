@@ -305,3 +305,19 @@ def test_the_half_precision_probe_computes_as_transformers_eager_attention(monke
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # bf16 sums in another order
     torch.testing.assert_close(half.weights[0], full.weights[0], atol=0.05, rtol=0.05)
     torch.testing.assert_close(got.float(), want_full.float(), atol=0.05, rtol=0.05)
+
+
+def test_number_runs_join_digits_and_the_separators_between_them(tiny_tokenizer):
+    adapter = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
+    text = "had 18,420 people in 2021; 3 hours 40, or 03:40 and 3.5 marks."
+    ids = torch.tensor(adapter.encode(text))
+    runs = adapter.number_runs(ids).tolist()
+    pieces = [adapter.decode([i]) for i in ids.tolist()]
+    # the obvious way: group tokens by run id and read back each number's text
+    numbers: dict[int, str] = {}
+    for piece, run in zip(pieces, runs, strict=True):
+        if run >= 0:
+            numbers[run] = numbers.get(run, "") + piece
+    assert [n.strip() for _, n in sorted(numbers.items())] == ["18,420", "2021", "3", "40", "03:40", "3.5"]
+    assert sorted(numbers) == list(range(len(numbers)))
+    assert adapter.number_runs(torch.zeros(0, dtype=torch.long)).numel() == 0

@@ -166,3 +166,33 @@ def test_query_focus_score_is_normalized_deviation_times_later_attention():
     sinks = {i for i, t in enumerate(active.tolist()) if t in set(_slow_sinks(LENGTHS, 1))}
     # the first check keeps ratio * narrow_factor, the chunks' first tokens whatever their score
     assert strategy.select(state, 1).tolist() == _slow_top(want.tolist(), round(0.2 * 2.0 * 25), sinks)
+
+
+def test_number_spans_pull_in_whole_numbers_and_boost_weighs_their_tokens():
+    state = SelectionState.start(LENGTHS)
+    g = torch.Generator().manual_seed(8)
+    state.query_attention = torch.rand(4, 25, generator=g)
+    runs = torch.full((25,), -1)
+    runs[3:6], runs[10:14], runs[20] = 0, 1, 2  # three numbers
+    state.number_runs = runs
+    later = state.query_attention[2:].sum(0)
+    plain = FusionConfig("query_focus", 0.1, QueryFocusParams(focus_ratio=0.2, sink_tokens=0)).strategy()
+    spans = FusionConfig(
+        "query_focus", 0.1, QueryFocusParams(focus_ratio=0.2, sink_tokens=0, number_spans=True)
+    ).strategy()
+    base = plain.initial(state)
+    want = set(base.tolist())
+    for run in {int(runs[i]) for i in base.tolist()} - {-1}:  # the obvious way: whole runs added
+        want |= {i for i in range(25) if int(runs[i]) == run}
+    assert spans.initial(state).tolist() == sorted(want)
+    # at a check layer only active tokens can join: run 1 is half active
+    active = torch.tensor([0, 4, 5, 11, 12, 20, 22])
+    chosen = torch.tensor([3])  # index into active: token 11 (run 1)
+    assert state.complete_numbers(chosen, active).tolist() == [3, 4]  # tokens 11 and 12, not 10 or 13
+    boost = QueryFocusParams(focus_ratio=0.2, sink_tokens=0, number_boost=50.0)
+    boosted = FusionConfig("query_focus", 0.1, boost).strategy().initial(state)
+    weighted = [x * (50.0 if int(runs[i]) >= 0 else 1.0) for i, x in enumerate(later.tolist())]
+    assert boosted.tolist() == _slow_top(weighted, round(0.2 * 25), set())
+    with pytest.raises(ValueError, match="number_boost"):
+        QueryFocusParams(number_boost=0.0)
+    assert not plain.wants_numbers and spans.wants_numbers
