@@ -11,10 +11,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from ragkv.bench import qa as bench_qa
 from ragkv.bench.qa import merge_results, parse_methods, run_qa_bench
 from ragkv.bench.qa_data import QA_SETS, QASet, build_prompt, documents_text, load_qa_set, pick_documents
 from ragkv.bench.qa_score import best_f1, contains_answer, normalize, token_f1
+from ragkv.cli import app
 
 # ---- scoring -------------------------------------------------------------------------------------
 
@@ -223,6 +226,44 @@ def test_bench_on_a_tiny_model_gives_a_row_per_method_and_full_is_its_own_refere
         assert set(q["methods"]) == set(rows)
         for got in q["methods"].values():
             assert got["correct"] == contains_answer(got["answer"], q["gold"])
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("│", " ").split())
+
+
+def test_the_command_runs_the_set_qa_set_names_and_records_it(llama_adapter, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("ragkv.cli.bench._load_model", lambda *a, **k: llama_adapter)
+    real = bench_qa.run_qa_bench
+    seen: list[str] = []
+
+    def short(adapter, qa, *args, **kwargs):  # the documents cut short: one tiny forward pass per method
+        seen.append(qa.name)
+        docs = {k: replace(d, text=d.text[:200]) for k, d in qa.documents.items()}
+        return real(adapter, QASet(qa.name, docs, qa.questions), *args, **kwargs)
+
+    monkeypatch.setattr(bench_qa, "run_qa_bench", short)
+    out = tmp_path / "heldout.json"
+    args = ["bench", "qa", "--methods", "full", "--limit", "1", "--max-tokens", "1", "--json", str(out)]
+    result = CliRunner().invoke(app, [*args, "--qa-set", "heldout"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["qa_set"] == "heldout-v1" and seen == ["heldout-v1"]
+    assert json.loads(out.read_text())["questions"][0]["id"] == "h01"
+
+
+def test_the_command_refuses_a_missing_or_malformed_set_before_loading_a_model(monkeypatch, tmp_path) -> None:
+    def no_model(*a, **k):
+        raise AssertionError("the set is checked before the model loads")
+
+    monkeypatch.setattr("ragkv.cli.bench._load_model", no_model)
+    result = CliRunner().invoke(app, ["bench", "qa", "--qa-set", str(tmp_path / "nope.json")])
+    assert result.exit_code == 2
+    assert "neither a shipped QA set (heldout, invented) nor a file" in _flat(result.output)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"documents": []}')
+    result = CliRunner().invoke(app, ["bench", "qa", "--qa-set", str(bad)])
+    assert result.exit_code == 2 and "not a QA set" in _flat(result.output)
 
 
 def test_one_token_answers_are_compared_without_an_empty_forward_pass(tiny_tokenizer) -> None:
