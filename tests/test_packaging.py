@@ -42,7 +42,8 @@ def test_built_wheel_contains_and_imports_every_subpackage(tmp_path, wheel):
     for pkg in SUBPACKAGES:
         assert pkg.replace(".", "/") + "/__init__.py" in names, pkg
     assert "ragkv/py.typed" in names
-    assert "ragkv/bench/data/qa_invented.json" in names  # the QA set of ragkv bench qa
+    assert "ragkv/bench/data/qa_invented.json" in names  # the QA sets of ragkv bench qa
+    assert "ragkv/bench/data/qa_heldout.json" in names
     for page in (ROOT / "ragkv" / "server" / "static").rglob("*"):
         if page.is_file():
             assert page.relative_to(ROOT).as_posix() in names, page

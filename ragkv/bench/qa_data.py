@@ -6,6 +6,9 @@ answer from memory, and 36 questions with short gold answers (aliases listed). A
 the documents it needs (two for a third of them), the documents holding a near-miss fact about
 another entity, and whether its answer is computed (arithmetic on facts) rather than a span.
 
+A second set of the same shape, ``data/qa_heldout.json`` (an imaginary mountain range), is held
+out: fusion defaults are chosen on the invented set and only reported on this one, never tuned on it.
+
 A question's prompt holds the documents it needs plus one or two distractors (near-miss documents
 first), in a seeded order, each cut into chunks the way ragkv indexes documents (the engine's
 chunker and its default sizes, chunk text stripped).
@@ -24,7 +27,10 @@ from typing import Any
 from ragkv.retriever.chunker import Chunker, ChunkerConfig
 from ragkv.retriever.kv_retriever import RetrieverConfig
 
-__all__ = ["QA_SYSTEM", "QADocument", "QAQuestion", "QASet", "build_prompt", "load_qa_set"]
+__all__ = ["QA_SETS", "QA_SYSTEM", "QADocument", "QAQuestion", "QASet", "build_prompt", "load_qa_set"]
+
+# The shipped sets by name, files of ``ragkv/bench/data``; "invented" is the one defaults are tuned on.
+QA_SETS = {"invented": "qa_invented.json", "heldout": "qa_heldout.json"}
 
 # Asks for the short answer gold is written as; the bench uses this instead of the engine's default
 # system prompt, whose "be brief" still lets small models answer in a full sentence.
@@ -65,35 +71,62 @@ class QASet:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> QASet:
-        """A set from its JSON form; raises ValueError naming a question that refers to a missing document."""
-        docs = {d["id"]: QADocument(d["id"], d["title"], d["text"]) for d in data["documents"]}
-        questions = []
-        for q in data["questions"]:
-            rec = QAQuestion(
-                id=q["id"],
-                question=q["question"],
-                answers=tuple(q["answers"]),
-                docs=tuple(q["docs"]),
-                near_miss=tuple(q.get("near_miss", ())),
-                computed=bool(q.get("computed", False)),
-            )
+        """A set from its JSON form; raises ValueError naming what is missing, repeated or refers to nothing."""
+        try:
+            docs = {d["id"]: QADocument(d["id"], d["title"], d["text"]) for d in data["documents"]}
+            questions = [_question(q) for q in data["questions"]]
+        except (KeyError, TypeError, AttributeError) as e:  # a missing key, or a list where an object belongs
+            raise ValueError(f"not a QA set ({type(e).__name__}: {e}); {_SCHEMA}") from e
+        if len(docs) != len(data["documents"]) or len({q.id for q in questions}) != len(questions):
+            raise ValueError(f"document ids and question ids must each be unique; {_SCHEMA}")
+        for rec in questions:
             unknown = [d for d in (*rec.docs, *rec.near_miss) if d not in docs]
             if unknown or not rec.answers or not rec.docs:
                 raise ValueError(
                     f"question {rec.id!r}: needs at least one answer and one document, and documents that exist "
                     f"(unknown: {unknown}; known: {sorted(docs)})"
                 )
-            questions.append(rec)
         return cls(str(data.get("name", "")), docs, tuple(questions))
 
 
+_SCHEMA = (
+    'a set is {"name", "documents": [{"id", "title", "text"}], "questions": [{"id", "question", '
+    '"answers": [...], "docs": [...], "near_miss": [...], "computed": false}]}, as ragkv/bench/data/qa_invented.json'
+)
+
+
+def _question(q: Mapping[str, Any]) -> QAQuestion:
+    return QAQuestion(
+        id=q["id"],
+        question=q["question"],
+        answers=tuple(q["answers"]),
+        docs=tuple(q["docs"]),
+        near_miss=tuple(q.get("near_miss", ())),
+        computed=bool(q.get("computed", False)),
+    )
+
+
 def load_qa_set(path: str | Path | None = None) -> QASet:
-    """The QA set in ``path`` (JSON), or the shipped invented set when None."""
-    if path is None:
-        text = resources.files("ragkv.bench").joinpath("data", "qa_invented.json").read_text(encoding="utf-8")
-    else:
-        text = Path(path).read_text(encoding="utf-8")
-    return QASet.from_dict(json.loads(text))
+    """A shipped QA set by name (a key of :data:`QA_SETS`), a JSON file's path, or the invented set when None.
+
+    Raises ValueError saying what is wrong: neither a set's name nor a file, not JSON, not a QA set.
+    """
+    if path is None or str(path) in QA_SETS:
+        name = QA_SETS[str(path or "invented")]
+        text = resources.files("ragkv.bench").joinpath("data", name).read_text(encoding="utf-8")
+        return QASet.from_dict(json.loads(text))
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(
+            f"{str(path)!r} is neither a shipped QA set ({', '.join(sorted(QA_SETS))}) nor a file: "
+            "give one of those names or the path of a JSON file"
+        )
+    try:
+        return QASet.from_dict(json.loads(file.read_text(encoding="utf-8")))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not JSON ({e}); fix the file or give a shipped set's name") from e
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
 
 
 def pick_documents(

@@ -124,17 +124,30 @@ def bench_qa(
     decode_weights: Annotated[
         str, typer.Option("--decode-weights", help="Weights the answers are decoded with: model, int8 or int4.")
     ] = "model",
+    qa_set: Annotated[
+        str | None,
+        typer.Option(
+            "--qa-set",
+            help="QA set: invented (defaults are tuned on it), heldout (never tuned on), "
+            "or a JSON file of the same schema [invented].",
+        ),
+    ] = None,
     dtype: Dtype = None,
     device: Device = None,
 ) -> None:
     """Answers scored against gold on an invented multi-document QA set, per fusion method."""
     from ragkv.bench.qa import format_qa_table, parse_methods, run_qa_bench
+    from ragkv.bench.qa_data import load_qa_set
     from ragkv.model.attention import DECODE_WEIGHTS
 
     try:
         grid = parse_methods(methods)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--methods") from e
+    try:
+        qa = load_qa_set(qa_set)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--qa-set") from e
     partial = None if out is None else out.with_name(out.name + ".partial.jsonl")  # a long run's answers so far
     if partial is not None:
         partial.write_text("")
@@ -150,6 +163,7 @@ def bench_qa(
     ids = [i.strip() for i in (only or "").split(",") if i.strip()]
     result = run_qa_bench(
         adapter,
+        qa,
         methods=grid,
         limit=limit,
         only=ids,

@@ -1,19 +1,23 @@
-"""``ragkv bench qa``: scoring against gold, the shipped QA set, its prompts, and a run on a tiny model."""
+"""``ragkv bench qa``: scoring against gold, the shipped QA sets, their prompts, and a run on a tiny model."""
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import json
 import os
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from ragkv.bench import qa as bench_qa
 from ragkv.bench.qa import merge_results, parse_methods, run_qa_bench
-from ragkv.bench.qa_data import QASet, build_prompt, documents_text, load_qa_set, pick_documents
+from ragkv.bench.qa_data import QA_SETS, QASet, build_prompt, documents_text, load_qa_set, pick_documents
 from ragkv.bench.qa_score import best_f1, contains_answer, normalize, token_f1
+from ragkv.cli import app
 
 # ---- scoring -------------------------------------------------------------------------------------
 
@@ -57,7 +61,7 @@ def test_token_f1_is_squad_f1_and_best_over_aliases() -> None:
     assert best_f1("anything", []) == 0.0
 
 
-# ---- the shipped set -----------------------------------------------------------------------------
+# ---- the shipped sets ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,38 @@ def qa() -> QASet:
     return load_qa_set()
 
 
-def test_shipped_set_has_the_shape_the_issue_asks_for(qa: QASet) -> None:
+@pytest.fixture(scope="module", params=sorted(QA_SETS))
+def shipped(request) -> QASet:
+    """Each shipped set: the invented one defaults are tuned on, and the held-out one."""
+    return load_qa_set(request.param)
+
+
+def test_the_default_set_is_the_invented_one_and_the_held_out_one_loads_by_name(qa: QASet) -> None:
+    assert qa.name == load_qa_set("invented").name == "invented-v1"
+    heldout = load_qa_set("heldout")
+    assert heldout.name == "heldout-v1" and len(heldout.documents) == 10
+    assert [q.id for q in heldout.questions] == [f"h{n:02d}" for n in range(1, 37)]
+
+
+def test_the_held_out_set_shares_no_document_with_the_invented_one(qa: QASet) -> None:
+    heldout = load_qa_set("heldout")
+    assert not {d.title for d in qa.documents.values()} & {d.title for d in heldout.documents.values()}
+    assert not set(qa.documents) & set(heldout.documents)
+    assert not any("Serrat" in d.text or "Kessarin" in d.text for d in heldout.documents.values())  # another world
+
+
+def test_the_held_out_set_is_dense_with_numbers_and_computed_answers() -> None:
+    heldout = load_qa_set("heldout")
+    assert all(250 <= len(d.text.split()) <= 330 for d in heldout.documents.values())  # as long as the invented ones
+    numeric = [q for q in heldout.questions if any(c.isdigit() for c in q.answers[0])]
+    assert len(numeric) >= 18  # numeric answers are where fusion loses today
+    assert any("," in q.answers[0] for q in numeric) and any(":" in q.answers[0] for q in numeric)
+    assert any("." in q.answers[0] for q in numeric)  # a decimal
+    assert 3 <= sum(q.computed for q in heldout.questions) <= 8
+
+
+def test_shipped_set_has_the_shape_the_issue_asks_for(shipped: QASet) -> None:
+    qa = shipped
     assert len(qa.documents) >= 10 and len(qa.questions) >= 30
     for doc in qa.documents.values():
         assert 250 <= len(doc.text.split()) <= 600, doc.id
@@ -74,14 +109,17 @@ def test_shipped_set_has_the_shape_the_issue_asks_for(qa: QASet) -> None:
     assert sum(bool(q.near_miss) for q in qa.questions) >= 10
     assert len({q.id for q in qa.questions}) == len(qa.questions)
     assert all(not set(q.near_miss) & set(q.docs) for q in qa.questions)
+    assert all(set(q.docs) | set(q.near_miss) <= set(qa.documents) for q in qa.questions)
     assert set(Counter(d for q in qa.questions for d in q.docs)) == set(qa.documents)  # every document is used
 
 
-def test_every_span_answer_is_in_a_needed_document_and_nowhere_else_for_single_doc_questions(qa: QASet) -> None:
+def test_every_span_answer_is_in_a_needed_document_and_nowhere_else_for_single_doc_questions(shipped: QASet) -> None:
+    qa = shipped
     for q in qa.questions:
         if q.computed:
             continue
         assert contains_answer(documents_text(qa, q.docs), q.answers[:1]), q.id
+        assert any(a in documents_text(qa, q.docs) for a in q.answers), f"{q.id}: no alias verbatim in its docs"
         if len(q.docs) == 1:  # the near-miss documents hold a similar fact, never the answer itself
             assert not contains_answer(documents_text(qa, q.near_miss), q.answers[:1]), q.id
 
@@ -93,6 +131,12 @@ def test_a_chained_question_cannot_be_answered_from_the_document_holding_the_ans
     assert not contains_answer(documents_text(qa, ["ferrule"]), q.answers)
 
 
+def test_every_question_of_a_shipped_set_gets_a_prompt(shipped: QASet) -> None:
+    for q in shipped.questions:
+        prompt = build_prompt(shipped, q, lambda t: 3 * len(t.split()), seed=0)
+        assert set(q.docs) <= set(prompt["docs"]) and prompt["chunks"] and prompt["question"] == q.question
+
+
 def test_set_with_an_unknown_document_is_refused_with_the_known_ones() -> None:
     data = {
         "documents": [{"id": "a", "title": "A", "text": "x"}],
@@ -100,6 +144,27 @@ def test_set_with_an_unknown_document_is_refused_with_the_known_ones() -> None:
     }
     with pytest.raises(ValueError, match=r"unknown: \['b'\].*known: \['a'\]"):
         QASet.from_dict(data)
+
+
+def test_a_malformed_set_is_refused_saying_what_is_wrong(tmp_path: Path) -> None:
+    doc = {"id": "a", "title": "A", "text": "x"}
+    question = {"id": "q", "question": "?", "answers": ["x"], "docs": ["a"]}
+    with pytest.raises(ValueError, match=r"not a QA set \(KeyError: 'questions'\).*qa_invented.json"):
+        QASet.from_dict({"documents": [doc]})
+    with pytest.raises(ValueError, match="must each be unique"):
+        QASet.from_dict({"documents": [doc], "questions": [question, question]})
+    with pytest.raises(ValueError, match="neither a shipped QA set \\(heldout, invented\\) nor a file"):
+        load_qa_set(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json: not JSON"):
+        load_qa_set(bad)
+    bad.write_text(json.dumps([doc]))  # a list, not a set
+    with pytest.raises(ValueError, match="bad.json: not a QA set"):
+        load_qa_set(bad)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"name": "mine", "documents": [doc], "questions": [question]}))
+    assert load_qa_set(str(good)).name == "mine"
 
 
 def test_prompts_hold_needed_docs_near_misses_and_one_or_two_distractors_seeded(qa: QASet) -> None:
@@ -161,6 +226,44 @@ def test_bench_on_a_tiny_model_gives_a_row_per_method_and_full_is_its_own_refere
         assert set(q["methods"]) == set(rows)
         for got in q["methods"].values():
             assert got["correct"] == contains_answer(got["answer"], q["gold"])
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("│", " ").split())
+
+
+def test_the_command_runs_the_set_qa_set_names_and_records_it(llama_adapter, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("ragkv.cli.bench._load_model", lambda *a, **k: llama_adapter)
+    real = bench_qa.run_qa_bench
+    seen: list[str] = []
+
+    def short(adapter, qa, *args, **kwargs):  # the documents cut short: one tiny forward pass per method
+        seen.append(qa.name)
+        docs = {k: replace(d, text=d.text[:200]) for k, d in qa.documents.items()}
+        return real(adapter, QASet(qa.name, docs, qa.questions), *args, **kwargs)
+
+    monkeypatch.setattr(bench_qa, "run_qa_bench", short)
+    out = tmp_path / "heldout.json"
+    args = ["bench", "qa", "--methods", "full", "--limit", "1", "--max-tokens", "1", "--json", str(out)]
+    result = CliRunner().invoke(app, [*args, "--qa-set", "heldout"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["qa_set"] == "heldout-v1" and seen == ["heldout-v1"]
+    assert json.loads(out.read_text())["questions"][0]["id"] == "h01"
+
+
+def test_the_command_refuses_a_missing_or_malformed_set_before_loading_a_model(monkeypatch, tmp_path) -> None:
+    def no_model(*a, **k):
+        raise AssertionError("the set is checked before the model loads")
+
+    monkeypatch.setattr("ragkv.cli.bench._load_model", no_model)
+    result = CliRunner().invoke(app, ["bench", "qa", "--qa-set", str(tmp_path / "nope.json")])
+    assert result.exit_code == 2
+    assert "neither a shipped QA set (heldout, invented) nor a file" in _flat(result.output)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"documents": []}')
+    result = CliRunner().invoke(app, ["bench", "qa", "--qa-set", str(bad)])
+    assert result.exit_code == 2 and "not a QA set" in _flat(result.output)
 
 
 def test_one_token_answers_are_compared_without_an_empty_forward_pass(tiny_tokenizer) -> None:
