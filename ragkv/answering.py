@@ -248,6 +248,8 @@ class AnswerPath:
                 stats.cache_hits += 1
                 if got.device:  # shown only where a device tier serves (stats' keys stay as they were elsewhere)
                     stats.extra["device_hits"] = stats.extra.get("device_hits", 0) + 1
+                if got.host:  # ... and a host tier
+                    stats.extra["host_hits"] = stats.extra.get("host_hits", 0) + 1
                 stats.bytes_loaded += got.nbytes
                 hit_tokens += len(seg)
             else:

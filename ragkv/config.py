@@ -9,6 +9,7 @@ from typing import Any
 
 from ragkv.fusion import FusionConfig
 from ragkv.generation import GenerationConfig
+from ragkv.gpu.host_tier import HostTierConfig
 from ragkv.gpu.tier import DeviceTierConfig
 from ragkv.locations import default_catalog_url, default_data_dir, default_store_urls
 from ragkv.model.attention import DECODE_WEIGHTS
@@ -45,6 +46,7 @@ class EngineConfig:
     # CPU for a GGUF file of <= 8-bit weights, else model (ragkv.model.placement.resolve_decode_weights)
     decode_weights: str = "auto"
     device_tier: DeviceTierConfig = field(default_factory=DeviceTierConfig)  # decoded chunk caches kept on a GPU
+    host_tier: HostTierConfig = field(default_factory=HostTierConfig)  # ... and behind it, in pinned host memory
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

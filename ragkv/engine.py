@@ -25,6 +25,7 @@ from ragkv.config import EngineConfig, default_data_dir
 from ragkv.driver import JobRequest, answer_inline
 from ragkv.fusion import FusionConfig, Pieces, drain
 from ragkv.generation import GenerationConfig
+from ragkv.gpu.host_tier import HostTier, HostTierConfig
 from ragkv.gpu.tier import DeviceTier, DeviceTierConfig
 from ragkv.matching import ChunkRegistry, TenantChunks
 from ragkv.model import ModelAdapter, load_model
@@ -106,12 +107,13 @@ class RagKV:
             self.adapter.model_for(self.decode_weights)
             logger.info("decode steps read the %s weights (%s)", self.decode_weights, why)
             self.device_tier = _device_tier(self.config.device_tier, self.adapter)  # every tenant's, one per process
+            self.host_tier = _host_tier(self.config.host_tier, self.adapter)  # behind it, in pinned host memory
         else:  # another tenant's engine: the model, embedder, stores and speeds are share's
             self.load_estimates, self._model_lock = share.load_estimates, share._model_lock
             self.adapter, self.embedder, self.decode_weights = share.adapter, share.embedder, share.decode_weights
             self.decode_weights_reason = share.decode_weights_reason
             self.store, self.catalog, self._rate_book = share.store, share.catalog, share._rate_book
-            self.device_tier = share.device_tier
+            self.device_tier, self.host_tier = share.device_tier, share.host_tier
         self.retriever = self._retriever(self.config.tenant)
         self.answers = AnswerPath(self)  # prefill, fused or full (ragkv/answering.py)
         self._chunks = TenantChunks(self.catalog, self.config.tenant)  # the prompt matcher's registry
@@ -143,6 +145,7 @@ class RagKV:
             tenant=tenant,
             store_secret=self.config.store_secret,
             device_tier=self.device_tier,
+            host_tier=self.host_tier,
         )
 
     # ---- indexing ---------------------------------------------------------------------------
@@ -471,3 +474,14 @@ def _device_tier(config: DeviceTierConfig, adapter: ModelAdapter) -> DeviceTier 
         return None
     logger.info("device tier on %s: up to %.1f GiB of decoded chunk caches", adapter.device, budget / 2**30)
     return DeviceTier(budget, adapter.device)
+
+
+def _host_tier(config: HostTierConfig, adapter: ModelAdapter) -> HostTier | None:
+    """The host tier behind the device tier (None when its budget is 0: a CPU model by default)."""
+    budget = config.budget_for(adapter.device)
+    if budget <= 0:
+        return None
+    tier = HostTier(budget, queue_size=config.queue_size)
+    memory = "pinned" if tier.pin else "pageable"
+    logger.info("host tier: up to %.1f GiB of decoded chunk caches in %s host memory", budget / 2**30, memory)
+    return tier

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ragkv.cache.catalog import Catalog, DocumentRecord
 from ragkv.cache.store import TieredStore
 from ragkv.digests import Digest, fields_digest, text_digest
+from ragkv.gpu.host_tier import HostTier
 from ragkv.gpu.tier import DeviceTier
 from ragkv.model import ModelAdapter
 from ragkv.retriever.chunker import Chunker
@@ -91,6 +92,7 @@ class KVRetriever:
         tenant: str,
         store_secret: bytes | None = None,
         device_tier: DeviceTier | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.adapter, self.store, self.catalog = adapter, store, catalog
         self.index, self.embedder = index, embedder
@@ -117,6 +119,7 @@ class KVRetriever:
             stored_codecs=self.config.stored_codecs,
             store_secret=store_secret,
             device_tier=device_tier,
+            host_tier=host_tier,
         )
         self._reconcile()
 

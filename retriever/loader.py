@@ -15,11 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from ragkv import codec
 from ragkv.cache.catalog import Catalog
 from ragkv.cache.fetched import Fetched
 from ragkv.errors import CodecError
 from ragkv.gpu.feed import DeviceSink
+from ragkv.gpu.host_tier import HostTier
 from ragkv.gpu.tier import DeviceTier
 from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions
 from ragkv.planner.session import LoadPlanning, LoadSession
@@ -57,6 +60,7 @@ class LoadedChunk:
     recompute: bool = False  # True: not loaded (planned as text, or its tier failed); kv is a placeholder
     local: bool = False  # True: stored, but prefilled here while other chunks were fetched (planned LOCAL)
     device: bool = False  # True: a device-tier hit (on the model's device; nothing read from the store)
+    host: bool = False  # True: a host-tier hit (decoded, in pinned host memory; nothing read from the store)
     sink: DeviceSink | None = None  # a device-tier entry fusion fills as this (host) chunk lands
 
 
@@ -69,7 +73,9 @@ class ChunkLoader:
         codec: the primary (codec, level) loaded without a plan.
         stored_codecs: every (codec, level) stored per chunk, best quality first (what a plan picks from).
         store_secret: MAC key material the entries were signed with (None: unauthenticated).
-        device_tier: decoded chunk caches on the model's GPU, looked up before the store (None: none).
+        device_tier: decoded chunk caches on the model's GPU, looked up first (None: none).
+        host_tier: decoded chunk caches in pinned host memory, looked up after the device tier and
+            before the store (None: none).
     """
 
     def __init__(
@@ -81,12 +87,13 @@ class ChunkLoader:
         stored_codecs: Sequence[CodecSpec],
         store_secret: bytes | None = None,
         device_tier: DeviceTier | None = None,
+        host_tier: HostTier | None = None,
     ) -> None:
         self.computer, self.catalog = computer, catalog
         self.adapter, self.store = computer.adapter, computer.store
         self.codec, self.stored_codecs = codec, tuple(stored_codecs)
         self.store_secret = store_secret
-        self.device_tier = device_tier
+        self.device_tier, self.host_tier = device_tier, host_tier
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
@@ -129,8 +136,9 @@ class ChunkLoader:
         primary = [key.storage_key for key in keys]  # identifies the chunk (keys[i] may move to another level)
         for i, storage_key in enumerate(primary):
             first.setdefault(storage_key, i)
-        on_device = self._device_hits(primary, first, segments)  # device-tier hits skip the store entirely
-        unique = [i for i in first.values() if i not in on_device]  # a repeated chunk is fetched and decoded once
+        # tier hits skip the store entirely: the device tier's first, then the host tier's
+        on_device, on_host = self._tier_hits(keys, first, segments)
+        unique = [i for i in first.values() if i not in on_device and i not in on_host]  # a repeat loads once
         session = None if plan is None else self._session([segments[i] for i in unique], plan)
         fixed = self.codec if plan is None or plan.config.fixed is None else plan.config.fixed
 
@@ -187,6 +195,7 @@ class ChunkLoader:
                     session.decoded(key.codec, len(blob), time.perf_counter() - started)
         done = self._finish_loads(segments, keys, unique, decoded, sizes, text, local)
         done.update({i: LoadedChunk(kv, True, 0, device=True) for i, kv in on_device.items()})
+        done.update({i: LoadedChunk(kv, True, 0, host=True) for i, kv in on_host.items()})
         self._admit(done, keys, primary, seconds)
         out = []
         for i, storage_key in enumerate(primary):
@@ -196,42 +205,63 @@ class ChunkLoader:
             out.append(done[j] if i == j else replace(done[j], hit=not done[j].recompute, nbytes=0, sink=None))
         return out, (session.report() if session is not None else None)
 
-    def _device_hits(
-        self, primary: Sequence[str], first: dict[str, int], segments: Sequence[Sequence[int]]
-    ) -> dict[int, ChunkKV]:
-        """The chunks the device tier holds at the primary codec, by index (their catalog entries touched)."""
-        tier = self.device_tier
-        if tier is None:
-            return {}
-        a = self.adapter
-        found = {
-            i: kv
-            for key, i in first.items()
-            if (kv := tier.get(key, fingerprint=a.fingerprint, dtype=a.dtype, num_tokens=len(segments[i]))) is not None
-        }
-        if found:
-            self.catalog.touch_entries([primary[i] for i in found])
-        return found
+    def _tier_hits(
+        self, keys: Sequence[ChunkKey], first: dict[str, int], segments: Sequence[Sequence[int]]
+    ) -> tuple[dict[int, ChunkKV], dict[int, ChunkKV]]:
+        """The chunks the device tier holds at the primary codec, then those the host tier holds among
+        the rest, by index (their catalog entries touched)."""
+        a, device, host = self.adapter, self.device_tier, self.host_tier
+        on_device: dict[int, ChunkKV] = {}
+        on_host: dict[int, ChunkKV] = {}
+        if device is None and host is None:
+            return on_device, on_host
+        for key, i in first.items():
+            n = len(segments[i])
+            kv = None if device is None else device.get(key, fingerprint=a.fingerprint, dtype=a.dtype, num_tokens=n)
+            if kv is not None:
+                on_device[i] = kv
+                continue
+            if host is None:
+                continue
+            # a host entry is what decoding gave: in the decode's dtype, not always the model's
+            kv = host.get(key, fingerprint=a.fingerprint, dtype=self._decoded_dtype(keys[i]), num_tokens=n)
+            if kv is not None:
+                on_host[i] = kv
+        if on_device or on_host:
+            self.catalog.touch_entries([keys[i].storage_key for i in (*on_device, *on_host)])
+        return on_device, on_host
 
     def _admit(
         self, done: dict[int, LoadedChunk], keys: list[ChunkKey], primary: Sequence[str], seconds: dict[int, float]
     ) -> None:
-        """Offer the store hits loaded at the primary codec to the device tier.
+        """Offer the store hits loaded at the primary codec to the tiers (host-tier hits to the device tier).
 
-        Only decoded entries go in (never a chunk computed here: a device hit must fuse exactly as a
-        store hit does). One decoded on the device is kept as it is; one decoded on the host gets a
-        sink that fusion fills as the chunk lands (``LoadedChunk.sink``).
+        Only decoded entries go in (never a chunk computed here: a tier hit must fuse exactly as a
+        store hit does). The host tier copies its entries on a worker thread, off this request's
+        path (:meth:`HostTier.offer`). On the device tier, one decoded on the device is kept as it
+        is; one on the host gets a sink that fusion fills as the chunk lands (``LoadedChunk.sink``).
         """
-        tier = self.device_tier
-        if tier is None:
+        tier, host = self.device_tier, self.host_tier
+        if tier is None and host is None:
             return
         tenant = self.computer.tenant
         for i, loaded in list(done.items()):
             key = keys[i].storage_key
             if not loaded.hit or loaded.device or key != primary[i]:
-                continue  # a miss, a tier hit already, or another level than a lookup asks for
+                continue  # a miss, a device hit already, or another level than a lookup asks for
+            if loaded.host and tier is None:
+                continue  # in the host tier already, and no device tier to offer it to
+            if host is not None and not loaded.host:
+                # offered before the removal check: a removal after the check discards the copy
+                # (a discard cancels a waiting admission), one before it is seen by the check
+                host.offer(key, loaded.kv, seconds.get(i, 0.0))
             if self.catalog.is_removed(tenant, keys[i].tokens_digest):
-                continue  # read just before its document's removal discarded the tier's copy: not kept
+                if host is not None:  # read just before its document's removal discarded the tiers' copies
+                    host.discard(key)
+                continue
+            if tier is None:
+                continue
+            # a host hit's cost (0 here) is its DMA, hidden under the compute: cheap to bring back
             if loaded.kv.keys.device == tier.device:
                 tier.put(key, loaded.kv, seconds.get(i, 0.0))
             elif (sink := tier.reserve(key, loaded.kv, self.adapter.dtype, seconds.get(i, 0.0))) is not None:
@@ -286,6 +316,8 @@ class ChunkLoader:
                 self.store.invalidate(keys[i].storage_key)
                 if self.device_tier is not None:
                     self.device_tier.discard(keys[i].storage_key)
+                if self.host_tier is not None:
+                    self.host_tier.discard(keys[i].storage_key)
             kv = self.adapter.prefill_kv(segments[i], past=[self.computer.prefix_kv()])
             done[i] = LoadedChunk(kv, False, self._put(kv, keys[i]))
         hits = [keys[i].storage_key for i in unique if done[i].hit]
@@ -307,15 +339,24 @@ class ChunkLoader:
         try:
             # the key digests the transform, so the one it names is the one this process holds
             transform = self.computer.transforms.find(key.transform_digest) if key.transform_digest else None
-            # raw bytes need no decode: kept on the host, fusion stages them to a GPU layer by layer
-            # through pinned memory while earlier layers compute (ragkv.gpu.feed)
-            on_host = self.adapter.device.type == "cuda" and key.codec.name == "raw"
+            on_host = self._stays_on_host(key)
             device = "cpu" if on_host else str(self.adapter.device)
             dtype = self.adapter.dtype
             return codec.decode(blob, expect=expect, device=device, dtype=dtype, transform=transform, view=on_host)
         except CodecError as e:
             logger.warning("unusable cache entry %s (%s); recomputing", key.storage_key, e)
             return None
+
+    def _stays_on_host(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s chunk is decoded into host memory for a model on a GPU: raw bytes need no
+        decode, so they stay on the host and fusion stages them layer by layer through pinned memory
+        while earlier layers compute (ragkv.gpu.feed)."""
+        return self.adapter.device.type == "cuda" and key.codec.name == "raw"
+
+    def _decoded_dtype(self, key: ChunkKey) -> torch.dtype:
+        """The dtype :meth:`_decode` gives ``key``'s chunk: a raw chunk kept on the host stays the fp16
+        it is stored in (``codec.decode(view=True)``) unless it was coded in a channel transform."""
+        return torch.float16 if self._stays_on_host(key) and not key.transform_digest else self.adapter.dtype
 
     def _put(self, kv: ChunkKV, key: ChunkKey) -> int:
         """Encode and store a recomputed cache; record it in the catalog; bytes stored (0: not stored).

@@ -108,10 +108,13 @@ def _delete_entries(
     catalog, tenant = retriever.catalog, retriever.tenant
     recorded = set(catalog.entry_sizes(keys))
     deleted = pending = 0
-    device_tier = retriever.loader.device_tier
+    device_tier, host_tier = retriever.loader.device_tier, retriever.loader.host_tier
     for key in keys:
-        if device_tier is not None:  # this process's GPU copy goes first: never served again
+        # this process's decoded copies go first (GPU, pinned host memory): never served again
+        if device_tier is not None:
             device_tier.discard(key)
+        if host_tier is not None:  # also cancels an admission still waiting for the tier's worker
+            host_tier.discard(key)
         found, gone = retriever.store.erase(key)
         deleted += found and gone
         if gone:

@@ -12,6 +12,9 @@ at its last use plus its load cost in seconds per GiB; the lowest goes first and
 to it), so an entry that was slow to load (a remote tier, an entropy-coded level) outlives a
 cheap one used as recently. A device that runs out of memory evicts (:func:`release`) before the
 request that needed the memory gives up.
+
+The bookkeeping (budget, GreedyDual-Size order, counters, the lock) is :class:`BoundedTier`, which
+the host tier (``ragkv.gpu.host_tier``) shares.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +32,7 @@ from ragkv.types import ChunkKV
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceTier", "DeviceTierConfig", "release"]
+__all__ = ["BoundedTier", "DeviceTier", "DeviceTierConfig", "release"]
 
 _GIB = float(1 << 30)
 
@@ -59,13 +63,118 @@ class DeviceTierConfig:
 @dataclass(slots=True)
 class _Entry:
     kv: ChunkKV
-    nbytes: int
+    nbytes: int  # what the entry costs the budget
     cost_per_gib: float  # load seconds per GiB: GreedyDual-Size's cost over size
     priority: float
     used: int  # use counter at the last use: breaks ties between equal priorities, least recent first
 
     def rank(self) -> tuple[float, int]:
         return self.priority, self.used
+
+
+class BoundedTier:
+    """Chunk caches by storage key, at most ``budget_bytes`` of them, evicted by GreedyDual-Size.
+
+    Thread-safe: every method takes the tier's lock. Subclasses say where entries live and how
+    they get in; lookups go through :meth:`_lookup`, admissions through :meth:`_insert`.
+    """
+
+    name = "tier"  # how log lines name it
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._entries: dict[str, _Entry] = {}
+        self._pending = 0  # bytes reserved by entries still being filled
+        self._clock = 0.0
+        self._uses = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = self.refused = 0
+
+    def _lookup(self, key: str, usable: Callable[[ChunkKV], bool]) -> ChunkKV | None:
+        """The entry under ``key`` if ``usable`` says so; else None (a miss, and a foreign entry goes)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.misses += 1
+                return None
+            if not usable(entry.kv):
+                logger.warning("%s entry %s is for another model, dtype, device or length; dropped", self.name, key)
+                self._drop(key)
+                self.misses += 1
+                return None
+            entry.priority = self._clock + entry.cost_per_gib
+            self._uses += 1
+            entry.used = self._uses
+            self.hits += 1
+            return entry.kv
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def discard(self, key: str) -> bool:
+        """Forget ``key`` (its document was removed, or its stored entry found unusable)."""
+        with self._lock:
+            return self._drop(key)
+
+    def clear(self) -> int:
+        """Forget every entry; the bytes freed."""
+        with self._lock:
+            freed = sum(e.nbytes for e in self._entries.values())
+            self._entries.clear()
+            return freed
+
+    def stats(self) -> dict[str, int | str]:
+        """Entries, bytes held and pending, the budget, and the counters."""
+        with self._lock:
+            return {
+                "entries": len(self._entries),
+                "bytes": sum(e.nbytes for e in self._entries.values()),
+                "pending_bytes": self._pending,
+                "budget_bytes": self.budget_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+                "refused": self.refused,
+            }
+
+    def keys(self) -> list[str]:
+        """The keys held, the next to be evicted first."""
+        with self._lock:
+            return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].rank())]
+
+    # ---- internals (the lock held) ---------------------------------------------------------
+    def _insert(self, key: str, kv: ChunkKV, nbytes: int, cost_s: float) -> bool:
+        """Keep ``kv`` under ``key``, evicting as needed; False if it can never fit."""
+        if not self._make_room(nbytes, key):
+            return False
+        self._entries[key] = self._entry(kv, nbytes, cost_s)
+        return True
+
+    def _entry(self, kv: ChunkKV, nbytes: int, cost_s: float) -> _Entry:
+        cost = max(cost_s, 0.0) / max(nbytes / _GIB, 1e-9)
+        self._uses += 1
+        return _Entry(kv, nbytes, cost, self._clock + cost, self._uses)
+
+    def _make_room(self, nbytes: int, key: str) -> bool:
+        """Evict the lowest-priority entries until ``nbytes`` more fit; False (nothing evicted) if they never can."""
+        if nbytes > self.budget_bytes - self._pending:
+            self.refused += 1
+            return False
+        self._drop(key)
+        used = sum(e.nbytes for e in self._entries.values()) + self._pending
+        while used + nbytes > self.budget_bytes and self._entries:
+            victim = min(self._entries, key=lambda k: self._entries[k].rank())
+            self._clock = self._entries[victim].priority  # GreedyDual: the clock rises to the evicted priority
+            used -= self._entries[victim].nbytes
+            self._drop(victim)
+            self.evictions += 1
+        return True
+
+    def _drop(self, key: str) -> bool:
+        return self._entries.pop(key, None) is not None
 
 
 _TIERS: weakref.WeakSet[DeviceTier] = weakref.WeakSet()
@@ -79,61 +188,36 @@ def release(device: torch.device) -> int:
     return freed
 
 
-class DeviceTier:
+class DeviceTier(BoundedTier):
     """Decoded chunk caches on one device, at most ``budget_bytes`` of them (see the module docstring)."""
 
+    name = "device tier"
+
     def __init__(self, budget_bytes: int, device: torch.device | str) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes, self.device = budget_bytes, torch.device(device)
-        self._entries: dict[str, _Entry] = {}
-        self._pending = 0  # bytes reserved by entries still being filled
-        self._clock = 0.0
-        self._uses = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = self.evictions = self.refused = 0
+        super().__init__(budget_bytes)
+        self.device = torch.device(device)
         _TIERS.add(self)
 
-    # ---- lookups ---------------------------------------------------------------------------
     def get(self, key: str, *, fingerprint: str, dtype: torch.dtype, num_tokens: int) -> ChunkKV | None:
         """The entry under ``key`` if it is for this model, dtype, device and length; else None (and it goes)."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
-            kv = entry.kv
-            if (
-                kv.model_fingerprint != fingerprint
-                or kv.keys.dtype != dtype
-                or kv.keys.device != self.device
-                or kv.num_tokens != num_tokens
-            ):
-                logger.warning("device tier entry %s is for another model, dtype, device or length; dropped", key)
-                self._drop(key)
-                self.misses += 1
-                return None
-            entry.priority = self._clock + entry.cost_per_gib
-            self._uses += 1
-            entry.used = self._uses
-            self.hits += 1
-            return kv
 
-    def __contains__(self, key: str) -> bool:
-        with self._lock:
-            return key in self._entries
+        def usable(kv: ChunkKV) -> bool:
+            return (
+                kv.model_fingerprint == fingerprint
+                and kv.keys.dtype == dtype
+                and kv.keys.device == self.device
+                and kv.num_tokens == num_tokens
+            )
 
-    # ---- admissions ------------------------------------------------------------------------
+        return self._lookup(key, usable)
+
     def put(self, key: str, kv: ChunkKV, cost_s: float) -> bool:
         """Keep ``kv`` (already on this device; kept by reference, never written) under ``key``."""
         if kv.keys.device != self.device:
             raise ValueError(f"device tier on {self.device} got a chunk cache on {kv.keys.device}")
         nbytes = _nbytes(kv)
         with self._lock:
-            if not self._make_room(nbytes, key):
-                return False
-            self._entries[key] = self._entry(kv, nbytes, cost_s)
-            return True
+            return self._insert(key, kv, nbytes, cost_s)
 
     def reserve(self, key: str, like: ChunkKV, dtype: torch.dtype, cost_s: float) -> DeviceSink | None:
         """Device tensors for ``like`` (a host chunk) to be filled as it is staged; the entry is served
@@ -172,62 +256,9 @@ class DeviceTier:
                 state["open"] = False
                 self._pending -= nbytes
 
-    # ---- removal ---------------------------------------------------------------------------
-    def discard(self, key: str) -> bool:
-        """Forget ``key`` (its document was removed, or its stored entry found unusable)."""
-        with self._lock:
-            return self._drop(key)
-
-    def clear(self) -> int:
-        """Forget every entry; the bytes freed."""
-        with self._lock:
-            freed = sum(e.nbytes for e in self._entries.values())
-            self._entries.clear()
-            return freed
-
     def stats(self) -> dict[str, int | str]:
-        """Entries, bytes held and pending, the budget, and the counters."""
-        with self._lock:
-            return {
-                "device": str(self.device),
-                "entries": len(self._entries),
-                "bytes": sum(e.nbytes for e in self._entries.values()),
-                "pending_bytes": self._pending,
-                "budget_bytes": self.budget_bytes,
-                "hits": self.hits,
-                "misses": self.misses,
-                "evictions": self.evictions,
-                "refused": self.refused,
-            }
-
-    def keys(self) -> list[str]:
-        """The keys held, the next to be evicted first."""
-        with self._lock:
-            return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].rank())]
-
-    # ---- internals (the lock held) ---------------------------------------------------------
-    def _entry(self, kv: ChunkKV, nbytes: int, cost_s: float) -> _Entry:
-        cost = max(cost_s, 0.0) / max(nbytes / _GIB, 1e-9)
-        self._uses += 1
-        return _Entry(kv, nbytes, cost, self._clock + cost, self._uses)
-
-    def _make_room(self, nbytes: int, key: str) -> bool:
-        """Evict the lowest-priority entries until ``nbytes`` more fit; False (nothing evicted) if they never can."""
-        if nbytes > self.budget_bytes - self._pending:
-            self.refused += 1
-            return False
-        self._drop(key)
-        used = sum(e.nbytes for e in self._entries.values()) + self._pending
-        while used + nbytes > self.budget_bytes and self._entries:
-            victim = min(self._entries, key=lambda k: self._entries[k].rank())
-            self._clock = self._entries[victim].priority  # GreedyDual: the clock rises to the evicted priority
-            used -= self._entries[victim].nbytes
-            self._drop(victim)
-            self.evictions += 1
-        return True
-
-    def _drop(self, key: str) -> bool:
-        return self._entries.pop(key, None) is not None
+        """The device, entries, bytes held and pending, the budget, and the counters."""
+        return {"device": str(self.device), **super().stats()}
 
 
 def _nbytes(kv: ChunkKV) -> int:

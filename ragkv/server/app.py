@@ -123,6 +123,8 @@ def _service(app: FastAPI, state: ServerState) -> None:
         }
         if state.base.device_tier is not None:  # decoded chunk caches on the GPU: entries, bytes, hits
             body["device_tier"] = state.base.device_tier.stats()
+        if state.base.host_tier is not None:  # ... and behind it in pinned host memory
+            body["host_tier"] = state.base.host_tier.stats()
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")

@@ -112,7 +112,8 @@ def keyed_server(tiny_model_dir, tmp_path_factory) -> Iterator[Served]:
 
 @pytest.fixture
 def make_client(llama_adapter, tmp_path) -> Iterator[Any]:
-    """``make_client(**settings)``: a TestClient on an in-process app (tiny llama, hashing embedder).
+    """``make_client(**settings)``: a TestClient on an in-process app (tiny llama, hashing embedder);
+    ``engine={...}`` overrides fields of its ``EngineConfig``.
 
     The app runs its lifespan (so its scheduler thread) while the client is open; every client made
     is closed at the end of the test. ``base_url`` is a loopback name, as a local client sends.
@@ -127,13 +128,16 @@ def make_client(llama_adapter, tmp_path) -> Iterator[Any]:
 
     opened: list[Any] = []
 
-    def make(**settings: Any) -> Any:
+    def make(*, engine: dict[str, Any] | None = None, **settings: Any) -> Any:
         data = tmp_path / f"engine-{len(opened)}"
         cfg = EngineConfig(
-            data_dir=data, store=("memory://", str(data / "kv")), generation=GenerationConfig(max_new_tokens=8)
+            data_dir=data,
+            store=("memory://", str(data / "kv")),
+            generation=GenerationConfig(max_new_tokens=8),
+            **(engine or {}),
         )
-        engine = RagKV(cfg, adapter=llama_adapter, embedder=HashingEmbedder(dim=64))
-        client = TestClient(create_app(engine, ServerSettings(**settings)), base_url="http://127.0.0.1")
+        rag = RagKV(cfg, adapter=llama_adapter, embedder=HashingEmbedder(dim=64))
+        client = TestClient(create_app(rag, ServerSettings(**settings)), base_url="http://127.0.0.1")
         opened.append(client.__enter__())
         return client
 

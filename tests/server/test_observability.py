@@ -67,6 +67,16 @@ def test_health_names_tiers_in_plain_words(make_client):
     assert tiers and set(tiers.values()) == {"reachable"}
 
 
+def test_health_shows_the_decoded_chunk_tiers_only_where_the_engine_has_them(make_client):
+    from ragkv.gpu import DeviceTierConfig, HostTierConfig
+
+    assert not {"device_tier", "host_tier"} & set(make_client().get("/health").json())  # a CPU model: none
+    tiers = {"device_tier": DeviceTierConfig(budget_bytes=1 << 20), "host_tier": HostTierConfig(budget_bytes=2 << 20)}
+    body = make_client(engine=tiers).get("/health").json()
+    assert body["device_tier"]["budget_bytes"] == 1 << 20 and body["host_tier"]["budget_bytes"] == 2 << 20
+    assert {"entries", "bytes", "hits", "misses", "evictions", "queued", "dropped"} <= set(body["host_tier"])
+
+
 def test_embeddings_are_bounded(make_client):
     client = make_client(max_embedding_inputs=4, max_embedding_chars=100)
     ok = client.post("/v1/embeddings", json={"input": ["apples", "boats"]})

@@ -1,0 +1,269 @@
+"""The host tier: decoded chunk caches kept in page-locked host memory, behind the device tier.
+
+For a model on a GPU, a chunk read from the store costs its decode (for raw chunks mostly the
+payload checksum, on one thread) and a staging copy through pinned slabs; the same chunk already
+decoded in page-locked memory crosses PCIe straight from where it is by DMA, a copy that hides
+under the compute (``ragkv.gpu.feed``: ``_cross_direct``). This tier keeps such chunks: what
+decoding the stored bytes gave (for raw chunks the fp16 the loader stages; for others the model's
+dtype, copied back from the device), never a chunk recomputed at query time, so a host hit fuses
+exactly as a store hit would. LMCache keeps a pinned CPU pool in front of its slower tiers the
+same way.
+
+Lookups and eviction are the device tier's (:class:`~ragkv.gpu.tier.BoundedTier`: keyed by the
+storage key, so tenants never share an entry; a hit must match the model fingerprint, dtype and
+token count, anything else is a miss and the entry goes; GreedyDual-Size within a byte budget).
+It is a class of its own rather than a mode of :class:`~ragkv.gpu.tier.DeviceTier` because
+entries get in another way: a device entry is kept by reference or filled by fusion as its chunk
+lands, while a host entry is a copy into memory the tier allocates, made by a worker thread
+(:meth:`HostTier.offer`) so that the copy (~10 GB/s, ~0.2 s for a 16K-token prompt of an 8B
+model) never sits on a request's path. A mode flag would have put a branch in every method.
+
+Memory: torch's pinned allocator rounds every allocation up to a power of two (and keeps freed
+blocks for reuse), so an entry costs the budget its rounded size, the memory it really holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ragkv.gpu.tier import BoundedTier
+from ragkv.types import ChunkKV
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HostTier", "HostTierConfig", "available_memory", "pinned_footprint"]
+
+_IDLE_S = 2.0  # the worker ends after this long without an admission (the next one starts it again)
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    """How much page-locked host memory the tier may hold."""
+
+    budget_bytes: int | None = None  # None: `fraction` of available RAM, at most `max_bytes` (a GPU model); 0: off
+    fraction: float = 0.25  # share of the machine's available RAM when budget_bytes is None
+    max_bytes: int = 16 << 30  # cap on that share: page-locked memory is never swapped, the OS needs the rest
+    queue_size: int = 64  # admissions waiting for the copy worker; more are dropped (the chunk stays in the store)
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes is not None and self.budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0 (0 turns the host tier off), got {self.budget_bytes}")
+        if not 0.0 <= self.fraction < 1.0:
+            raise ValueError(f"fraction must be in [0, 1) of available host memory, got {self.fraction}")
+        if self.max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {self.max_bytes}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1 admission, got {self.queue_size}")
+
+    def budget_for(self, device: torch.device) -> int:
+        """The byte budget for a model on ``device``: the explicit one, else a capped share of available
+        RAM on a GPU (0 elsewhere: a CPU model reads host memory already, memory:// holds it)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        if device.type != "cuda":
+            return 0
+        return min(int(available_memory() * self.fraction), self.max_bytes)
+
+
+def available_memory() -> int:
+    """Bytes of RAM the machine can give without swapping: Linux's MemAvailable (free memory plus
+    reclaimable caches), else the free pages ``os.sysconf`` counts; 0 if neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def pinned_footprint(nbytes: int, pinned: bool) -> int:
+    """The bytes an allocation of ``nbytes`` holds: torch's pinned allocator rounds to a power of two.
+
+    >>> pinned_footprint(3 << 20, True) == 4 << 20, pinned_footprint(3 << 20, False) == 3 << 20
+    (True, True)
+    """
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
+@dataclass(slots=True)
+class _Offer:
+    key: str
+    kv: ChunkKV  # held until copied: a device source cannot be freed and reused under the copy
+    cost_s: float  # what loading it cost (GreedyDual-Size's cost)
+    ticket: int  # the admission's number: a discard in the meantime cancels it
+    ready: torch.cuda.Event | None  # a device source: recorded after its decode, the copy waits for it
+
+
+class HostTier(BoundedTier):
+    """Decoded chunk caches in (page-locked) host memory, at most ``budget_bytes`` (see the module docstring).
+
+    Args:
+        budget_bytes: bytes the entries may hold (their pinned footprint).
+        pin: page-locked entries (default: when CUDA is available; a CPU has no pinned memory).
+        queue_size: admissions waiting for the copy worker; an offer beyond them is dropped.
+    """
+
+    name = "host tier"
+
+    def __init__(self, budget_bytes: int, *, pin: bool | None = None, queue_size: int = 64) -> None:
+        super().__init__(budget_bytes)
+        if queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1 admission, got {queue_size}")
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._queue: queue.Queue[_Offer] = queue.Queue(maxsize=queue_size)
+        self._offered: dict[str, int] = {}  # key -> ticket of its admission waiting for the worker
+        self._tickets = 0
+        self._worker: threading.Thread | None = None
+        self.dropped = 0
+
+    def get(self, key: str, *, fingerprint: str, dtype: torch.dtype, num_tokens: int) -> ChunkKV | None:
+        """The entry under ``key`` if it is for this model, dtype and length; else None (and it goes)."""
+
+        def usable(kv: ChunkKV) -> bool:
+            return (
+                kv.model_fingerprint == fingerprint
+                and kv.keys.dtype == dtype
+                and kv.values.dtype == dtype
+                and kv.num_tokens == num_tokens
+            )
+
+        return self._lookup(key, usable)
+
+    # ---- admissions ------------------------------------------------------------------------
+    def offer(self, key: str, kv: ChunkKV, cost_s: float) -> bool:
+        """Queue ``kv`` (never written) to be copied into the tier by the worker thread, off the
+        request's path. False: not queued (held or queued already, too big, or the queue is full:
+        dropped, and the chunk stays where it was read from)."""
+        nbytes = self._footprint(kv)
+        with self._lock:
+            if key in self._entries or key in self._offered:
+                return False
+            if nbytes > self.budget_bytes:
+                self.refused += 1
+                return False
+            ready = None
+            if kv.keys.device.type == "cuda":  # the copy runs on a stream of its own, after the decode
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(kv.keys.device))
+            self._tickets += 1
+            try:
+                self._queue.put_nowait(_Offer(key, kv, cost_s, self._tickets, ready))
+            except queue.Full:
+                self.dropped += 1
+                return False
+            self._offered[key] = self._tickets
+            if self._worker is None:  # started per burst of admissions; it ends when idle
+                self._worker = threading.Thread(target=self._run, name="ragkv-host-tier", daemon=True)
+                self._worker.start()
+        return True
+
+    def put(self, key: str, kv: ChunkKV, cost_s: float) -> bool:
+        """Copy ``kv`` into the tier now, on the caller's thread; False: it can never fit."""
+        nbytes = self._footprint(kv)
+        with self._lock:
+            if nbytes > self.budget_bytes:
+                self.refused += 1
+                return False
+        copy = self._copy(kv, None)
+        with self._lock:
+            self._offered.pop(key, None)  # this copy supersedes one in the queue
+            return self._insert(key, copy, nbytes, cost_s)
+
+    def drain(self) -> None:
+        """Wait until every queued admission is in (or dropped): tests, benchmarks, shutdown."""
+        self._queue.join()
+
+    # ---- removal ---------------------------------------------------------------------------
+    def discard(self, key: str) -> bool:
+        """Forget ``key``, and cancel its admission if one waits for the worker."""
+        with self._lock:
+            cancelled = self._offered.pop(key, None) is not None
+            return self._drop(key) or cancelled
+
+    def clear(self) -> int:
+        """Forget every entry and cancel the waiting admissions; the bytes freed."""
+        with self._lock:
+            self._offered.clear()
+            freed = sum(e.nbytes for e in self._entries.values())
+            self._entries.clear()
+            return freed
+
+    def stats(self) -> dict[str, int | str]:
+        """Where entries live, entries, bytes held, the budget, and the counters (``dropped``: offers
+        the full queue turned away; ``queued``: admissions waiting for the worker)."""
+        base = super().stats()
+        base.pop("pending_bytes")  # nothing is reserved ahead: an admission takes room when it lands
+        with self._lock:
+            queued = len(self._offered)
+        return {"memory": "pinned" if self.pin else "pageable", **base, "queued": queued, "dropped": self.dropped}
+
+    # ---- the worker ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            try:
+                offer = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:  # an offer puts under this lock: none can be left without a worker
+                    if self._queue.empty():
+                        self._worker = None
+                        return
+                continue
+            try:
+                self._land(offer)
+            except Exception as e:  # a failed copy (no pinned memory left) is only a missed admission
+                logger.warning("host tier: could not keep %s (%s); it stays in the store", offer.key, e)
+                with self._lock:
+                    if self._offered.get(offer.key) == offer.ticket:
+                        del self._offered[offer.key]
+                    self.refused += 1
+            finally:
+                self._queue.task_done()
+
+    def _land(self, offer: _Offer) -> None:
+        with self._lock:
+            if self._offered.get(offer.key) != offer.ticket:
+                return  # discarded (its document removed) before the worker got to it
+        copy = self._copy(offer.kv, offer.ready)
+        with self._lock:
+            # checked again: a discard while the copy ran wins, so a removed chunk never gets in
+            if self._offered.get(offer.key) != offer.ticket:
+                return
+            del self._offered[offer.key]
+            self._insert(offer.key, copy, self._footprint(copy), offer.cost_s)
+
+    def _copy(self, kv: ChunkKV, ready: torch.cuda.Event | None) -> ChunkKV:
+        """``kv`` copied into memory of this tier (page-locked when ``pin``), in its dtype and layout."""
+        with torch.no_grad():
+            keys = torch.empty(kv.keys.shape, dtype=kv.keys.dtype, pin_memory=self.pin)
+            values = torch.empty(kv.values.shape, dtype=kv.values.dtype, pin_memory=self.pin)
+            if kv.keys.device.type == "cuda":
+                # not on the compute stream: a copy queued there would delay the next request's kernels
+                stream = torch.cuda.Stream(kv.keys.device)
+                if ready is not None:
+                    stream.wait_event(ready)
+                else:
+                    stream.wait_stream(torch.cuda.current_stream(kv.keys.device))
+                with torch.cuda.stream(stream):
+                    keys.copy_(kv.keys, non_blocking=self.pin)
+                    values.copy_(kv.values, non_blocking=self.pin)
+                stream.synchronize()
+            else:
+                keys.copy_(kv.keys)
+                values.copy_(kv.values)
+        return ChunkKV(keys, values, kv.positions.clone(), kv.model_fingerprint)
+
+    def _footprint(self, kv: ChunkKV) -> int:
+        return pinned_footprint(kv.keys.numel() * kv.keys.element_size(), self.pin) + pinned_footprint(
+            kv.values.numel() * kv.values.element_size(), self.pin
+        )
