@@ -24,6 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -196,7 +197,19 @@ class DeviceTier(BoundedTier):
     def __init__(self, budget_bytes: int, device: torch.device | str) -> None:
         super().__init__(budget_bytes)
         self.device = torch.device(device)
+        # open reservations by key: a discard closes its key's, so a sink filled after its
+        # document's removal never becomes an entry
+        self._reserved: dict[str, dict[str, Any]] = {}
         _TIERS.add(self)
+
+    def discard(self, key: str) -> bool:
+        """Forget ``key``, and close a reservation of it still being filled (it is then never served)."""
+        with self._lock:
+            state = self._reserved.pop(key, None)
+            if state is not None and state["open"]:
+                state["open"] = False
+                self._pending -= state["nbytes"]
+            return self._drop(key) or state is not None
 
     def get(self, key: str, *, fingerprint: str, dtype: torch.dtype, num_tokens: int) -> ChunkKV | None:
         """The entry under ``key`` if it is for this model, dtype, device and length; else None (and it goes)."""
@@ -223,38 +236,47 @@ class DeviceTier(BoundedTier):
         """Device tensors for ``like`` (a host chunk) to be filled as it is staged; the entry is served
         once the sink is filled (a sink dropped unfilled frees its reservation). None: no room."""
         shape, nbytes = tuple(like.keys.shape), 2 * like.keys.numel() * torch.empty(0, dtype=dtype).element_size()
+        state: dict[str, Any] = {"open": True, "nbytes": nbytes}
         with self._lock:
-            if key in self._entries or not self._make_room(nbytes, key):
+            if key in self._entries or key in self._reserved or not self._make_room(nbytes, key):
                 return None
             self._pending += nbytes
+            self._reserved[key] = state
         try:
             keys = torch.empty(shape, dtype=dtype, device=self.device)
             values = torch.empty(shape, dtype=dtype, device=self.device)
         except torch.OutOfMemoryError:
             with self._lock:
-                self._pending -= nbytes
+                if self._reserved.get(key) is state:
+                    del self._reserved[key]
+                if state["open"]:
+                    state["open"] = False
+                    self._pending -= nbytes
                 self.refused += 1
             logger.info("device tier: no device memory for %s; served from host memory", key)
             return None
         kv = ChunkKV(keys, values, like.positions.clone(), like.model_fingerprint)
-        state = {"open": True}
 
         def filled() -> None:
             with self._lock:
+                if self._reserved.get(key) is state:
+                    del self._reserved[key]
                 if state["open"]:
                     state["open"] = False
                     self._pending -= nbytes
                     self._entries[key] = self._entry(kv, nbytes, cost_s)
 
         sink = DeviceSink(keys, values, filled)
-        weakref.finalize(sink, self._abandon, state, nbytes)
+        weakref.finalize(sink, self._abandon, key, state)
         return sink
 
-    def _abandon(self, state: dict[str, bool], nbytes: int) -> None:
+    def _abandon(self, key: str, state: dict[str, Any]) -> None:
         with self._lock:
+            if self._reserved.get(key) is state:
+                del self._reserved[key]
             if state["open"]:
                 state["open"] = False
-                self._pending -= nbytes
+                self._pending -= state["nbytes"]
 
     def stats(self) -> dict[str, int | str]:
         """The device, entries, bytes held and pending, the budget, and the counters."""

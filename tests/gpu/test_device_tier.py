@@ -95,6 +95,25 @@ def test_a_reservation_serves_only_once_filled_and_frees_itself_if_dropped():
     assert tier.stats()["pending_bytes"] == 0 and "s" not in tier
 
 
+def test_a_discard_while_a_reservation_fills_keeps_it_out():
+    # a removal's discard can land between the loader's removal check and the sink's filling: the
+    # filled sink must not become an entry (a removed document's chunk served again)
+    tier = DeviceTier(2 * _bytes(8), "cpu")
+    like = _kv(8)
+    sink = tier.reserve("r", like, torch.float32, 0.01)
+    assert sink is not None
+    assert tier.reserve("r", like, torch.float32, 0.01) is None  # one reservation per key
+    assert tier.discard("r") and tier.stats()["pending_bytes"] == 0
+    sink.keys.copy_(like.keys)
+    sink.values.copy_(like.values)
+    sink.on_filled()
+    assert _get(tier, "r", 8) is None and "r" not in tier and tier.stats()["pending_bytes"] == 0
+    again = tier.reserve("r", like, torch.float32, 0.01)  # a later load may admit it anew
+    assert again is not None
+    again.on_filled()
+    assert "r" in tier
+
+
 def test_release_empties_the_tiers_of_a_device():
     tier = DeviceTier(4 * _bytes(8), "cpu")
     tier.put("a", _kv(8), 0.01)
