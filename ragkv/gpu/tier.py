@@ -205,10 +205,9 @@ class DeviceTier(BoundedTier):
     def discard(self, key: str) -> bool:
         """Forget ``key``, and close a reservation of it still being filled (it is then never served)."""
         with self._lock:
-            state = self._reserved.pop(key, None)
-            if state is not None and state["open"]:
-                state["open"] = False
-                self._pending -= state["nbytes"]
+            state = self._reserved.get(key)
+            if state is not None:
+                self._close(key, state)
             return self._drop(key) or state is not None
 
     def get(self, key: str, *, fingerprint: str, dtype: torch.dtype, num_tokens: int) -> ChunkKV | None:
@@ -247,11 +246,7 @@ class DeviceTier(BoundedTier):
             values = torch.empty(shape, dtype=dtype, device=self.device)
         except torch.OutOfMemoryError:
             with self._lock:
-                if self._reserved.get(key) is state:
-                    del self._reserved[key]
-                if state["open"]:
-                    state["open"] = False
-                    self._pending -= nbytes
+                self._close(key, state)
                 self.refused += 1
             logger.info("device tier: no device memory for %s; served from host memory", key)
             return None
@@ -259,11 +254,7 @@ class DeviceTier(BoundedTier):
 
         def filled() -> None:
             with self._lock:
-                if self._reserved.get(key) is state:
-                    del self._reserved[key]
-                if state["open"]:
-                    state["open"] = False
-                    self._pending -= nbytes
+                if self._close(key, state):
                     self._entries[key] = self._entry(kv, nbytes, cost_s)
 
         sink = DeviceSink(keys, values, filled)
@@ -272,11 +263,17 @@ class DeviceTier(BoundedTier):
 
     def _abandon(self, key: str, state: dict[str, Any]) -> None:
         with self._lock:
-            if self._reserved.get(key) is state:
-                del self._reserved[key]
-            if state["open"]:
-                state["open"] = False
-                self._pending -= state["nbytes"]
+            self._close(key, state)
+
+    def _close(self, key: str, state: dict[str, Any]) -> bool:
+        """End reservation ``state`` of ``key`` (the lock held); True if it was still open."""
+        if self._reserved.get(key) is state:
+            del self._reserved[key]
+        if not state["open"]:
+            return False
+        state["open"] = False
+        self._pending -= state["nbytes"]
+        return True
 
     def stats(self) -> dict[str, int | str]:
         """The device, entries, bytes held and pending, the budget, and the counters."""
