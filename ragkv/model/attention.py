@@ -75,7 +75,8 @@ def _probe_attention(
     K and V are never repeated per query head: at 16K tokens of an 8B model that was ~1 GB of
     copies per layer, most of the probe's time on a GPU. On a GPU with a half-precision model the
     two products run in the model's dtype, as transformers' eager attention computes them (tensor
-    cores; in fp32 they were 41 of the probe's 48 ms at 16K on an H100); elsewhere in fp32.
+    cores; in fp32 they were 41 of the probe's 43 ms of device time at 16K on an H100); elsewhere
+    in fp32.
     """
     # query: [1, Hq, q, D]; key/value: [1, Hkv, kv, D]; query head h reads KV head h // groups
     b, hq, q_len, d = query.shape
