@@ -238,7 +238,6 @@ class Strategy:
     Params: ClassVar[type[StrategyParams]] = NoParams  # the record this strategy takes
     wants_query_attention: ClassVar[bool] = False  # fusion runs the question probe for it
     wants_stored_scores: ClassVar[bool] = False  # it ranks by deviation recorded at index time
-    wants_numbers: bool = False  # fusion fills SelectionState.number_runs for it
 
     def __init__(self, ratio: float, params: StrategyParams | None = None) -> None:
         if not 0.0 <= ratio <= 1.0:
@@ -252,6 +251,11 @@ class Strategy:
             )
         self.ratio = ratio
         self.params = params
+
+    @property
+    def wants_numbers(self) -> bool:
+        """Fusion fills ``SelectionState.number_runs`` for it."""
+        return False
 
     def initial(self, state: SelectionState) -> torch.Tensor:
         """Chunk-token indices that run through layer 0 (default: all)."""
@@ -359,7 +363,7 @@ class QueryFocus(Strategy):
     wants_query_attention = True
 
     @property
-    def wants_numbers(self) -> bool:  # type: ignore[override]
+    def wants_numbers(self) -> bool:
         return self.params.number_spans or self.params.number_boost != 1.0
 
     def initial(self, state: SelectionState) -> torch.Tensor:
