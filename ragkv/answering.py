@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ragkv.fusion import FusionConfig, FusionInput, Pieces, drain, fuse_steps
+from ragkv.fusion import FusionConfig, FusionInput, PieceBudget, Pieces, drain, fuse_steps
 from ragkv.gpu.feed import DeviceSink
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
@@ -130,7 +130,7 @@ class AnswerPath:
         mode: str = "reuse",
         max_new_tokens: int = 0,
         fusion: FusionConfig | None = None,
-        step_tokens: int | None = None,
+        step_tokens: int | PieceBudget | None = None,
         started: float | None = None,
         riders: Riders | None = None,
     ) -> Pieces[Prefilled]:
@@ -139,15 +139,15 @@ class AnswerPath:
         Each ``next()`` runs one piece under the model lock; the return value is the
         :class:`Prefilled`. ``mode="full"`` prefills from scratch, ``step_tokens`` prompt tokens a
         piece; ``"reuse"`` loads the chunk caches (first piece) and fuses them, pausing the
-        recompute pass between layers (``ragkv.fusion.fuse_steps``). ``None``: one piece.
+        recompute pass between layers (``ragkv.fusion.fuse_steps``). ``None``: one piece; a
+        :class:`~ragkv.fusion.PieceBudget` sizes each piece as it comes (the driver's, by time).
         ``started``: when the answer began (the load deadline counts from it; default now).
         ``riders``: asked before each piece of a full prefill for a decode step to carry
         (``ragkv.model.batch.Rider``; the scheduler's rows), None: none.
         """
         if mode not in ("reuse", "full"):
             raise ValueError(f"mode must be 'reuse' or 'full', got {mode!r}")
-        if step_tokens is not None and step_tokens < 1:
-            raise ValueError(f"step_tokens must be >= 1 (or None: one piece), got {step_tokens}")
+        budget = PieceBudget.of(step_tokens)
         fusion = fusion or self.parts.config.fusion
         t0 = time.perf_counter() if started is None else started
         ids = prompt.ids
@@ -156,9 +156,9 @@ class AnswerPath:
         adapt_threads()  # another process may have taken a core since the last answer
         if mode == "full":
             stats.prefilled_chunk_tokens = prompt.cached_tokens
-            pieces = self._full_steps(ids, step_tokens, riders)
+            pieces = self._full_steps(ids, budget, riders)
         else:
-            pieces = self._fused_steps(prompt, fusion, stats, t0, step_tokens)
+            pieces = self._fused_steps(prompt, fusion, stats, t0, budget)
         cache, logits = yield from self._locked(pieces, stats)
         stats.extra["prefill_ms"] = round((time.perf_counter() - t0) * 1000, 2)
         return Prefilled(cache, logits[-1], len(ids), stats)
@@ -175,16 +175,17 @@ class AnswerPath:
         return drain(self._fused_steps(prompt, fusion, stats, started))  # type: ignore[no-any-return]
 
     def _full_steps(
-        self, ids: list[int], step_tokens: int | None, riders: Riders | None
+        self, ids: list[int], budget: PieceBudget | None, riders: Riders | None
     ) -> Pieces[tuple[Any, torch.Tensor]]:
-        """A prefill from scratch, ``step_tokens`` tokens a piece; the last piece's last position gives the logits.
+        """A prefill from scratch, ``budget``'s size a piece; the last piece's last position gives the logits.
 
         Each piece's forward pass carries the decode step ``riders()`` offers it, if any. A piece's
         budget counts the rows riding (Sarathi-Serve's token budget; one per row the step runs,
-        ``DecodeBatch.step_rows``): with B rows riding, it runs ``step_tokens - B``
-        prompt tokens (at least half the budget), so the pass keeps the size the budget names (on a
+        ``DecodeBatch.step_rows``): with B rows riding, it runs the budget's size less B prompt
+        tokens (at least half the budget), so the pass keeps the size the budget names (on a
         CPU a matmul one row past a multiple of its blocking costs visibly more). Its own compute
-        time (pauses excluded) feeds the engine's prefill speed estimate, unless rows rode on it.
+        time (pauses excluded) feeds the engine's prefill speed estimate, unless rows rode on it;
+        each piece's, riders included, goes to ``budget``.
         """
         a = self.parts.adapter
         cache = a.build_cache([])
@@ -195,17 +196,23 @@ class AnswerPath:
             rider = rider if rider is not None and rider.logits is None else None  # each step is carried once
             rows = rider.batch.step_rows if rider is not None else 0
             carried = carried or rows > 0
+            step = budget.tokens() if budget is not None else None
             # the rows riding take their share of the budget, never more than half of it
-            size = max(step_tokens - rows, (step_tokens + 1) // 2) if step_tokens else n
+            size = max(step - rows, (step + 1) // 2) if step else n
             if start + size >= n:
                 break
             began = time.perf_counter()
             a.forward(ids[start : start + size], cache, start, logits="none", rider=rider)  # K/V only: no LM head
-            busy += time.perf_counter() - began
+            took = time.perf_counter() - began
+            busy += took
+            if budget is not None:
+                budget.spent(size + rows, took)
             start += size
             yield
         began = time.perf_counter()
         logits = a.forward(ids[start:], cache, start, logits="last", rider=rider)
+        if budget is not None:
+            budget.spent(n - start + (rider.batch.step_rows if rider is not None else 0), time.perf_counter() - began)
         if not carried:  # a pass that carried decode rows timed their work too: not this prefill's speed
             self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
             self.parts.save_rates_soon()
@@ -217,7 +224,7 @@ class AnswerPath:
         fusion: FusionConfig,
         stats: GenerationStats,
         started: float,
-        step_tokens: int | None = None,
+        budget: PieceBudget | None = None,
     ) -> Pieces[tuple[Any, torch.Tensor]]:
         """Load the chunk caches (a piece of its own), then fuse them; the recompute pass pauses between layers."""
         p, a = self.parts, self.parts.adapter
@@ -258,11 +265,11 @@ class AnswerPath:
         if load_report is not None:
             stats.extra["load"] = {**load_report, "deadline_ms": p.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced, sinks=sinks)
-        if step_tokens is not None:
+        if budget is not None:
             yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()
         paused = _Pauses()
-        fused = yield from paused.through(fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=step_tokens))
+        fused = yield from paused.through(fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=budget))
         computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
         total = sum(len(seg) for seg, _ in middle) + len(suffix)
         # the speed measured is the pass's own: time paused for others' work is not its

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ragkv.answering import AnswerPath, AnswerStream, Prefilled, Riders
 from ragkv.config import EngineConfig, default_data_dir
 from ragkv.driver import JobRequest, answer_inline
-from ragkv.fusion import FusionConfig, Pieces, drain
+from ragkv.fusion import FusionConfig, PieceBudget, Pieces, drain
 from ragkv.generation import GenerationConfig
 from ragkv.gpu.host_tier import HostTier, HostTierConfig
 from ragkv.gpu.tier import DeviceTier, DeviceTierConfig
@@ -409,7 +409,7 @@ class RagKV:
         mode: str = "reuse",
         max_new_tokens: int = 0,
         fusion: FusionConfig | None = None,
-        step_tokens: int | None = None,
+        step_tokens: int | PieceBudget | None = None,
         riders: Riders | None = None,
     ) -> Pieces[Prefilled]:
         """:meth:`prefill` in pieces of about ``step_tokens`` tokens of work, for a server that decodes

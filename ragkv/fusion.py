@@ -17,6 +17,7 @@ Shapes: K/V are ``[layers, kv_heads, tokens, head_dim]``; hidden states ``[1, q,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -34,10 +35,44 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusedContext", "FusionConfig", "FusionInput", "Pieces", "drain", "fuse", "fuse_steps"]
+__all__ = ["FusedContext", "FusionConfig", "FusionInput", "PieceBudget", "Pieces", "drain", "fuse", "fuse_steps"]
 
 T = TypeVar("T")
 Pieces = Generator[None, None, T]  # a pass run in pieces: each next() runs one, the return value is the result
+
+
+class PieceBudget:
+    """How much work a pass run in pieces does before it pauses, asked afresh before each piece.
+
+    :meth:`tokens` is the next piece's size in prompt tokens through every layer (None: run on to
+    the end without pausing); :meth:`spent` hears what each piece did, so a budget sized in time
+    (the answer driver's) can learn the rate. This base is a fixed size: ``PieceBudget(256)``.
+
+    >>> b = PieceBudget(256)
+    >>> b.tokens(), PieceBudget.of(64).tokens(), PieceBudget.of(None)
+    (256, 64, None)
+    """
+
+    def __init__(self, tokens: int | None = None) -> None:
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"a piece needs >= 1 token (or None: one piece), got {tokens}")
+        self._tokens = tokens
+
+    def tokens(self) -> int | None:
+        """The next piece's size in prompt tokens (a fused pass counts token passes over layers / layers)."""
+        return self._tokens
+
+    def spent(self, tokens: float, seconds: float) -> None:
+        """The piece just run did ``tokens`` tokens of work in ``seconds`` (its own compute, pauses excluded)."""
+
+    @classmethod
+    def of(cls, step: int | PieceBudget | None) -> PieceBudget | None:
+        """``step`` as a budget: a size in tokens becomes a fixed one; None stays None (one piece)."""
+        if step is None or isinstance(step, PieceBudget):
+            return step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step_tokens must be an int >= 1, a PieceBudget or None (one piece), got {step!r}")
+        return cls(step)
 
 
 def drain(pieces: Pieces[T]) -> T:
@@ -131,19 +166,19 @@ def fuse_steps(
     config: FusionConfig | None = None,
     *,
     prefill_suffix: bool = False,
-    step_tokens: int | None = None,
+    step_tokens: int | PieceBudget | None = None,
 ) -> Pieces[FusedContext]:
     """:func:`fuse` in pieces, for a server that runs decode steps between them (Sarathi-style).
 
     The recompute pass pauses (yields) between decoder layers once its layer passes since the last
     pause reach about ``step_tokens`` tokens through every layer (``step_tokens * layers`` token
-    passes), so one piece costs about what a ``step_tokens``-token prefill chunk costs. Placement
+    passes), so one piece costs about what a ``step_tokens``-token prefill chunk costs; a
+    :class:`PieceBudget` is asked the size before each piece and told what each did. Placement
     and the question probe are the first piece. ``None``: one piece. The result is exactly
     :func:`fuse`'s: only where other work may run changes (nothing else may touch the model's
     attention probe or these tensors meanwhile; the caller holds the model lock per piece).
     """
-    if step_tokens is not None and step_tokens < 1:
-        raise ValueError(f"step_tokens must be >= 1 (or None: one piece), got {step_tokens}")
+    budget = PieceBudget.of(step_tokens)
     strategy = (config or FusionConfig()).strategy()
     suffix = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)  # [S]
     # Past a LongRoPE / dynamic-NTK model's original context (or a sliding window) the model's own
@@ -168,7 +203,6 @@ def fuse_steps(
         active = active[:0]
     # With no chunk token active the tail alone runs the layers, writing its K/V into the slots
     # kept free for it: no cache grows by concatenation (a copy of the whole context per layer).
-    budget = None if step_tokens is None else step_tokens * adapter.spec.num_layers
     if budget is not None:
         yield  # placement and the question probe were this piece
     active, hidden, passes = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
@@ -217,14 +251,15 @@ def _recompute(
     active: torch.Tensor,
     forced: torch.Tensor,
     tail: torch.Tensor,
-    budget: int | None = None,
+    budget: PieceBudget | None = None,
 ) -> Pieces[tuple[torch.Tensor, torch.Tensor, int]]:
     """Run the ``active`` chunk tokens and the ``tail`` through every layer, narrowing at check layers.
 
     Writes the fresh K/V into ``placed.keys``/``placed.values`` (the scatter cache's layers are
     views of them). Returns the chunk tokens active after the last layer, the last hidden states
     ``[1, active + tail, hidden]`` and the token passes run (tokens summed over layers). Pauses
-    after a layer once ``budget`` token passes ran since the last pause (None: never).
+    after a layer once the token passes since the last pause reach ``budget``'s size times the
+    layers (None: never), and tells ``budget`` what each piece did.
     """
     cache = adapter.scatter_cache(placed.keys, placed.values)
     checks = set(strategy.check_layers(state, adapter.spec.num_layers)) if active.numel() else set()
@@ -236,12 +271,18 @@ def _recompute(
     if tail.numel():
         hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
     step: _Step | None = None
+    layers = adapter.spec.num_layers
     done = 0  # token passes through a layer since the last pause
     passes = 0  # all of them
-    for layer in range(adapter.spec.num_layers):
-        if budget is not None and done >= budget:
+    limit = _layer_passes(budget, layers)
+    began = time.perf_counter()
+    for layer in range(layers):
+        if limit is not None and done >= limit:
+            assert budget is not None  # a limit comes from a budget
+            budget.spent(done / layers, time.perf_counter() - began)
             done = 0
             yield
+            limit, began = _layer_passes(budget, layers), time.perf_counter()
         done += int(hidden.shape[1])
         passes += int(hidden.shape[1])
         placed.feed.ready(layer)
@@ -254,7 +295,15 @@ def _recompute(
         step = None
         if active.numel() == 0 and not tail.numel():
             break
+    if budget is not None and done:
+        budget.spent(done / layers, time.perf_counter() - began)
     return active, hidden, passes
+
+
+def _layer_passes(budget: PieceBudget | None, layers: int) -> int | None:
+    """The token passes (tokens summed over layers) the next piece may run; None: no pause."""
+    tokens = budget.tokens() if budget is not None else None
+    return None if tokens is None else tokens * layers
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,8 @@
-"""``ragkv bench peer``: ragkv against llama.cpp (llama-cpp-python) on the same GGUF and prompt token ids.
+"""``ragkv bench peer``: ragkv against llama.cpp on the same GGUF and prompt token ids.
+
+llama.cpp runs through its Python binding (llama-cpp-python, ``ragkv[peer]``) or, where that is not
+installed, as ``llama-server`` (built by ``tools/build_llama_server.sh``) with one slot, asked for
+each answer over loopback HTTP (:class:`ServerPeer`); the table says which.
 
 What a ragkv user would run instead is llama.cpp on the same file. Both sides get the same prompt
 token ids (ragkv's tokenizer, ragkv's RAG layout); runs are interleaved (each prompt runs every
@@ -25,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,8 +37,11 @@ from ragkv.bench.table import Column, format_table
 
 __all__ = [
     "INSTALL_HINT",
+    "LibraryPeer",
+    "Peer",
     "PeerMissingError",
     "PeerPrompt",
+    "ServerPeer",
     "bench_engine",
     "decode_anatomy",
     "format_peer_table",
@@ -118,6 +125,96 @@ def llama_run(llm: Any, prompt: PeerPrompt, decode_tokens: int, warm: bool) -> R
     return Run(first - t0, end - first, n - 1)
 
 
+class Peer(Protocol):
+    """llama.cpp, however it runs: one greedy answer of a prompt, timed."""
+
+    name: str  # what runs it, for the table's footer
+
+    def run(self, prompt: PeerPrompt, decode_tokens: int, warm: bool) -> Run:
+        """Greedy-decode ``decode_tokens`` + 1 tokens of ``prompt`` (from scratch, or with its context cached)."""
+        ...
+
+
+class LibraryPeer:
+    """llama.cpp through llama-cpp-python (:func:`load_llama`)."""
+
+    name = "llama-cpp-python"
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def run(self, prompt: PeerPrompt, decode_tokens: int, warm: bool) -> Run:
+        return llama_run(self.llm, prompt, decode_tokens, warm)
+
+
+class ServerPeer:
+    """llama.cpp as ``llama-server`` (one slot, the same threads), asked over loopback HTTP.
+
+    Each answer is one streamed ``POST /completion`` of the prompt's token ids (greedy, the end
+    token ignored, as the binding's loop does), timed at the client as the binding's rows are:
+    request sent to first token, then the rest. From scratch: ``cache_prompt`` false, so the slot
+    computes the whole prompt. Warm: the context (prefix and chunks) is sent first with
+    ``n_predict`` 0 and ``cache_prompt`` true, so the timed request finds it in the slot's cache.
+    A context manager: leaving it stops the server.
+
+    Raises:
+        ServerStartError: the server exited or did not answer ``/health`` within ``start_s``
+            (with its command and the last lines of its log).
+    """
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, n_ctx: int, log: Path, start_s: float = 180.0) -> None:
+        from ragkv.bench.goodput_servers import ServerProcess, llama_server_spec, wait_all_ready
+
+        self.name = f"llama-server ({binary})"
+        self.server = ServerProcess(llama_server_spec(binary, gguf, threads, n_ctx, parallel=1), log)
+        try:
+            wait_all_ready([self.server], start_s)
+        except BaseException:
+            self.server.stop()
+            raise
+
+    def _complete(self, ids: Sequence[int], n_predict: int, cache_prompt: bool) -> tuple[float, float, int]:
+        """(seconds to the first token, seconds after it, tokens after it) of one streamed completion."""
+        import json
+
+        import httpx
+
+        body = {"prompt": list(ids), "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
+                "repeat_penalty": 1.0, "ignore_eos": True, "cache_prompt": cache_prompt, "stream": True}  # fmt: skip
+        t0 = time.perf_counter()
+        first, n = 0.0, 0
+        with httpx.stream("POST", f"{self.server.spec.url}/completion", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("content") or event.get("tokens"):
+                    n += 1
+                    if n == 1:
+                        first = time.perf_counter()
+                if event.get("stop"):  # the last event counts every token (text held back included)
+                    n = int(event.get("tokens_predicted") or n)
+                    break
+        end = time.perf_counter()
+        return (first or end) - t0, end - (first or end), max(0, n - 1)
+
+    def run(self, prompt: PeerPrompt, decode_tokens: int, warm: bool) -> Run:
+        if warm:
+            self._complete(prompt.ids[: prompt.context_tokens], 0, cache_prompt=True)
+        return Run(*self._complete(prompt.ids, decode_tokens + 1, cache_prompt=warm))
+
+    def close(self) -> None:
+        """Stop the server."""
+        self.server.stop()
+
+    def __enter__(self) -> ServerPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def ragkv_run(engine: Any, prompt: PeerPrompt, mode: str, decode_tokens: int, weights: str | None = None) -> Run:
     """One engine answer (``mode`` reuse or full) of at most ``decode_tokens`` + 1 tokens.
 
@@ -168,7 +265,7 @@ def run_peer_bench(
     systems_wanted: dict[str, tuple[str, str]],
     prompts: Sequence[PeerPrompt],
     *,
-    llm: Any | None,
+    llm: Peer | None,
     repeats: int = 3,
     decode_tokens: int = 32,
     on_run: Callable[[str, Run], None] | None = None,
@@ -180,7 +277,7 @@ def run_peer_bench(
         systems_wanted: row name -> (mode, decode weights) for the ragkv rows (mode ``reuse`` or
             ``full``; weights ``model``, ``int8`` or ``int4``).
         prompts: the prompts (see :func:`peer_prompts`).
-        llm: a llama.cpp model (:func:`load_llama`), or None to run ragkv alone.
+        llm: llama.cpp (:class:`LibraryPeer` or :class:`ServerPeer`), or None to run ragkv alone.
         repeats: rounds over all prompts.
         decode_tokens: tokens decoded after the first per run (the rate's sample).
         on_run: hears each run as it ends (system name, timing): progress for a long bench.
@@ -194,8 +291,9 @@ def run_peer_bench(
 
     systems = {name: ragkv_system(mode, w) for name, (mode, w) in systems_wanted.items()}
     if llm is not None:
-        systems["llama.cpp full"] = lambda p: llama_run(llm, p, decode_tokens, warm=False)
-        systems["llama.cpp warm prefix"] = lambda p: llama_run(llm, p, decode_tokens, warm=True)
+        peer = llm
+        systems["llama.cpp full"] = lambda p: peer.run(p, decode_tokens, warm=False)
+        systems["llama.cpp warm prefix"] = lambda p: peer.run(p, decode_tokens, warm=True)
     for p in prompts:  # untimed: stores the chunk caches, warms allocators
         ragkv_run(engine, p, "reuse", 2)
     runs: dict[str, list[Run]] = {name: [] for name in systems}

@@ -236,6 +236,18 @@ def bench_peer(
         int, typer.Option("--busy", help="Other processes keeping a core busy each while timing (a shared machine).")
     ] = 0,
     dtype: Dtype = None,
+    peer: Annotated[
+        str,
+        typer.Option(
+            "--peer",
+            help="How llama.cpp runs: library (llama-cpp-python), server (llama-server, one slot), "
+            "auto (the library if installed, else the server if found).",
+        ),
+    ] = "auto",
+    llama_server: Annotated[
+        str | None,
+        typer.Option("--llama-server", help="The llama-server binary [RAGKV_LLAMA_SERVER, PATH, the build's]."),
+    ] = None,
     out: JsonOut = None,
 ) -> None:
     """ragkv (fused, full, int8/int4 decode) against llama.cpp on the same GGUF and prompt token ids.
@@ -249,13 +261,12 @@ def bench_peer(
 
     from ragkv.bench.peer import (
         ANATOMY_COLUMNS,
-        PeerMissingError,
+        ServerPeer,
         bench_engine,
         busy_processes,
         decode_anatomy,
         format_peer_table,
         gguf_path,
-        load_llama,
         machine_load,
         peer_prompts,
         run_peer_bench,
@@ -275,11 +286,8 @@ def bench_peer(
     with tempfile.TemporaryDirectory(prefix="ragkv-peer-") as tmp:
         engine = bench_engine(adapter, "model", Path(tmp))
         peers = peer_prompts(engine, _bench_prompts(prompts, adapter, limit, max_tokens=2800))
-        llm = None
-        try:
-            llm = load_llama(gguf, torch.get_num_threads(), n_ctx=max(len(p.ids) for p in peers) + decode_tokens + 8)
-        except PeerMissingError as e:
-            typer.echo(f"{e}; running the ragkv rows alone", err=True)
+        n_ctx = max(len(p.ids) for p in peers) + decode_tokens + 8
+        llm = _peer(peer, llama_server, gguf, torch.get_num_threads(), n_ctx, Path(tmp))
         # the first two rows run the defaults (decode_weights=auto: int8 for a quantized file on the CPU)
         default, _ = resolve_decode_weights("auto", adapter.device, adapter.weight_bits)
         systems = {"ragkv fused": ("reuse", default), "ragkv full": ("full", default)}
@@ -288,20 +296,51 @@ def bench_peer(
         def progress(name: str, run: Any) -> None:
             typer.echo(f"  {name}: TTFT {run.ttft_s:.2f} s, {run.per_token_s * 1000:.0f} ms/token", err=True)
 
-        with busy_processes(busy):
-            rows = run_peer_bench(
-                engine, systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens, on_run=progress
-            )
-        engine.close()
+        try:
+            with busy_processes(busy):
+                rows = run_peer_bench(
+                    engine, systems, peers, llm=llm, repeats=repeats, decode_tokens=decode_tokens, on_run=progress
+                )
+        finally:
+            if isinstance(llm, ServerPeer):
+                llm.close()
+            engine.close()
     tokens = sorted(len(p.ids) for p in peers)
     typer.echo(format_peer_table(rows))
     typer.echo(
         f"{len(peers)} prompts of {tokens[0]}-{tokens[-1]} tokens, {repeats} rounds, {busy} busy processes beside; "
-        f"{machine_load()}"
+        f"llama.cpp: {llm.name if llm is not None else 'not run'}; {machine_load()}"
     )
     anatomy = decode_anatomy(adapter, list(peers[0].ids), steps=decode_tokens)
     typer.echo(format_table(anatomy, ANATOMY_COLUMNS))
     _write_rows(rows + anatomy, out)
+
+
+def _peer(kind: str, binary: str | None, gguf: Path, threads: int, n_ctx: int, tmp: Path) -> Any:
+    """llama.cpp for ``bench peer``: ``kind`` library, server or auto; None (ragkv alone) when auto finds neither."""
+    from ragkv.bench.goodput_servers import LlamaServerMissingError, ServerStartError, find_llama_server
+    from ragkv.bench.peer import LibraryPeer, PeerMissingError, ServerPeer, load_llama
+
+    if kind not in ("auto", "library", "server"):
+        raise typer.BadParameter(f"expected auto, library or server, got {kind!r}", param_hint="--peer")
+    if kind in ("auto", "library"):
+        try:
+            return LibraryPeer(load_llama(gguf, threads, n_ctx=n_ctx))
+        except PeerMissingError as e:
+            if kind == "library":
+                raise typer.BadParameter(str(e), param_hint="--peer") from e
+    try:
+        path = find_llama_server(binary)
+    except LlamaServerMissingError as e:
+        if kind == "server":
+            raise typer.BadParameter(str(e), param_hint="--llama-server") from e
+        typer.echo(f"neither llama-cpp-python nor llama-server was found ({e}); running the ragkv rows alone", err=True)
+        return None
+    try:
+        return ServerPeer(path, gguf, threads, n_ctx, tmp / "llama-server.log")
+    except ServerStartError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from e
 
 
 @bench_app.command("codec")

@@ -42,6 +42,14 @@ def serve(
         int | None,
         typer.Option("--step-tokens", help="Prompt tokens prefilled between two decode steps (0: whole) [256]."),
     ] = None,
+    step_ms: Annotated[
+        float | None,
+        typer.Option(
+            "--step-ms",
+            help="A prefill piece's time while answers stream, sized from the measured prefill rate "
+            "(CPU; 0: pieces of --step-tokens) [500].",
+        ),
+    ] = None,
     carry_steps: Annotated[
         bool | None,
         typer.Option(
@@ -102,6 +110,7 @@ def serve(
         "port": port,
         "max_batch": max_batch,
         "step_tokens": step_tokens,
+        "step_ms": step_ms,
         "carry_steps": carry_steps,
         "max_queue": max_queue,
         "allowed_hosts": tuple(allowed_host) if allowed_host else None,

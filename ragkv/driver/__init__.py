@@ -1,7 +1,7 @@
 """The answer driver: prefill pieces between batched decode steps, for the server and (a batch of one) the library."""
 
 from ragkv.driver.jobs import DecodeCounters, Event, Job, JobRequest, QueueFullError, ServedEngine, queued_post
-from ragkv.driver.scheduler import Scheduler, answer_inline
+from ragkv.driver.scheduler import Scheduler, TimedPieces, answer_inline
 
 __all__ = [
     "DecodeCounters",
@@ -11,6 +11,7 @@ __all__ = [
     "QueueFullError",
     "Scheduler",
     "ServedEngine",
+    "TimedPieces",
     "answer_inline",
     "queued_post",
 ]

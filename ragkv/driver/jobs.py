@@ -16,7 +16,7 @@ from ragkv.types import CachedText, GenerationStats
 
 if TYPE_CHECKING:
     from ragkv.answering import Prefilled, Riders
-    from ragkv.fusion import FusionConfig
+    from ragkv.fusion import FusionConfig, PieceBudget
 
 __all__ = ["DecodeCounters", "Event", "Job", "JobRequest", "QueueFullError", "ServedEngine", "queued_post"]
 
@@ -43,7 +43,7 @@ class ServedEngine(Protocol):
         mode: str = "reuse",
         max_new_tokens: int = 0,
         fusion: FusionConfig | None = None,
-        step_tokens: int | None = None,
+        step_tokens: int | PieceBudget | None = None,
         riders: Riders | None = None,
     ) -> Generator[None, None, Prefilled]:
         """The prompt's cache and last logits, in pieces of about ``step_tokens`` tokens of work (each
@@ -98,6 +98,18 @@ class DecodeCounters:
     forward_s: float = 0.0  # inside the batched forward pass (model layers and LM head) of steps of their own
     outside_s: float = 0.0  # the rest of the steps: sampling, detokenizing, stop strings, posting events
     prefill_pieces: int = 0  # prefill pieces run between steps
+    prefill_s: float = 0.0  # their time
+    decoding_pieces: int = 0  # of those, pieces run while streams were decoding (they waited on them)
+    decoding_piece_s: float = 0.0  # their time
+    max_decoding_piece_s: float = 0.0  # the longest of them: about the longest gap a stream saw
+
+    def piece(self, seconds: float, *, decoding: bool) -> None:
+        """Count a prefill piece that took ``seconds`` (``decoding``: streams waited on it)."""
+        self.prefill_s += seconds
+        if decoding:
+            self.decoding_pieces += 1
+            self.decoding_piece_s += seconds
+            self.max_decoding_piece_s = max(self.max_decoding_piece_s, seconds)
 
     def as_dict(self) -> dict[str, float | int]:
         """Totals, and the per-token milliseconds a benchmark prints."""
@@ -107,6 +119,10 @@ class DecodeCounters:
             "carried_steps": self.carried_steps,
             "tokens": self.tokens,
             "prefill_pieces": self.prefill_pieces,
+            "prefill_s": round(self.prefill_s, 6),
+            "decoding_pieces": self.decoding_pieces,
+            "decoding_piece_ms": round(1000 * self.decoding_piece_s / max(1, self.decoding_pieces), 3),
+            "max_decoding_piece_ms": round(1000 * self.max_decoding_piece_s, 3),
             "forward_s": round(self.forward_s, 6),
             "outside_s": round(self.outside_s, 6),
             "forward_ms_per_step": round(1000 * self.forward_s / max(1, self.steps - self.carried_steps), 3),

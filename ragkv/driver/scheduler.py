@@ -6,10 +6,14 @@ batch of one (:func:`answer_inline`). One place picks tokens, sets TTFT, the loa
 verdict and ``finish_reason``, and fills the stats.
 
 Each loop turn: drop rows whose clients left, run one piece of the prefill under way (a new one
-starts when none is and a batch row is free: ``RagKV.prefill_steps``, about ``step_tokens``
-tokens of work a piece, Sarathi-style), then advance every decoding request by one token in one
-batched forward pass (:class:`ragkv.model.batch.DecodeBatch`). A long prompt therefore delays
-the running streams by one piece per token, never by its whole prefill. Where the piece is a
+starts when none is and a batch row is free: ``RagKV.prefill_steps``, Sarathi-style), then
+advance every decoding request by one token in one batched forward pass
+(:class:`ragkv.model.batch.DecodeBatch`). A long prompt therefore delays
+the running streams by one piece per token, never by its whole prefill. A piece is sized in
+time where ``step_ms`` is set (on a CPU): about ``step_ms`` of work at the prefill rate measured
+on the pieces run so far, so the gap a reader sees between two tokens is about a piece plus a
+step whatever the model, dtype and machine; with no stream decoding a prefill runs whole (nobody
+waits on a step). Otherwise a piece is ``step_tokens`` prompt tokens. Where the piece is a
 forward pass over prompt tokens (a full prefill's piece) and the rows decode with the model's
 own weights on the CPU, their step rides on that pass (Sarathi-Serve's mixed batch,
 ``DecodeBatch.carried_step``): the rows' tokens share the piece's weight reads instead of paying
@@ -29,10 +33,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragkv.driver.jobs import DecodeCounters, Event, Job, JobRequest, QueueFullError
+from ragkv.fusion import PieceBudget
 from ragkv.generation import GenerationConfig, TextStream, pick_token
 from ragkv.model.attention import DecodeWeights
 from ragkv.model.batch import DecodeBatch, Rider
 from ragkv.model.threads import ADAPT_EVERY_STEPS, adapt_threads
+from ragkv.planner.throughput import RateEstimate
 from ragkv.types import GenerationStats
 
 if TYPE_CHECKING:
@@ -41,7 +47,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Scheduler", "answer_inline"]
+__all__ = ["MIN_PIECE_TOKENS", "Scheduler", "TimedPieces", "answer_inline"]
+
+MIN_PIECE_TOKENS = 32  # a piece sized in time never runs fewer prompt tokens (smaller matmuls waste the CPU)
 
 
 def _rng(gen: GenerationConfig) -> torch.Generator | None:
@@ -77,6 +85,41 @@ class _Prefill:
     done: int = 0  # pieces run so far
 
 
+class TimedPieces(PieceBudget):
+    """Prefill pieces sized in time: about ``seconds`` of work each while streams decode.
+
+    The size is the prefill rate measured on the pieces run so far (an EWMA of tokens per second,
+    :class:`~ragkv.planner.throughput.RateEstimate`; the first measurement replaces the guess)
+    times ``seconds``, at least :data:`MIN_PIECE_TOKENS`. With no stream decoding (``decoding()``
+    false) a piece has no limit: nobody waits on a step.
+
+    >>> b = TimedPieces(0.5, first_rate=200.0, decoding=lambda: True)
+    >>> b.tokens(), b.spent(400, 1.0), b.tokens()
+    (100, None, 200)
+    """
+
+    def __init__(self, seconds: float, *, first_rate: float, decoding: Callable[[], bool]) -> None:
+        super().__init__(None)
+        if not seconds > 0:
+            raise ValueError(f"a piece needs a time > 0 seconds, got {seconds!r}")
+        self.seconds = seconds
+        self.rate = RateEstimate(first_rate)  # prompt tokens per second through every layer
+        self._decoding = decoding
+
+    def tokens(self) -> int | None:
+        if not self._decoding():
+            return None
+        return max(MIN_PIECE_TOKENS, int(self.rate.rate * self.seconds))
+
+    def spent(self, tokens: float, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self.rate.samples == 0:
+            self.rate.seed(tokens / seconds)
+        else:
+            self.rate.observe(tokens, seconds)
+
+
 @dataclass(slots=True)
 class _Carried(Rider):
     """The rows' decode step offered to a prefill piece, with the request ids of its rows."""
@@ -93,8 +136,11 @@ class Scheduler:
         max_batch: requests decoded together at most.
         max_queue: requests held at most (waiting + decoding); more are refused.
         decode_weights: the weights decode steps read (the engine's ``decode_weights``).
-        step_tokens: a prefill piece's size in prompt tokens (run between two decode steps);
-            None: each prefill runs whole between two steps.
+        step_tokens: a prefill piece's size in prompt tokens (run between two decode steps), and
+            the first guess of a piece sized by ``step_ms``; None: each prefill runs whole.
+        step_ms: a prefill piece's time while streams decode (:class:`TimedPieces`), on a CPU
+            model; None, or a model on an accelerator (whose kernels run asynchronously, so a
+            piece's time is not seen where it is launched): pieces of ``step_tokens``.
         carry: let the rows' decode step ride on a prefill piece's forward pass where it can
             (``DecodeBatch.can_carry``); False: every step runs on its own.
     """
@@ -107,14 +153,25 @@ class Scheduler:
         max_queue: int = 32,
         decode_weights: DecodeWeights = "model",
         step_tokens: int | None = 256,
+        step_ms: float | None = None,
         carry: bool = True,
     ) -> None:
         if max_batch < 1 or max_queue < max_batch:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch")
         if step_tokens is not None and step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1 (or None: whole prefills), got {step_tokens}")
+        if step_ms is not None and not step_ms > 0:
+            raise ValueError(f"step_ms must be > 0 (or None: pieces of step_tokens), got {step_ms}")
         self.adapter, self.max_batch, self.max_queue = adapter, max_batch, max_queue
         self.step_tokens = step_tokens
+        self.pieces: PieceBudget | None = PieceBudget.of(step_tokens)  # what sizes each prefill piece
+        if step_ms is not None and step_tokens is not None:
+            if adapter.device.type == "cpu":
+                self.pieces = TimedPieces(
+                    step_ms / 1000, first_rate=step_tokens * 1000 / step_ms, decoding=lambda: bool(self._rows)
+                )
+            else:
+                logger.info("prefill pieces of %d tokens: pieces sized in time are for CPU models", step_tokens)
         self.carry = carry
         self._waiting: deque[Job] = deque()
         self._rows: dict[str, _Row] = {}
@@ -134,6 +191,13 @@ class Scheduler:
         """(waiting, decoding) requests; one being prefilled counts as decoding."""
         with self._cond:
             return len(self._waiting), len(self._rows) + (self._prefill is not None)
+
+    @property
+    def piece_tokens(self) -> int | None:
+        """A prefill piece's size now while streams decode, in prompt tokens (None: whole prefills)."""
+        if isinstance(self.pieces, TimedPieces):
+            return max(MIN_PIECE_TOKENS, int(self.pieces.rate.rate * self.pieces.seconds))
+        return self.pieces.tokens() if self.pieces is not None else None
 
     @property
     def steps(self) -> int:
@@ -250,7 +314,7 @@ class Scheduler:
             mode=req.mode,
             max_new_tokens=req.generation.max_new_tokens,
             fusion=req.fusion,
-            step_tokens=self.step_tokens,
+            step_tokens=self.pieces,
             riders=self._offered,
         )
 
@@ -274,6 +338,7 @@ class Scheduler:
             pending.done += 1
             self.counters.prefill_pieces += 1
             self._offer = rider
+            began = time.perf_counter()
             try:
                 next(pending.pieces)
                 return rider  # more pieces to come, one per turn
@@ -281,6 +346,7 @@ class Scheduler:
                 pre: Prefilled = finished.value
             finally:
                 self._offer = None
+                self.counters.piece(time.perf_counter() - began, decoding=bool(self._rows))
             gen = job.request.generation
             rng = _rng(gen)
             row = _Row(job, pre.stats, TextStream(self.adapter, gen.stop), rng)

@@ -116,6 +116,8 @@ def _service(app: FastAPI, state: ServerState) -> None:
             "decoding": decoding,
             "max_batch": state.settings.max_batch,
             "step_tokens": state.settings.step_tokens,  # prefill piece size between decode steps (0: whole)
+            "step_ms": state.settings.step_ms,  # ... or its time, on a CPU (0: step_tokens)
+            "piece_tokens": state.scheduler.piece_tokens,  # a piece's size now while streams decode
             "carry_steps": state.settings.carry_steps,  # decode steps may ride on full-prefill pieces
             "decode": state.scheduler.counters.as_dict(),  # steps, tokens, ms per token outside the forward
             "max_queue": state.settings.max_queue,

@@ -8,7 +8,10 @@ from pathlib import Path
 from ragkv.server.quotas import TenantQuota
 from ragkv.types import validate_tenant
 
-__all__ = ["ServerSettings", "load_api_keys", "load_tenant_quotas"]
+__all__ = ["STEP_MS", "ServerSettings", "load_api_keys", "load_tenant_quotas"]
+
+# A prefill piece's time while streams decode (docs/serving.md, "Prefill pieces": chosen by measurement)
+STEP_MS = 500.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,7 @@ class ServerSettings:
     api_keys: dict[str, str] = field(default_factory=dict, repr=False)  # bearer key -> tenant; {} = no auth
     max_batch: int = 8  # requests decoded together in one forward pass
     step_tokens: int = 256  # prompt tokens a prefill piece runs between two decode steps; 0: whole prefills
+    step_ms: float = STEP_MS  # a prefill piece's time while streams decode (CPU; from the rate measured); 0: off
     carry_steps: bool = True  # decode steps ride on full-prefill pieces where they can (Scheduler carry)
     max_queue: int = 32  # requests held (waiting + decoding); past it, 429 with Retry-After
     max_body_bytes: int = 8 * 1024 * 1024  # larger /v1/documents bodies (uploads) get 413
@@ -47,6 +51,8 @@ class ServerSettings:
             raise ValueError("need max_batch >= 1 and max_queue >= max_batch (requests held, decoding included)")
         if self.step_tokens < 0:
             raise ValueError(f"step_tokens must be >= 0 (0: each prefill runs whole), got {self.step_tokens}")
+        if not self.step_ms >= 0:
+            raise ValueError(f"step_ms must be >= 0 (0: pieces of step_tokens), got {self.step_ms}")
         for name in ("max_body_bytes", "max_json_bytes", "max_json_depth", "max_embedding_inputs",
                      "max_embedding_chars"):  # fmt: skip
             if getattr(self, name) < 1:

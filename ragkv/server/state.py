@@ -46,6 +46,7 @@ class ServerState:
             max_queue=settings.max_queue,
             decode_weights=engine.decode_weights,  # every tenant's engine shares the base engine's model
             step_tokens=settings.step_tokens or None,
+            step_ms=settings.step_ms or None,
             carry=settings.carry_steps,
         )
         self.scheduler.on_finish = self._finished

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
+from ragkv.bench.goodput_servers import ServerStartError
 from ragkv.bench.peer import (
     ANSWER,
     PeerMissingError,
+    ServerPeer,
     bench_engine,
     decode_anatomy,
     format_peer_table,
@@ -110,3 +114,60 @@ def test_busy_processes_run_for_the_block_and_are_gone_after(monkeypatch):
     with peer.busy_processes(2):
         assert len(started) == 2 and all(p.poll() is None for p in started)  # spinning
     assert all(p.poll() is not None for p in started)  # killed and reaped
+
+
+def _stand_in(tmp_path, *extra: str):
+    """An executable running the stand-in llama-server (tests/bench/fake_llama_server.py) with ``extra`` flags."""
+    fake = Path(__file__).with_name("fake_llama_server.py")
+    script = tmp_path / "llama-server"
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {fake} "$@" {" ".join(extra)}\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_llama_server_as_the_peer_gets_the_prompt_ids_cold_and_warm(engine, tmp_path):
+    """The stand-in server records what it is asked: cold, the whole prompt computed (no prompt cache); warm,
+    the context first (nothing generated, kept in the slot), then the prompt; greedy, end token ignored."""
+    record = tmp_path / "asked.jsonl"
+    prompt = peer_prompts(engine, PROMPTS)[0]
+    with ServerPeer(_stand_in(tmp_path, "--record", str(record)), tmp_path / "m.gguf", 2, 512, tmp_path / "log") as p:
+        cold, warm = p.run(prompt, 5, warm=False), p.run(prompt, 5, warm=True)
+        assert p.server.proc.poll() is None
+    assert p.server.proc.poll() is not None  # stopped on leaving
+    assert cold.tokens == warm.tokens == 5 and cold.ttft_s > 0 and cold.decode_s >= 0
+    asked = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [(a["path"], a["n_predict"], a["cache_prompt"]) for a in asked] == [
+        ("/completion", 6, False),
+        ("/completion", 0, True),
+        ("/completion", 6, True),
+    ]
+    assert asked[0]["prompt"] == asked[2]["prompt"] == list(prompt.ids)
+    assert asked[1]["prompt"] == list(prompt.ids[: prompt.context_tokens])
+    assert all(a["temperature"] == 0 and a["ignore_eos"] and a["stream"] for a in asked)
+
+
+def test_a_llama_server_that_cannot_start_says_why(tmp_path):
+    with pytest.raises(ServerStartError, match="fake llama-server failed to load the model"):
+        ServerPeer(_stand_in(tmp_path, "--fail"), tmp_path / "m.gguf", 2, 512, tmp_path / "log", start_s=30)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
+def test_bench_peer_without_llama_cpp_says_what_to_build_or_runs_ragkv_alone(monkeypatch, tmp_path, capsys):
+    import typer
+
+    from ragkv.cli.bench import _peer
+
+    monkeypatch.setenv("RAGKV_LLAMA_SERVER", str(tmp_path / "nothing-here"))
+    with pytest.raises(typer.BadParameter, match="tools/build_llama_server.sh"):
+        _peer("server", None, tmp_path / "m.gguf", 2, 512, tmp_path)
+    with pytest.raises(typer.BadParameter, match="pip install 'ragkv\\[peer\\]'"):
+        _peer("library", None, tmp_path / "m.gguf", 2, 512, tmp_path)
+    assert _peer("auto", None, tmp_path / "m.gguf", 2, 512, tmp_path) is None
+    assert "running the ragkv rows alone" in capsys.readouterr().err
+    with pytest.raises(typer.BadParameter, match="auto, library or server"):
+        _peer("vllm", None, tmp_path / "m.gguf", 2, 512, tmp_path)
+    peer = _peer("auto", str(_stand_in(tmp_path)), tmp_path / "m.gguf", 2, 512, tmp_path)
+    try:
+        assert isinstance(peer, ServerPeer) and peer.name.startswith("llama-server")
+    finally:
+        peer.close()

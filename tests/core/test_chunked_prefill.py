@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragkv.engine import EngineConfig, RagKV
-from ragkv.fusion import drain
+from ragkv.fusion import PieceBudget, drain
 from ragkv.generation import GenerationConfig, decode_loop
 from ragkv.model.batch import DecodeBatch
 from ragkv.retriever.chunker import ChunkerConfig
@@ -167,3 +167,53 @@ def test_no_step_rides_once_the_models_attention_was_switched_away_from_ragkvs_d
         assert not batch.can_carry()  # the pass's attention could not be split
     finally:
         cfg._attn_implementation = name
+
+
+class _Sizes(PieceBudget):
+    """Piece sizes from a list, then None (the rest in one piece); records the work each piece reports."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__(None)
+        self.sizes, self.reports = list(sizes), []
+
+    def tokens(self) -> int | None:
+        return self.sizes.pop(0) if self.sizes else None
+
+    def spent(self, tokens: float, seconds: float) -> None:
+        assert seconds > 0
+        self.reports.append(tokens)
+
+
+def test_a_budget_sizes_each_full_prefill_piece_as_it_comes_and_hears_each(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        n = len(rag.adapter.encode(PROMPT[0]))
+        whole = rag.prefill(PROMPT, mode="full")
+        budget = _Sizes([3, 9, 4])
+        pieced, pieces = _pieces(rag.prefill_steps(PROMPT, mode="full", step_tokens=budget))
+        assert pieces == 4 and budget.reports == [3, 9, 4, n - 16]  # then no limit: the rest at once
+        torch.testing.assert_close(pieced.logits, whole.logits, atol=1e-4, rtol=1e-4)
+        assert _greedy(rag.adapter, pieced) == _greedy(rag.adapter, whole)
+
+
+def test_a_budget_sizes_each_fused_piece_as_it_comes_and_the_fusion_is_exact(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        rag.index(DOCS, progress=False)
+        rag_prompt = ([c.text for c in rag.retrieve("boats and apples")], "What do boats carry?")
+        whole = rag.prefill(rag=rag_prompt)
+        layers = rag.adapter.spec.num_layers
+        for sizes, reports in (([1, 1, 1], 4), ([1, 10_000], 2), ([], 1)):  # a size of 1 pauses after a layer
+            budget = _Sizes(sizes)
+            pieced, pieces = _pieces(rag.prefill_steps(rag=rag_prompt, step_tokens=budget))
+            assert torch.equal(pieced.logits, whole.logits) and torch.equal(_kv(pieced), _kv(whole))
+            # the load and the probe are pieces of their own; each recompute piece reported its work, and
+            # the work of all of them is the pass's (every layer ran the recomputed tokens and the suffix)
+            assert pieces == 2 + len(budget.reports) and len(budget.reports) == reports
+            passes = sum(budget.reports) * layers
+            assert passes >= (whole.stats.recomputed_tokens + 1) * layers
+
+
+def test_a_step_that_is_not_a_size_or_a_budget_is_refused(tmp_path, llama_adapter):
+    with _engine(tmp_path, llama_adapter) as rag:
+        for bad in (0, -3, 2.5, True, "64"):
+            with pytest.raises(ValueError, match="step_tokens must be an int >= 1, a PieceBudget or None"):
+                drain(rag.prefill_steps(PROMPT, step_tokens=bad))

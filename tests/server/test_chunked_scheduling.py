@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ragkv.driver import Event, Job, JobRequest, Scheduler
+from ragkv.driver import Event, Job, JobRequest, Scheduler, TimedPieces
+from ragkv.driver.scheduler import MIN_PIECE_TOKENS
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.generation import GenerationConfig
 from ragkv.retriever.embedder import HashingEmbedder
@@ -162,3 +163,52 @@ def test_decode_steps_carried_on_prefill_pieces_give_the_same_answers(engine):
     short_ids, long_ids = (len(engine.adapter.encode(t)) for t in ("Hello there, tell me a story", LONG[0]))
     short_pieces = -(-short_ids // 16)  # no rows yet: whole budgets
     assert mixed.counters.prefill_pieces == short_pieces + 58 + -(-(long_ids - 15 * 58) // 16)
+
+
+def test_pieces_sized_in_time_run_whole_with_no_stream_and_by_the_measured_rate_with_one(engine):
+    """``step_ms``: the short prompt, prefilled while nothing decodes, runs in one piece; the long one, while
+    the short stream decodes, in pieces of the rate times the piece's time (the rate held fixed here so the
+    sizes are known: what is measured is TimedPieces' own test)."""
+    log = _Log()
+    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16, step_ms=1000, carry=False)
+    assert isinstance(scheduler.pieces, TimedPieces) and scheduler.piece_tokens == MIN_PIECE_TOKENS  # 16/s: the floor
+    scheduler.pieces.rate.seed(48.0)  # tokens per second: 48-token pieces of a second each
+    scheduler.pieces.spent = lambda tokens, seconds: None  # type: ignore[method-assign]
+    scheduler.start()
+    try:
+        scheduler.submit(_job(engine, log, "short", ["Hello there, tell me a story"], tokens=400))
+        while not any(who == "short" and what == "delta" for who, what, _ in log.entries):
+            assert not log.finished["short"].wait(0.01), "the short request ended before the long one came"
+        long_ids = len(engine.adapter.encode(LONG[0]))
+        scheduler.submit(_job(engine, log, "long", LONG, tokens=4))
+        assert log.finished["long"].wait(120) and log.finished["short"].wait(120)
+    finally:
+        scheduler.stop()
+    assert not [e for e in log.entries if e[:2] == ("short", "piece")]  # one piece: no pause
+    pieces = [steps for who, what, steps in log.entries if who == "long" and what == "piece"]
+    assert len(pieces) == -(-long_ids // 48) - 1 and scheduler.piece_tokens == 48
+    assert [b - a for a, b in zip(pieces, pieces[1:], strict=False)] == [1] * (len(pieces) - 1)
+    c = scheduler.counters.as_dict()
+    assert c["decoding_pieces"] == len(pieces) + 1 and c["prefill_pieces"] == len(pieces) + 2
+
+
+def test_timed_pieces_learn_the_rate_from_what_each_piece_reports():
+    decoding = [True]
+    b = TimedPieces(0.25, first_rate=1000.0, decoding=lambda: decoding[0])
+    assert b.tokens() == 250
+    b.spent(100, 1.0)  # the first measurement replaces the guess
+    assert b.rate.rate == pytest.approx(100.0) and b.tokens() == MIN_PIECE_TOKENS  # 25 tokens: the floor
+    b.spent(400, 1.0)  # then a moving average of seconds per token (0.3 of the way)
+    assert b.rate.rate == pytest.approx(1 / (0.01 + 0.3 * (0.0025 - 0.01)))
+    b.spent(0, 1.0), b.spent(10, 0.0)  # nothing measured: ignored
+    assert b.rate.samples == 2
+    decoding[0] = False
+    assert b.tokens() is None  # nobody waits on a step: no limit
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="time > 0"):
+            TimedPieces(bad, first_rate=1.0, decoding=lambda: True)
+
+
+def test_step_ms_is_refused_unless_positive(engine):
+    with pytest.raises(ValueError, match="step_ms must be > 0"):
+        Scheduler(engine.adapter, step_ms=0)
