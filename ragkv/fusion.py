@@ -45,8 +45,10 @@ class PieceBudget:
     """How much work a pass run in pieces does before it pauses, asked afresh before each piece.
 
     :meth:`tokens` is the next piece's size in prompt tokens through every layer (None: run on to
-    the end without pausing); :meth:`spent` hears what each piece did, so a budget sized in time
-    (the answer driver's) can learn the rate. This base is a fixed size: ``PieceBudget(256)``.
+    the end without pausing); :meth:`seconds`, where not None, its time instead, for the layer
+    loops that can look at the clock; :meth:`spent` hears what each piece did, so a budget sized
+    in time (the answer driver's) can learn the rate. This base is a fixed size:
+    ``PieceBudget(256)``.
 
     >>> b = PieceBudget(256)
     >>> b.tokens(), PieceBudget.of(64).tokens(), PieceBudget.of(None)
@@ -61,6 +63,11 @@ class PieceBudget:
     def tokens(self) -> int | None:
         """The next piece's size in prompt tokens (a fused pass counts token passes over layers / layers)."""
         return self._tokens
+
+    def seconds(self) -> float | None:
+        """The next piece's time, for passes that can look at the clock between layers (a fused pass:
+        its question probe and its recompute pass); None: they go by :meth:`tokens`."""
+        return None
 
     def spent(self, tokens: float, seconds: float) -> None:
         """The piece just run did ``tokens`` tokens of work in ``seconds`` (its own compute, pauses excluded)."""
@@ -174,7 +181,9 @@ def fuse_steps(
     pause reach about ``step_tokens`` tokens through every layer (``step_tokens * layers`` token
     passes), so one piece costs about what a ``step_tokens``-token prefill chunk costs; a
     :class:`PieceBudget` is asked the size before each piece and told what each did. Placement
-    and the question probe are the first piece. ``None``: one piece. The result is exactly
+    and the question probe are the first piece; a budget with a time (``PieceBudget.seconds``)
+    cuts the probe and the recompute pass by the clock instead: a piece ends before the layer
+    that, timed as the one before it, would take it past that time. ``None``: one piece. The result is exactly
     :func:`fuse`'s: only where other work may run changes (nothing else may touch the model's
     attention probe or these tensors meanwhile; the caller holds the model lock per piece).
     """
@@ -193,7 +202,9 @@ def fuse_steps(
     if probe and placed.slots.numel() > 0:
         slots = placed.slots.to(adapter.device, non_blocking=True)
         keys, values, n_ctx = placed.keys, placed.values, placed.n_ctx
-        state.query_attention = _question_attention(adapter, keys, values, suffix, n_ctx, slots, placed.feed)
+        state.query_attention = yield from _question_attention_steps(
+            adapter, keys, values, suffix, n_ctx, slots, placed.feed, budget
+        )
     forced = _forced_tokens(inp)
     active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
     tail = suffix if prefill_suffix else suffix[:0]  # rides along after the active tokens
@@ -271,39 +282,76 @@ def _recompute(
     if tail.numel():
         hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
     step: _Step | None = None
-    layers = adapter.spec.num_layers
-    done = 0  # token passes through a layer since the last pause
-    passes = 0  # all of them
-    limit = _layer_passes(budget, layers)
-    began = time.perf_counter()
-    for layer in range(layers):
-        if limit is not None and done >= limit:
-            assert budget is not None  # a limit comes from a budget
-            budget.spent(done / layers, time.perf_counter() - began)
-            done = 0
-            yield
-            limit, began = _layer_passes(budget, layers), time.perf_counter()
-        done += int(hidden.shape[1])
-        passes += int(hidden.shape[1])
+    clock = _LayerClock(budget, adapter.spec.num_layers)
+    for layer in range(adapter.spec.num_layers):
+        if clock.due():
+            yield from clock.pause()
+        running = int(hidden.shape[1])
         placed.feed.ready(layer)
         if step is None:  # the active set changed: new positions, mask and rotary tables
             step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
         if layer not in checks:
             hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask)
+            clock.ran(running)
             continue
         active, hidden = _checked_layer(adapter, strategy, state, cache, layer, step, hidden, active, forced)
+        clock.ran(running)
         step = None
         if active.numel() == 0 and not tail.numel():
             break
-    if budget is not None and done:
-        budget.spent(done / layers, time.perf_counter() - began)
-    return active, hidden, passes
+    clock.end()
+    return active, hidden, clock.passes
 
 
-def _layer_passes(budget: PieceBudget | None, layers: int) -> int | None:
-    """The token passes (tokens summed over layers) the next piece may run; None: no pause."""
-    tokens = budget.tokens() if budget is not None else None
-    return None if tokens is None else tokens * layers
+class _LayerClock:
+    """When a layer loop run in pieces pauses: the question probe's and the recompute pass's.
+
+    Asked before each layer (:meth:`due`). With a budget that has a time (``PieceBudget.seconds``)
+    a piece ends before the layer that, timed as the last one, would take it past that time (on
+    a CPU, where the clock sees the work; the driver gives accelerators sizes, not times). With a
+    size, once the token passes since the last pause reach the size times the layers
+    (``by_tokens``; the probe goes by time only: with a size it stays whole). A piece runs at
+    least one layer. Each piece's work goes to the budget's ``spent`` (``report``).
+    """
+
+    def __init__(self, budget: PieceBudget | None, layers: int, *, by_tokens: bool = True, report: bool = True) -> None:
+        self.budget, self.layers, self.by_tokens, self.report = budget, layers, by_tokens, report
+        self.passes = 0  # token passes through a layer (tokens summed over layers), all pieces
+        self._piece()
+
+    def _piece(self) -> None:
+        b = self.budget
+        self.seconds = b.seconds() if b is not None else None
+        tokens = b.tokens() if b is not None and self.by_tokens and self.seconds is None else None
+        self.limit = None if tokens is None else tokens * self.layers
+        self.began = self.mark = time.perf_counter()
+        self.done, self.last = 0, 0.0  # this piece's token passes; the last layer's seconds
+
+    def due(self) -> bool:
+        """Whether the piece ends before the next layer."""
+        if not self.done:
+            return False
+        if self.seconds is not None:
+            return time.perf_counter() - self.began + self.last > self.seconds
+        return self.limit is not None and self.done >= self.limit
+
+    def ran(self, passes: int) -> None:
+        """A layer ran ``passes`` tokens."""
+        now = time.perf_counter()
+        self.last, self.mark = now - self.mark, now
+        self.done += passes
+        self.passes += passes
+
+    def pause(self) -> Pieces[None]:
+        """End the piece (yield), then start the next."""
+        self.end()
+        yield
+        self._piece()
+
+    def end(self) -> None:
+        """Tell the budget what the piece did."""
+        if self.report and self.budget is not None and self.done:
+            self.budget.spent(self.done / self.layers, time.perf_counter() - self.began)
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,6 +476,22 @@ def _question_attention(
     fusion overwrites or drops; the context slots are not touched. With ``feed``, each layer is
     made ready just before it runs, so the copy of later layers overlaps it.
     """
+    return drain(_question_attention_steps(adapter, keys, values, suffix, n_ctx, slots, feed))
+
+
+def _question_attention_steps(
+    adapter: ModelAdapter,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    suffix: torch.Tensor,
+    n_ctx: int,
+    slots: torch.Tensor,
+    feed: LayerFeed | None = None,
+    budget: PieceBudget | None = None,
+) -> Pieces[torch.Tensor]:
+    """:func:`_question_attention` in pieces: it pauses between layers where ``budget`` has a time
+    (``PieceBudget.seconds``; with a size it runs whole). Its work is not reported to the budget:
+    a probe token costs more than a prefill token (eager attention over the whole context)."""
     probe_cache = adapter.scatter_cache(keys, values)
     host_pos = torch.arange(n_ctx, n_ctx + len(suffix))  # [S]: the last S slots, so a causal bias, no mask tensor
     hidden = adapter.embed(suffix)  # [1, S, hidden]
@@ -436,9 +500,13 @@ def _question_attention(
     pe = adapter.position_embeddings(pos, hidden)
     probe = AttentionProbe(None)  # every layer's weights
     steer = Steer(probe=probe)
+    clock = _LayerClock(budget, adapter.spec.num_layers, by_tokens=False, report=False)
     for layer in range(adapter.spec.num_layers):
+        if clock.due():
+            yield from clock.pause()
         if feed is not None:
             feed.ready(layer)
         hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask, steer)
+        clock.ran(len(suffix))
     per_layer = torch.stack([probe.weights[i][slots].float() for i in range(adapter.spec.num_layers)])
     return (per_layer / per_layer.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()

@@ -88,7 +88,9 @@ class _Prefill:
 class TimedPieces(PieceBudget):
     """Prefill pieces sized in time: about ``seconds`` of work each while streams decode.
 
-    The size is the prefill rate measured on the pieces run so far (an EWMA of tokens per second,
+    A fused prefill's layer loops (the question probe, the recompute pass) look at the clock
+    between layers (``seconds()``). A full prefill's piece is one forward pass, so it is sized
+    ahead: the prefill rate measured on the pieces run so far (an EWMA of tokens per second,
     :class:`~ragkv.planner.throughput.RateEstimate`; the first measurement replaces the guess)
     times ``seconds``, at least :data:`MIN_PIECE_TOKENS`. With no stream decoding (``decoding()``
     false) a piece has no limit: nobody waits on a step.
@@ -102,14 +104,17 @@ class TimedPieces(PieceBudget):
         super().__init__(None)
         if not seconds > 0:
             raise ValueError(f"a piece needs a time > 0 seconds, got {seconds!r}")
-        self.seconds = seconds
+        self.piece_s = seconds
         self.rate = RateEstimate(first_rate)  # prompt tokens per second through every layer
         self._decoding = decoding
 
     def tokens(self) -> int | None:
         if not self._decoding():
             return None
-        return max(MIN_PIECE_TOKENS, int(self.rate.rate * self.seconds))
+        return max(MIN_PIECE_TOKENS, int(self.rate.rate * self.piece_s))
+
+    def seconds(self) -> float | None:
+        return self.piece_s if self._decoding() else None
 
     def spent(self, tokens: float, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
@@ -196,7 +201,7 @@ class Scheduler:
     def piece_tokens(self) -> int | None:
         """A prefill piece's size now while streams decode, in prompt tokens (None: whole prefills)."""
         if isinstance(self.pieces, TimedPieces):
-            return max(MIN_PIECE_TOKENS, int(self.pieces.rate.rate * self.pieces.seconds))
+            return max(MIN_PIECE_TOKENS, int(self.pieces.rate.rate * self.pieces.piece_s))
         return self.pieces.tokens() if self.pieces is not None else None
 
     @property

@@ -145,13 +145,13 @@ def test_craft_runs_no_question_probe_and_craft_query_runs_one(tiny_adapter, mon
     _, _, _, inp = _prompt(tiny_adapter)
     scored = _with_scores(tiny_adapter, inp)
     calls: list[int] = []
-    probe = ragkv.fusion._question_attention
+    probe = ragkv.fusion._question_attention_steps
 
     def counted(*args, **kwargs):
         calls.append(1)
         return probe(*args, **kwargs)
 
-    monkeypatch.setattr(ragkv.fusion, "_question_attention", counted)
+    monkeypatch.setattr(ragkv.fusion, "_question_attention_steps", counted)
     fuse(tiny_adapter, scored, FusionConfig("craft", 0.3), prefill_suffix=True)
     assert calls == []
     fuse(tiny_adapter, scored, FusionConfig("craft_query", 0.3), prefill_suffix=True)

@@ -217,3 +217,30 @@ def test_a_step_that_is_not_a_size_or_a_budget_is_refused(tmp_path, llama_adapte
         for bad in (0, -3, 2.5, True, "64"):
             with pytest.raises(ValueError, match="step_tokens must be an int >= 1, a PieceBudget or None"):
                 drain(rag.prefill_steps(PROMPT, step_tokens=bad))
+
+
+class _Clocked(PieceBudget):
+    """A budget with a time: each piece of a fused pass's layer loops ends when the next layer would pass it."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(None)
+        self.piece_s = seconds
+
+    def seconds(self) -> float | None:
+        return self.piece_s
+
+
+def test_a_budget_with_a_time_cuts_the_probe_and_the_recompute_by_the_clock_and_changes_nothing(
+    tmp_path, llama_adapter
+):
+    """A time no layer fits in: every layer of the probe and of the recompute pass is a piece of its own; a
+    time every pass fits in: the load, the probe and the recompute are one piece each. The same tensors."""
+    with _engine(tmp_path, llama_adapter) as rag, torch.inference_mode():
+        rag.index(DOCS, progress=False)
+        rag_prompt = ([c.text for c in rag.retrieve("boats and apples")], "What do boats carry?")
+        whole = rag.prefill(rag=rag_prompt)
+        layers = rag.adapter.spec.num_layers
+        for seconds, expected in ((1e-9, 1 + 2 * layers), (1e9, 3)):
+            pieced, pieces = _pieces(rag.prefill_steps(rag=rag_prompt, step_tokens=_Clocked(seconds)))
+            assert pieces == expected
+            assert torch.equal(pieced.logits, whole.logits) and torch.equal(_kv(pieced), _kv(whole))
