@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 from collections import Counter
@@ -129,7 +130,9 @@ def run_replica_bench(
 
     docs = corpus(config.docs, config.seed)
     url = f"http://127.0.0.1:{settings.port}"
-    ray.init(num_cpus=max(config.replicas, 2), include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ray.init(
+        num_cpus=max(config.replicas, 2), include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+    )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": settings.port})
         options = ReplicaOptions(replicas=config.replicas, seed=config.seed, stats_period_s=1.0)

@@ -128,29 +128,27 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
     kwargs: dict[str, Any] = {}
     if options.router == "affinity":
         kwargs = {**_fields(options.affinity), "seed": options.seed}
-    router = RequestRouterConfig(
-        request_router_class=ROUTERS[options.router],
-        request_router_kwargs=kwargs,
-        request_routing_stats_period_s=options.stats_period_s,
-        request_routing_stats_timeout_s=max(options.stats_period_s, 5.0),
-    )
+    router_fields: dict[str, Any] = {  # pydantic's fields, passed by name
+        "request_router_class": ROUTERS[options.router],
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": options.stats_period_s,
+        "request_routing_stats_timeout_s": max(options.stats_period_s, 5.0),
+    }
     engine = serve.deployment(
-        EngineReplica,
         name="ragkv-engine",
         num_replicas=options.replicas,
         max_ongoing_requests=settings.max_queue,  # the app answers 429 past its own queue, as ragkv serve does
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
         health_check_period_s=options.health_period_s,
         health_check_timeout_s=options.health_timeout_s,
-        request_router_config=router,
-    ).bind(engine_config, settings, options.holdings_limit, options.sync_s)
+        request_router_config=RequestRouterConfig(**router_fields),
+    )(EngineReplica).bind(engine_config, settings, options.holdings_limit, options.sync_s)
     ingress = serve.deployment(
-        Ingress,
         name="ragkv-ingress",
         num_replicas=1,
         max_ongoing_requests=settings.max_connections,
         ray_actor_options={"num_cpus": 0},  # it holds no model: it only forwards
-    )
+    )(Ingress)
     return ingress.bind(engine, settings.max_body_bytes, options.hint_timeout_s)
 
 

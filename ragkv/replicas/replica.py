@@ -72,7 +72,8 @@ class EngineReplica:
     """A Serve replica holding one engine and ``ragkv serve``'s app (wrapped by ``serve.deployment`` in
     :func:`ragkv.replicas.app.build_app`)."""
 
-    async def __init__(self, engine_config: Any, settings: Any, holdings_limit: int, sync_s: float) -> None:
+    # Ray actors (so Serve replicas) may have an async constructor; type checkers want __init__ -> None
+    async def __init__(self, engine_config: Any, settings: Any, holdings_limit: int, sync_s: float) -> None:  # type: ignore[misc]
         from ragkv.engine import RagKV
         from ragkv.server.app import create_app
 
