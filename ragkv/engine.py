@@ -451,6 +451,17 @@ class RagKV:
         with self._index_lock:
             return self.retriever.remove_document(source)
 
+    def sync_index(self) -> None:
+        """Bring this tenant's FAISS file level with the shared catalog (the source of truth).
+
+        A server replica calls it on a period: documents another machine indexed (into its own FAISS
+        file) become retrievable here, and vectors of documents removed elsewhere go. Retrieval is
+        right without it for removals (every hit is looked up in the catalog, and a removed
+        document's rows are gone), so this bounds only how soon a new document is found.
+        """
+        with self._index_lock:
+            self.retriever.sync_index()
+
     def close(self) -> None:
         """Save the measured speeds and close the store and catalog (a tenant's engine from
         :meth:`for_tenant` closes nothing: they belong to the engine it shares them with)."""

@@ -381,6 +381,11 @@ class KVRetriever:
     def _record(self, entry: StoredEntry) -> None:
         record_stored(self.catalog, entry, tenant=self.tenant)
 
+    def sync_index(self) -> None:
+        """Make the FAISS index hold exactly the catalog's chunk rows (what opening the retriever does),
+        for a long-running process whose catalog other processes write to."""
+        self._reconcile()
+
     def _reconcile(self) -> None:
         """Make the FAISS index hold exactly the catalog's chunk rows (the catalog is the truth)."""
         rows = set(self.catalog.all_chunk_rows(self.tenant))

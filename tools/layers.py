@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ragkv.engine",),  # RagKV, the facade
     (
         "ragkv.server",
+        "ragkv.replicas",
         "ragkv.bench",
         "ragkv.cli",
         "ragkv.integrations",

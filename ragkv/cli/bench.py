@@ -451,4 +451,5 @@ def bench_stream(
 
 
 # the commands that start servers live beside this file; importing it registers them on bench_app
+import ragkv.cli.bench_replicas  # noqa: E402,F401  (ragkv bench replicas: Ray Serve)
 from ragkv.cli import bench_servers  # noqa: E402,F401

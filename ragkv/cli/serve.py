@@ -77,6 +77,17 @@ def serve(
     log_json: Annotated[
         bool | None, typer.Option("--log-json/--log-text", help="Access log lines as JSON [text; RAGKV_LOG_JSON].")
     ] = None,
+    ray: Annotated[
+        bool, typer.Option("--ray", help="Run the engine as Ray Serve replicas (pip install 'ragkv[ray]').")
+    ] = False,
+    replicas: Annotated[int | None, typer.Option("--replicas", help="Engine replicas with --ray [2].")] = None,
+    router: Annotated[
+        str | None,
+        typer.Option("--router", help="With --ray: affinity (by held chunks), power_of_two or round_robin [affinity]."),
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option("--ray-address", help="With --ray: a Ray cluster to join ('auto'; RAY_ADDRESS).")
+    ] = None,
     data_dir: DataDir = None,
     model: Model = None,
     store: Store = None,
@@ -132,6 +143,11 @@ def serve(
         )
     cfg = config_from(ctx)
     check_setup(cfg)
+    if ray:
+        _serve_on_ray(cfg, settings, replicas, router, ray_address)
+        return
+    if replicas is not None or router is not None or ray_address is not None:
+        raise typer.BadParameter("--replicas, --router and --ray-address need --ray")
     from ragkv.engine import RagKV
 
     engine = RagKV(cfg)
@@ -152,6 +168,25 @@ def serve(
         http=header_timeout_protocol(settings.header_timeout_s),
     )
     _server(config, app.state.ragkv.closing).run()
+
+
+def _serve_on_ray(cfg: Any, settings: Any, replicas: int | None, router: str | None, address: str | None) -> None:
+    """``ragkv serve --ray``: the same app in Serve replicas behind one ingress (docs/deployment.md)."""
+    from dataclasses import replace
+
+    try:
+        from ragkv.replicas.app import ReplicaOptions, run_app
+    except ImportError as e:
+        raise ImportError(f"ragkv serve --ray needs the ray extra: pip install 'ragkv[ray]' ({e})") from e
+    given = {"replicas": replicas, "router": router}
+    options = ReplicaOptions(**{k: v for k, v in given.items() if v is not None})  # type: ignore[arg-type]
+    settings = replace(settings, model_name=Path(cfg.model).name or "ragkv")
+    typer.echo(
+        f"ragkv serve --ray: {options.replicas} replicas ({options.router} routing) on "
+        f"http://{settings.host}:{settings.port}",
+        err=True,
+    )
+    run_app(cfg, settings, options, address=address or os.environ.get("RAY_ADDRESS"))
 
 
 def _server(config: Any, closing: threading.Event) -> Any:

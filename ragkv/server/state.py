@@ -106,6 +106,11 @@ class ServerState:
                     self._engines[tenant] = engine
         return engine
 
+    def engines(self) -> list[Any]:
+        """Every tenant engine made so far, the base engine first."""
+        with self._lock:
+            return list(self._engines.values())
+
     def _register(self, engine: Any) -> None:
         """Make the tenant's indexed chunk texts findable in client-sent prompts (the engine's own
         registry, as the integrations use it) and note their bytes for the document quota."""

@@ -1,0 +1,290 @@
+"""``ragkv bench replicas``: N Ray Serve replicas of ragkv serve, routed by chunk affinity, power of two or round-robin.
+
+One corpus is indexed once into the shared store (Redis) and catalog (PostgreSQL) through the
+first deployment; then, for each router, the application is deployed afresh (so every replica's
+memory tier starts empty, sized below the corpus) and the same skewed workload runs against it:
+questions about documents drawn Zipf-distributed, in a seeded random order, streamed, at a fixed
+concurrency. Per router: the fast-tier hit rate (memory-tier hits / lookups over all replicas),
+store bytes read (bytes the lower tiers returned), TTFT p50/p95 at the client, requests per second,
+and each replica's share of the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ragkv.bench.serve import percentile
+from ragkv.bench.table import Column, format_table
+
+__all__ = ["COLUMNS", "ReplicaBenchConfig", "corpus", "format_replica_table", "run_replica_bench", "zipf_draws"]
+
+COLUMNS = (
+    Column("router"),
+    Column("requests"),
+    Column("fast_hit_rate", "fast-tier hit rate", "{:.2f}"),
+    Column("store_mb", "store MB read", "{:,.1f}"),
+    Column("ttft_p50", "TTFT p50 ms", "{:,.0f}"),
+    Column("ttft_p95", "TTFT p95 ms", "{:,.0f}"),
+    Column("req_s", "req/s", "{:.2f}"),
+    Column("load", "requests per replica"),
+    Column("max_over_mean", "max/mean load", "{:.2f}"),
+    Column("errors"),
+)
+TOPICS = ("apples", "boats", "clocks", "doors", "engines", "ferns", "glass", "harbours", "islands", "jazz", "kites",
+          "lamps", "maps", "nets", "owls", "pianos", "quarries", "rivers", "salt", "tides", "umbrellas", "violins",
+          "wells", "yarn")  # fmt: skip
+WORDS = (
+    "made",
+    "with",
+    "care",
+    "by",
+    "old",
+    "craft",
+    "in",
+    "every",
+    "season",
+    "and",
+    "they",
+    "last",
+    "for",
+    "years",
+    "people",
+    "trade",
+    "them",
+    "across",
+    "towns",
+    "near",
+    "the",
+    "coast",
+    "while",
+    "others",
+    "keep",
+    "records",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaBenchConfig:
+    """One run of the bench."""
+
+    replicas: int = 3
+    routers: tuple[str, ...] = ("affinity", "power_of_two", "round_robin")
+    docs: int = 24  # documents in the corpus
+    requests: int = 48  # questions per router
+    concurrency: int = 3  # requests in flight
+    zipf: float = 1.1  # skew: document i is asked about with weight 1 / (i + 1) ** zipf
+    memory_share: float = 0.4  # each replica's memory tier, as a share of the corpus's stored bytes
+    max_tokens: int = 4  # answer tokens per request (the bench is about prefill and loading)
+    top_k: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "docs", "requests", "concurrency", "max_tokens", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.memory_share < 1:
+            raise ValueError(f"memory_share must be in (0, 1) (the corpus must not fit), got {self.memory_share}")
+
+
+def corpus(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """``n`` invented documents as (source, text, question): a distinct topic each, a few paragraphs."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        topic = f"{TOPICS[i % len(TOPICS)]} of district {i}"
+        paragraphs = [
+            f"This note is about {topic}. " + " ".join(rng.choice(WORDS) for _ in range(60)) + "." for _ in range(4)
+        ]
+        out.append((f"bench:{i}", "\n\n".join(paragraphs), f"What is known about {topic}?"))
+    return out
+
+
+def zipf_draws(n_docs: int, n: int, s: float, seed: int) -> list[int]:
+    """``n`` document indexes, index i drawn with weight ``1 / (i + 1) ** s``, in random order.
+
+    >>> draws = zipf_draws(10, 1000, 1.1, 0)
+    >>> draws.count(0) > draws.count(9) * 5
+    True
+    """
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) ** s for i in range(n_docs)]
+    return rng.choices(range(n_docs), weights=weights, k=n)
+
+
+def run_replica_bench(
+    engine_config: Any, settings: Any, config: ReplicaBenchConfig, echo: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """Index the corpus once, then one row per router (see the module docstring)."""
+    import ray
+    from ray import serve
+
+    from ragkv.replicas.app import ReplicaOptions, build_app
+
+    docs = corpus(config.docs, config.seed)
+    url = f"http://127.0.0.1:{settings.port}"
+    ray.init(
+        num_cpus=max(config.replicas, 2), include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": settings.port})
+        options = ReplicaOptions(replicas=config.replicas, seed=config.seed, stats_period_s=1.0)
+        t0 = time.perf_counter()
+        serve.run(build_app(engine_config, settings, options), name="ragkv", route_prefix="/")
+        echo(f"{config.replicas} replicas up in {time.perf_counter() - t0:.0f} s; indexing {len(docs)} documents")
+        _index(url, docs)
+        corpus_bytes = _lower_tier_bytes_in(_replica_stats(config.replicas))
+        memory = max(1 << 20, int(corpus_bytes * config.memory_share))
+        echo(f"corpus: {corpus_bytes / 1e6:.1f} MB stored; each replica's memory tier: {memory / 1e6:.1f} MB")
+        store = (f"memory://?max_bytes={memory}", *[u for u in engine_config.store if not u.startswith("memory")])
+        measured = replace(engine_config, store=store)
+        draws = zipf_draws(config.docs, config.requests, config.zipf, config.seed)
+        rows = []
+        for router in config.routers:
+            options = replace(options, router=router)
+            t0 = time.perf_counter()
+            serve.run(build_app(measured, settings, options), name="ragkv", route_prefix="/")
+            echo(f"{router}: deployed in {time.perf_counter() - t0:.0f} s")
+            before = _replica_stats(config.replicas)
+            results, wall = asyncio.run(_workload(url, [docs[i][2] for i in draws], config))
+            after = _replica_stats(config.replicas)
+            rows.append(_row(router, results, wall, before, after, config.replicas))
+        return rows
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _index(url: str, docs: Sequence[tuple[str, str, str]]) -> None:
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=600) as client:
+        body = [{"source": s, "text": t} for s, t, _ in docs]
+        r = client.post("/v1/documents", json=body)
+        if r.status_code != 201:
+            raise RuntimeError(f"indexing the bench corpus failed ({r.status_code}): {r.text[:500]}")
+
+
+def _replica_stats(replicas: int, tries: int = 60) -> dict[str, dict[str, Any]]:
+    """Every engine replica's ``stats()``: calls through a handle until each replica has answered
+    once (the deployment's router spreads unrouted calls over all of them)."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("ragkv-engine", app_name="ragkv")
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(tries):
+        found = engine.options(method_name="stats").remote().result()
+        seen[found["replica"]] = found
+        if len(seen) >= replicas:
+            break
+    return seen
+
+
+def _lower_tier_bytes_in(stats: dict[str, dict[str, Any]]) -> int:
+    """Bytes written to the lasting tiers (what one copy of the corpus's caches takes)."""
+    return max((t["bytes_in"] for s in stats.values() for t in s["tiers"].values() if not t["in_process"]), default=0)
+
+
+async def _workload(
+    url: str, questions: Sequence[str], config: ReplicaBenchConfig
+) -> tuple[list[dict[str, Any]], float]:
+    import httpx
+
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for q in questions:
+        queue.put_nowait(q)
+    results: list[dict[str, Any]] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            results.append(await _one(client, queue.get_nowait(), config))
+
+    start = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(config.concurrency)))
+    return results, time.perf_counter() - start
+
+
+async def _one(client: Any, question: str, config: ReplicaBenchConfig) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": config.max_tokens,
+        "stream": True,
+        "ragkv": {"retrieve": True, "top_k": config.top_k},
+    }
+    start = time.perf_counter()
+    ttft = None
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": r.status_code}
+            replica = r.headers.get("x-ragkv-replica", "?")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                piece = json.loads(line[6:])
+                if ttft is None and any(c.get("delta", {}).get("content") for c in piece.get("choices", [])):
+                    ttft = (time.perf_counter() - start) * 1000
+    except Exception as e:  # a failed request is counted, not fatal: the bench reports errors
+        return {"error": type(e).__name__}
+    return {"replica": replica, "ttft": ttft if ttft is not None else (time.perf_counter() - start) * 1000}
+
+
+def _row(
+    router: str,
+    results: list[dict[str, Any]],
+    wall: float,
+    before: dict[str, dict[str, Any]],
+    after: dict[str, dict[str, Any]],
+    replicas: int,
+) -> dict[str, Any]:
+    def delta(rid: str, fast: bool, field: str) -> int:
+        old = before.get(rid, {}).get("tiers", {})
+        return sum(
+            t[field] - old.get(name, {}).get(field, 0)
+            for name, t in after[rid]["tiers"].items()
+            if t["in_process"] == fast
+        )
+
+    hits = sum(delta(r, True, "hits") for r in after)
+    lookups = hits + sum(delta(r, True, "misses") for r in after)
+    ok = [r for r in results if "error" not in r]
+    ttfts = [r["ttft"] for r in ok]
+    load = Counter(r["replica"] for r in ok)
+    counts = [load.get(r, 0) for r in sorted(after)] + [0] * (replicas - len(after))
+    mean = sum(counts) / max(1, len(counts))
+    return {
+        "router": router,
+        "requests": len(results),
+        "fast_hit_rate": hits / lookups if lookups else 0.0,
+        "store_mb": sum(delta(r, False, "bytes_out") for r in after) / 1e6,
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p95": percentile(ttfts, 0.95),
+        "req_s": len(ok) / wall if wall else 0.0,
+        "load": "/".join(str(c) for c in counts),
+        "max_over_mean": max(counts) / mean if mean else 0.0,
+        "errors": len(results) - len(ok),
+    }
+
+
+def format_replica_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The table, plus the ratios the issue's targets are stated in (affinity against each baseline)."""
+    out = [format_table(rows, COLUMNS)]
+    by = {r["router"]: r for r in rows}
+    aff = by.get("affinity")
+    if aff is not None:
+        rr, p2 = by.get("round_robin"), by.get("power_of_two")
+        if rr and rr["fast_hit_rate"]:
+            out.append(f"fast-tier hit rate, affinity / round-robin: {aff['fast_hit_rate'] / rr['fast_hit_rate']:.2f}x")
+        if rr and rr["store_mb"]:
+            out.append(f"store bytes read, affinity / round-robin: {aff['store_mb'] / rr['store_mb']:.2f}x")
+        if p2 and p2["ttft_p95"]:
+            out.append(f"TTFT p95, affinity / power of two: {aff['ttft_p95'] / p2['ttft_p95']:.2f}x")
+    return "\n".join(out)

@@ -1,0 +1,78 @@
+"""``ragkv bench replicas``: Ray Serve replicas under a skewed workload, by router (registered on ``bench_app``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from ragkv.cli.bench import JsonOut, _write_rows, bench_app
+from ragkv.cli.options import Model, engine_config
+
+__all__: list[str] = []
+
+
+@bench_app.command("replicas")
+def bench_replicas(
+    replicas: Annotated[int, typer.Option("--replicas", help="Engine replicas.", min=1)] = 3,
+    routers: Annotated[
+        str, typer.Option("--routers", help="Routers to compare, comma-separated.")
+    ] = "affinity,power_of_two,round_robin",
+    docs: Annotated[int, typer.Option("--docs", help="Documents in the corpus.", min=1)] = 24,
+    requests: Annotated[int, typer.Option("--requests", help="Questions per router.", min=1)] = 48,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Requests in flight.", min=1)] = 3,
+    zipf: Annotated[float, typer.Option("--zipf", help="Skew over documents (weight 1/(i+1)^s).")] = 1.1,
+    memory_share: Annotated[
+        float, typer.Option("--memory-share", help="Each replica's memory tier, as a share of the corpus's bytes.")
+    ] = 0.4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Answer tokens per request.", min=1)] = 4,
+    redis: Annotated[
+        str | None, typer.Option("--redis", help="Redis URL of the shared store [RAGKV_TEST_REDIS_URL].")
+    ] = None,
+    postgres: Annotated[
+        str | None, typer.Option("--postgres", help="PostgreSQL URL of the catalog [RAGKV_TEST_POSTGRES_URL].")
+    ] = None,
+    port: Annotated[int, typer.Option("--port", help="Port Serve listens on.")] = 8011,
+    seed: Annotated[int, typer.Option("--seed", help="Corpus, workload order and router draws.")] = 0,
+    model: Model = None,
+    out: JsonOut = None,
+) -> None:
+    """Fast-tier hit rate, store bytes read, TTFT and req/s of N Ray Serve replicas, by router, in one run.
+
+    Needs ragkv[ray,postgres] and Redis and PostgreSQL (bash .ci/services.sh starts both on loopback).
+    """
+    import tempfile
+    from dataclasses import replace
+    from pathlib import Path
+
+    from ragkv.bench.replicas import ReplicaBenchConfig, format_replica_table, run_replica_bench
+    from ragkv.server.settings import ServerSettings
+
+    redis = redis or os.environ.get("RAGKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    postgres = postgres or os.environ.get(
+        "RAGKV_TEST_POSTGRES_URL", "postgresql+psycopg://ragkv:ragkv@127.0.0.1:5432/ragkv_test"
+    )
+    try:
+        config = ReplicaBenchConfig(
+            replicas=replicas,
+            routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
+            docs=docs,
+            requests=requests,
+            concurrency=concurrency,
+            zipf=zipf,
+            memory_share=memory_share,
+            max_tokens=max_tokens,
+            seed=seed,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    # a fresh key prefix and data dir: the run starts from an empty store, whatever ran before
+    prefix = f"ragkv-bench-{os.getpid()}-{seed}:"
+    data_dir = Path(tempfile.mkdtemp(prefix="ragkv-bench-replicas-"))
+    cfg = replace(engine_config(model=model), data_dir=data_dir, store=(f"{redis}?prefix={prefix}",), catalog=postgres)
+    settings = ServerSettings(port=port, max_tokens_limit=max(64, max_tokens))
+    rows = run_replica_bench(cfg, settings, config, echo=lambda line: typer.echo(line, err=True))
+    typer.echo(format_replica_table(rows))
+    typer.echo("(timings from one machine; replicas share its cores)", err=True)
+    _write_rows(rows, out)

@@ -1,0 +1,169 @@
+"""Chunk-affinity scoring: which replica's fast tiers hold a request's chunks, weighed against its load.
+
+Pure functions and small records, no Ray: the router (``ragkv.replicas.router``) feeds them what
+Serve knows (each replica's holdings summary and queue length) and ranks replicas with them.
+
+The score is the production-stack router's (matched share minus a load term) with chunk tokens in
+place of prefix tokens, since a RAG prompt's chunks sit in its middle, where a prefix hash cannot see
+them::
+
+    score(r) = held_tokens(r) / request_tokens - load_weight * min(queue(r), load_cap) / load_cap
+
+Nothing here decides what an answer is: a replica that no longer holds a chunk its summary claims
+loads it from the shared store (a miss), so a stale or wrong summary costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NewType
+
+__all__ = [
+    "AffinityConfig",
+    "ChunkRef",
+    "Holdings",
+    "KeyTag",
+    "Ranking",
+    "ReplicaView",
+    "key_tag",
+    "power_of_two",
+    "rank_replicas",
+    "score",
+]
+
+KeyTag = NewType("KeyTag", str)  # 16 hex chars of sha256(storage key): what a holdings summary lists
+
+TAG_CHARS = 16  # 64 bits: a false match among a few thousand held keys is ~1e-13, and costs only a miss
+
+
+def key_tag(storage_key: str) -> KeyTag:
+    """The tag a holdings summary stores for ``storage_key`` (a storage key's first 16 characters
+    are its tenant namespace, shared by all of a tenant's keys, so the key is hashed, not cut).
+
+    >>> key_tag("0123456789abcdef:deadbeef")
+    '93408044cbe642aa'
+    """
+    return KeyTag(hashlib.sha256(storage_key.encode()).hexdigest()[:TAG_CHARS])
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk of a request, as the router sees it."""
+
+    tags: tuple[KeyTag, ...]  # its storage keys' tags, one per codec it is stored at; any held counts
+    tokens: int  # its token count: the prefill a replica holding it saves
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """A replica's summary of the chunk caches its fast tiers (memory, device) hold: a bounded tag set.
+
+    Made by the replica every routing-stats period (not per request) and read by the router as is.
+    """
+
+    tags: frozenset[KeyTag] = frozenset()
+
+    @classmethod
+    def of(cls, storage_keys: Iterable[str], limit: int) -> Holdings:
+        """The summary of ``storage_keys``, at most ``limit`` of them (the first ``limit`` given)."""
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 (keys a summary lists), got {limit}")
+        tags: set[KeyTag] = set()
+        for key in storage_keys:
+            if len(tags) >= limit:
+                break
+            tags.add(key_tag(key))
+        return cls(frozenset(tags))
+
+    def held_tokens(self, chunks: Sequence[ChunkRef]) -> int:
+        """Tokens of ``chunks`` this replica holds."""
+        return sum(c.tokens for c in chunks if any(t in self.tags for t in c.tags))
+
+    def as_stats(self) -> list[str]:
+        """The summary as Serve's routing stats carry it (a sorted list of tags)."""
+        return sorted(self.tags)
+
+    @classmethod
+    def from_stats(cls, value: object) -> Holdings:
+        """The summary from routing stats; anything malformed is an empty summary (a miss, not an error)."""
+        if not isinstance(value, list | tuple | set | frozenset):
+            return cls()
+        return cls(frozenset(KeyTag(v) for v in value if isinstance(v, str) and len(v) == TAG_CHARS))
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityConfig:
+    """How the chunk-affinity router weighs holdings against load."""
+
+    load_weight: float = 0.5  # the score a replica loses at a full load term (queue >= load_cap)
+    load_cap: int = 8  # queue length at which the load term stops growing
+    min_share: float = 0.0  # a best matched share at or below this: nothing held, power of two decides
+
+    def __post_init__(self) -> None:
+        if self.load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
+        if self.load_cap < 1:
+            raise ValueError(f"load_cap must be >= 1 (requests), got {self.load_cap}")
+        if not 0 <= self.min_share < 1:
+            raise ValueError(f"min_share must be in [0, 1), got {self.min_share}")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What the router knows of one replica when it routes."""
+
+    holdings: Holdings = field(default_factory=Holdings)
+    queue: int = 0  # requests queued and running there (Serve's queue length, or the router's own count)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """Replica ids, best first, and how they were chosen."""
+
+    order: tuple[str, ...]
+    how: Literal["affinity", "power_of_two"]
+
+
+def score(held_tokens: int, request_tokens: int, queue: int, config: AffinityConfig) -> float:
+    """Matched share minus the load term (see the module docstring).
+
+    >>> score(300, 400, 0, AffinityConfig())
+    0.75
+    >>> score(300, 400, 100, AffinityConfig(load_weight=0.5, load_cap=8))  # load capped at 8
+    0.25
+    """
+    share = held_tokens / request_tokens if request_tokens > 0 else 0.0
+    return share - config.load_weight * min(max(queue, 0), config.load_cap) / config.load_cap
+
+
+def power_of_two(ids: Sequence[str], rng: random.Random) -> tuple[str, ...]:
+    """Two distinct replica ids drawn at random (one when there is one): Serve's default router
+    then sends the request to the less loaded of them."""
+    if len(ids) <= 2:
+        return tuple(rng.sample(list(ids), len(ids)))
+    return tuple(rng.sample(list(ids), 2))
+
+
+def rank_replicas(
+    chunks: Sequence[ChunkRef],
+    replicas: Mapping[str, ReplicaView],
+    config: AffinityConfig,
+    rng: random.Random,
+) -> Ranking:
+    """Every replica ranked by :func:`score`, or a power-of-two pair when none holds any chunk.
+
+    Ties go to the shorter queue, then to a random draw (so equal replicas share the work).
+    """
+    ids = list(replicas)
+    total = sum(max(c.tokens, 0) for c in chunks)
+    if not ids:
+        return Ranking((), "power_of_two")
+    held = {r: replicas[r].holdings.held_tokens(chunks) for r in ids}
+    if total <= 0 or max(held.values()) / total <= config.min_share:
+        return Ranking(power_of_two(ids, rng), "power_of_two")
+    draw = {r: rng.random() for r in ids}
+    order = sorted(ids, key=lambda r: (-score(held[r], total, replicas[r].queue, config), replicas[r].queue, draw[r]))
+    return Ranking(tuple(order), "affinity")

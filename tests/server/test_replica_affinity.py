@@ -1,0 +1,107 @@
+"""The chunk-affinity score and ranking (ragkv.replicas.affinity): pure, no Ray."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ragkv.replicas.affinity import (
+    AffinityConfig,
+    ChunkRef,
+    Holdings,
+    ReplicaView,
+    key_tag,
+    power_of_two,
+    rank_replicas,
+    score,
+)
+
+A, B, C = (ChunkRef((key_tag(f"ns:{n}:int8"), key_tag(f"ns:{n}:cachegen")), tokens) for n, tokens in
+           (("a", 300), ("b", 100), ("c", 100)))  # fmt: skip
+
+
+def held(*chunks: ChunkRef, by: int = 0) -> Holdings:
+    """A summary holding each chunk by one of its tags (``by``: which codec's entry)."""
+    return Holdings(frozenset(c.tags[by] for c in chunks))
+
+
+def test_score_is_matched_share_minus_capped_load():
+    cfg = AffinityConfig(load_weight=0.5, load_cap=4)
+    assert score(300, 500, 0, cfg) == pytest.approx(0.6)
+    assert score(300, 500, 2, cfg) == pytest.approx(0.6 - 0.25)
+    assert score(300, 500, 4, cfg) == score(300, 500, 400, cfg)  # the load term stops at load_cap
+    assert score(0, 0, 0, cfg) == 0.0  # a request of no chunk tokens has no share
+
+
+def test_holder_of_most_chunk_tokens_ranks_first():
+    views = {"r1": ReplicaView(held(B, C)), "r2": ReplicaView(held(A)), "r3": ReplicaView()}
+    ranking = rank_replicas([A, B, C], views, AffinityConfig(), random.Random(0))
+    assert ranking.how == "affinity"
+    assert ranking.order == ("r2", "r1", "r3")  # 300 tokens beat 200, which beat none
+
+
+def test_any_codec_entry_counts_as_held():
+    views = {"r1": ReplicaView(held(A, by=1)), "r2": ReplicaView()}
+    assert rank_replicas([A], views, AffinityConfig(), random.Random(0)).order[0] == "r1"
+
+
+def test_load_outweighs_a_small_match():
+    cfg = AffinityConfig(load_weight=0.5, load_cap=4)
+    views = {"busy": ReplicaView(held(B), queue=4), "idle": ReplicaView()}  # share 0.2 - 0.5 < 0
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order == ("idle", "busy")
+
+
+def test_load_does_not_outweigh_a_full_match():
+    cfg = AffinityConfig(load_weight=0.5, load_cap=4)
+    views = {"holder": ReplicaView(held(A, B, C), queue=100), "idle": ReplicaView()}  # 1 - 0.5 > 0
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order == ("holder", "idle")
+
+
+def test_nothing_held_falls_back_to_power_of_two():
+    views = {f"r{i}": ReplicaView(queue=i) for i in range(5)}
+    ranking = rank_replicas([A, B], views, AffinityConfig(), random.Random(1))
+    assert ranking.how == "power_of_two"
+    assert len(ranking.order) == 2 and len(set(ranking.order)) == 2 and set(ranking.order) <= set(views)
+    # no chunks at all (a models call, a full prefill): power of two as well
+    assert rank_replicas([], views, AffinityConfig(), random.Random(1)).how == "power_of_two"
+
+
+def test_min_share_sends_weak_matches_to_power_of_two():
+    views = {"r1": ReplicaView(held(B)), "r2": ReplicaView()}
+    cfg = AffinityConfig(min_share=0.25)  # B is 100 of 500 tokens
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).how == "power_of_two"
+
+
+def test_ties_go_to_the_shorter_queue_then_spread_at_random():
+    views = {"r1": ReplicaView(held(A), queue=1), "r2": ReplicaView(held(A), queue=0)}
+    cfg = AffinityConfig(load_weight=0.0)  # equal scores: the queue decides
+    assert rank_replicas([A], views, cfg, random.Random(0)).order[0] == "r2"
+    equal = {"r1": ReplicaView(held(A)), "r2": ReplicaView(held(A))}
+    firsts = {rank_replicas([A], equal, cfg, random.Random(seed)).order[0] for seed in range(20)}
+    assert firsts == {"r1", "r2"}  # an exact tie is not always the same replica
+
+
+def test_holdings_summary_is_bounded_and_survives_a_bad_stat():
+    summary = Holdings.of((f"ns:{i}" for i in range(100)), limit=10)
+    assert len(summary.tags) == 10
+    assert Holdings.from_stats(summary.as_stats()) == summary
+    for junk in (None, 7, "abc", ["short", 3, None]):
+        assert Holdings.from_stats(junk) == Holdings()  # a malformed summary holds nothing: a miss, no error
+    with pytest.raises(ValueError, match="limit"):
+        Holdings.of([], limit=0)
+
+
+def test_power_of_two_draws_distinct_replicas():
+    rng = random.Random(3)
+    assert power_of_two(["only"], rng) == ("only",)
+    for _ in range(50):
+        pair = power_of_two(["a", "b", "c", "d"], rng)
+        assert len(pair) == 2 and pair[0] != pair[1]
+
+
+def test_bad_settings_say_what_to_pass():
+    with pytest.raises(ValueError, match="load_cap"):
+        AffinityConfig(load_cap=0)
+    with pytest.raises(ValueError, match="load_weight"):
+        AffinityConfig(load_weight=-1)

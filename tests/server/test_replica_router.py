@@ -1,0 +1,78 @@
+"""ChunkAffinityRouter and RoundRobinRouter as Serve calls them, on stand-in replicas (no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from ragkv.replicas.affinity import ChunkRef, Holdings, key_tag  # noqa: E402
+from ragkv.replicas.router import HOLDINGS_STAT, ChunkAffinityRouter, RoundRobinRouter  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="ragkv-engine", app_name="ragkv")
+CHUNK = ChunkRef((key_tag("ns:apples:int8"),), 200)
+
+
+def replica(name: str, stats: Any = None) -> Any:
+    """What the router reads of a RunningReplica: its id and routing stats."""
+    return SimpleNamespace(
+        replica_id=ReplicaID(name, DEPLOYMENT), routing_stats={HOLDINGS_STAT: stats} if stats else {}
+    )
+
+
+NO_REQUEST = object()
+
+
+def choose(router: Any, replicas: list[Any], route: Any = NO_REQUEST) -> list[list[str]]:
+    """One routing iteration for a request carrying ``route`` (or for no request), as replica ids."""
+
+    async def run() -> list[list[str]]:  # a PendingRequest holds a Future: make it inside the loop
+        pending = None
+        if route is not NO_REQUEST:
+            meta = RequestMetadata("r", "r", call_method="forward")
+            pending = PendingRequest(args=[], kwargs={"route": route}, metadata=meta)
+        ranks = await router.choose_replicas(replicas, pending)
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    return asyncio.run(run())
+
+
+def make(cls: type) -> Any:
+    async def build() -> Any:  # the router makes asyncio objects: build it inside a loop, as Serve does
+        router = cls(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(seed=0) if cls is ChunkAffinityRouter else router.initialize_state()
+        return router
+
+    return asyncio.run(build())
+
+
+def test_the_holder_ranks_first_one_replica_per_rank():
+    router = make(ChunkAffinityRouter)
+    holder = replica("b", Holdings.of(["ns:apples:int8"], 10).as_stats())
+    ranks = choose(router, [replica("a"), holder, replica("c")], [CHUNK])
+    assert ranks[0] == ["b"] and sorted(sum(ranks, [])) == ["a", "b", "c"]
+    assert router.decisions["affinity"] == 1
+
+
+def test_no_route_bad_stats_or_a_bad_route_fall_back_to_power_of_two():
+    router = make(ChunkAffinityRouter)
+    replicas = [replica("a", ["junk"]), replica("b", 42), replica("c")]
+    for route in (NO_REQUEST, None, [CHUNK]):  # no request, no route, nothing held anywhere
+        ranks = choose(router, replicas, route)
+        assert len(ranks) == 1 and len(ranks[0]) == 2  # one pair: Serve takes its less loaded
+    ranks = choose(router, replicas, [("not", "a", "chunk")])  # a broken hint: an error, then the pair
+    assert len(ranks) == 1 and len(ranks[0]) == 2 and router.decisions["error"] == 1
+
+
+def test_round_robin_turns():
+    router = make(RoundRobinRouter)
+    replicas = [replica("b"), replica("a"), replica("c")]
+    firsts = [choose(router, replicas)[0][0] for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
