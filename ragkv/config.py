@@ -42,8 +42,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda[:N] | mps (RAGKV_DEVICE)
     offline: bool = False  # never download a hub model (HF_HUB_OFFLINE=1 also forbids it)
     load: LoadConfig = field(default_factory=LoadConfig)  # TTFT deadline and load planning (ragkv.planner)
-    # auto | model | int8 | int4: the weights decode steps read (RAGKV_DECODE_WEIGHTS); auto: int8 on the
-    # CPU for a GGUF file of <= 8-bit weights, else model (ragkv.model.placement.resolve_decode_weights)
+    # auto | model | int8 | int4 | fp16: the weights decode steps read (RAGKV_DECODE_WEIGHTS); auto: on the CPU
+    # for a GGUF file of <= 8-bit weights, int8 or fp16, whichever is measured faster, else model
+    # (ragkv.model.placement.resolve_decode_weights)
     decode_weights: str = "auto"
     device_tier: DeviceTierConfig = field(default_factory=DeviceTierConfig)  # decoded chunk caches kept on a GPU
     host_tier: HostTierConfig = field(default_factory=HostTierConfig)  # ... and behind it, in pinned host memory
@@ -54,9 +55,9 @@ class EngineConfig:
         validate_placement(self.dtype, self.device)
         if self.decode_weights not in ("auto", *DECODE_WEIGHTS):
             raise ValueError(
-                f"decode_weights must be auto or one of {DECODE_WEIGHTS}, got {self.decode_weights!r} (int8/int4: "
-                "weight-only copies for decode steps on the CPU, lossy; model: the loaded weights; auto: int8 for "
-                "a quantized GGUF file on the CPU)"
+                f"decode_weights must be auto or one of {DECODE_WEIGHTS}, got {self.decode_weights!r} (int8/int4/"
+                "fp16: weight-only copies for decode steps on the CPU, lossy; model: the loaded weights; auto: int8 "
+                "or fp16, the faster here, for a quantized GGUF file on the CPU)"
             )
         if self.fusion.strategy().wants_stored_scores:
             # the engine records no index-time deviation (experiments/craft.py is a bench-only recorder),

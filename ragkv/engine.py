@@ -31,6 +31,7 @@ from ragkv.matching import ChunkRegistry, TenantChunks
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.attention import DecodeWeights
 from ragkv.model.placement import resolve_decode_weights
+from ragkv.model.quant import time_formats
 from ragkv.planner.ratebook import RateBook
 from ragkv.planner.session import LoadEstimates
 from ragkv.prompt import render_chat, render_completion
@@ -99,9 +100,14 @@ class RagKV:
             )
             self._rate_book.load()  # the speeds an earlier process measured: no guessing on a cold start
             self.catalog = Catalog(self.config.catalog_url())
-            # the weights decode steps read; an int8/int4 copy is made now (a bad format or device raises here)
+            # the weights decode steps read; an int8/int4/fp16 copy is made now (a bad format or device raises here)
             adapter = self.adapter
-            weights, why = resolve_decode_weights(self.config.decode_weights, adapter.device, adapter.weight_bits)
+            weights, why = resolve_decode_weights(
+                self.config.decode_weights,
+                adapter.device,
+                adapter.weight_bits,
+                timer=lambda formats: time_formats(adapter.model, formats),
+            )
             self.decode_weights: DecodeWeights = weights  # type: ignore[assignment]
             self.decode_weights_reason = why
             self.adapter.model_for(self.decode_weights)

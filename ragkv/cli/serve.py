@@ -47,7 +47,7 @@ def serve(
         typer.Option(
             "--step-ms",
             help="A prefill piece's time while answers stream, sized from the measured prefill rate "
-            "(CPU; 0: pieces of --step-tokens) [500].",
+            "(CPU; 0: pieces of --step-tokens) [1000].",
         ),
     ] = None,
     carry_steps: Annotated[

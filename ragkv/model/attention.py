@@ -48,7 +48,7 @@ _PREFIX = "ragkv_"  # dispatcher names: _PREFIX + the implementation delegated t
 _REGISTER_LOCK = threading.Lock()
 _RELAYED: ContextVar[Steer | None] = ContextVar("ragkv_relayed_steer", default=None)  # see relay_steer
 StepKind = Literal["prefill", "decode"]
-DecodeWeights = Literal["model", "int8", "int4"]  # the weights a decode step's linear layers read (ragkv.model.quant)
+DecodeWeights = Literal["model", "int8", "int4", "fp16"]  # what decode steps read (ragkv.model.quant)
 DECODE_WEIGHTS: tuple[str, ...] = get_args(DecodeWeights)
 
 
@@ -162,7 +162,7 @@ class Steer:
     """
 
     kind: StepKind = "prefill"  # "decode": one query per row; on the CPU its attention runs in fp32
-    weights: DecodeWeights = "model"  # the linear layers read the model's weights or an int8/int4 copy
+    weights: DecodeWeights = "model"  # the linear layers read the model's weights or an int8/int4/fp16 copy
     probe: AttentionProbe | None = None  # records the attention weights of the pass's queries
     carry: Carry | None = None  # decode rows riding on the pass's last queries
 

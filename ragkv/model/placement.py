@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+
+from ragkv.model.quant import available_formats
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +123,19 @@ def validate_placement(dtype: str, device: str) -> None:
         raise ValueError(f"unknown device {device!r}; use one of {', '.join(DEVICES)}")
 
 
-def resolve_decode_weights(requested: str, device: torch.device, weight_bits: int | None) -> tuple[str, str]:
+def resolve_decode_weights(
+    requested: str,
+    device: torch.device,
+    weight_bits: int | None,
+    timer: Callable[[Sequence[str]], dict[str, float]] | None = None,
+) -> tuple[str, str]:
     """The weights decode steps read, and why: ``requested`` unless it is ``auto``.
 
-    ``auto`` picks ``int8`` on the CPU for a GGUF file stored in at most
-    :data:`INT8_DECODE_MAX_FILE_BITS` bits (its own rounding dwarfs the copy's), else ``model``.
+    ``auto`` decodes with a copy on the CPU for a GGUF file stored in at most
+    :data:`INT8_DECODE_MAX_FILE_BITS` bits (its own rounding dwarfs the copy's), else with the
+    model's weights. The copy is ``int8``, or whichever of ``int8`` and ``fp16`` (both far
+    smaller errors than the file's: docs/benchmarks.md) ``timer`` measures fastest on this CPU
+    (``ragkv.model.quant.time_formats``; None: int8).
     """
     if requested != "auto":
         return requested, "asked for"
@@ -134,4 +145,11 @@ def resolve_decode_weights(requested: str, device: torch.device, weight_bits: in
         return "model", "auto: not a quantized GGUF file"
     if weight_bits > INT8_DECODE_MAX_FILE_BITS:
         return "model", f"auto: the file stores {weight_bits}-bit weights"
-    return "int8", f"auto: the file stores weights in {weight_bits} bits or fewer; int8 adds far less error"
+    why = f"auto: the file stores weights in {weight_bits} bits or fewer, a copy adds far less error"
+    candidates = [f for f in ("int8", "fp16") if f in available_formats()]
+    if timer is None or len(candidates) < 2:
+        return "int8", why
+    times = timer(candidates)
+    best = min(candidates, key=lambda f: times[f])
+    shown = ", ".join(f"{f} {times[f]:.2f} ms" for f in candidates)
+    return best, f"{why}; {best} measured fastest here ({shown} through 4 layers' MLPs)"

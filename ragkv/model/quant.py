@@ -14,15 +14,25 @@ Formats (torch's CPU kernels):
 - ``int4``: asymmetric, one scale and offset per 32 input columns of a row
   (``torch._weight_int4pack_mm_for_cpu``); the LM head keeps int8 (its 150K rows are the
   logits themselves: 4 bits there cost the most quality per byte saved).
+- ``fp16``: the weights rounded to fp16, packed for FBGEMM's fp16 GEMM, fp32 activations
+  (``torch.ops.quantized.linear_dynamic_fp16``; x86 only). Twice int8's bytes, but its kernel
+  streams them at the memory's speed where int8's is bound by its arithmetic (a CPU without
+  native bf16 or VNNI); its rounding is 1/16 of int8's.
+
+Which one is fastest depends on the CPU's instructions, not on the format's size alone:
+:func:`time_formats` measures them on the model's own layers (``decode_weights="auto"`` picks
+by it; ``ragkv.model.placement.resolve_decode_weights``).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,14 +40,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZED", "quantize_int4", "quantize_int8", "quantized"]
+__all__ = ["QUANTIZED", "available_formats", "quantize_int4", "quantize_int8", "quantized", "time_formats"]
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] activations -> [rows, out]
 
 INT4_GROUP = 32  # input columns sharing one int4 scale and offset (Q4_K's sub-block width)
 # in_features the kernels handle (torch 2.13, CPU): int8 needs multiples of 16 (24 gave wrong sums,
 # 13 a segfault); int4 needs whole groups
-_ALIGN = {"int8": 16, "int4": INT4_GROUP}
+_ALIGN = {"int8": 16, "int4": INT4_GROUP, "fp16": 1}
 _COPIES: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
 _COPY_LOCK = threading.Lock()
 
@@ -81,8 +91,47 @@ def _int4_kernel(module: nn.Linear, act: torch.dtype) -> Kernel:
     return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, INT4_GROUP, sz)
 
 
-_MAKERS: dict[str, Callable[[nn.Linear, torch.dtype], Kernel]] = {"int8": _int8_kernel, "int4": _int4_kernel}
+def _fp16_kernel(module: nn.Linear, act: torch.dtype) -> Kernel:
+    packed = torch.ops.quantized.linear_prepack_fp16(module.weight.detach().float(), None)
+    return lambda x: torch.ops.quantized.linear_dynamic_fp16(x.float(), packed)
+
+
+_MAKERS: dict[str, Callable[[nn.Linear, torch.dtype], Kernel]] = {
+    "int8": _int8_kernel,
+    "int4": _int4_kernel,
+    "fp16": _fp16_kernel,
+}
 QUANTIZED: tuple[str, ...] = tuple(_MAKERS)
+_HEAD = {"int8": "int8", "int4": "int8", "fp16": "fp16"}  # the LM head's format for each
+
+
+def available_formats() -> tuple[str, ...]:
+    """The formats this torch build has kernels for (``fp16`` needs FBGEMM: x86)."""
+    return tuple(f for f in QUANTIZED if f != "fp16" or "fbgemm" in torch.backends.quantized.supported_engines)
+
+
+def time_formats(model: Any, formats: Sequence[str], layers: int = 4, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds one decode row takes through the MLP linear layers of the first ``layers`` decoder
+    layers with each format's kernels (the best of ``repeats``): what picks ``auto``'s decode weights.
+
+    Several layers, so that their weights (tens of MB) stream from memory as a decode step's do
+    rather than sit in the cache. The kernels are made for the measurement and dropped after it.
+    """
+    act = torch.bfloat16 if model.dtype == torch.float32 else model.dtype
+    linears = [m for layer in model.model.layers[:layers] for m in layer.mlp.modules() if isinstance(m, nn.Linear)]
+    times: dict[str, float] = {}
+    with torch.inference_mode():
+        for fmt in formats:
+            kernels = [(_MAKERS[fmt](m, act), m.in_features) for m in linears if m.in_features % _ALIGN[fmt] == 0]
+            rows = {k: torch.randn(1, k, dtype=model.dtype) for _, k in kernels}
+            best = math.inf
+            for _ in range(repeats + 1):  # the first run warms the kernels' packing and threads
+                began = time.perf_counter()
+                for kernel, k in kernels:
+                    kernel(rows[k])
+                best = min(best, time.perf_counter() - began)
+            times[fmt] = round(best * 1000, 3)
+    return times
 
 
 class QuantLinear(nn.Module):
@@ -123,6 +172,9 @@ def quantized(model: Any, weights: str) -> Any:
     """
     if weights not in _MAKERS:
         raise ValueError(f"quantized decode weights are one of {QUANTIZED}, got {weights!r}")
+    if weights not in available_formats():
+        raise ValueError(f"{weights} decode weights need FBGEMM (an x86 CPU build of torch); use one of "
+                         f"{', '.join(available_formats())}")  # fmt: skip
     with _COPY_LOCK:
         made = _COPIES.setdefault(model, {})
         if weights not in made:
@@ -137,13 +189,13 @@ def _quantized_copy(model: Any, weights: str) -> Any:
     for module in [*model.model.layers.modules(), model.lm_head]:
         if not isinstance(module, nn.Linear):
             continue
-        fmt = "int8" if module is model.lm_head else weights
+        fmt = _HEAD[weights] if module is model.lm_head else weights
         if module.in_features % _ALIGN[fmt]:
             logger.warning(
                 "%s decode: a %s keeps its weights (in_features %d)", fmt, type(module).__name__, module.in_features
             )
             continue
         swap[module] = QuantLinear(_MAKERS[fmt](module, act), module.bias, module.in_features)
-        added += module.weight.numel() // (1 if fmt == "int8" else 2)
+        added += module.weight.numel() * {"int8": 2, "int4": 1, "fp16": 4}[fmt] // 2  # bytes
     logger.info("%s decode weights: %.0f MB added", weights, added / 1e6)
     return _swapped(model, swap)

@@ -11,7 +11,7 @@ from ragkv.types import validate_tenant
 __all__ = ["STEP_MS", "ServerSettings", "load_api_keys", "load_tenant_quotas"]
 
 # A prefill piece's time while streams decode (docs/serving.md, "Prefill pieces": chosen by measurement)
-STEP_MS = 500.0
+STEP_MS = 1000.0
 
 
 @dataclass(frozen=True, slots=True)

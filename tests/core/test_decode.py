@@ -10,7 +10,8 @@ from ragkv.generation import generate_ids
 from ragkv.model import ModelAdapter, Steer
 from ragkv.model.attention import _one_query_fp32
 from ragkv.model.batch import DecodeBatch
-from ragkv.model.quant import quantize_int4, quantize_int8, quantized
+from ragkv.model.placement import resolve_decode_weights
+from ragkv.model.quant import available_formats, quantize_int4, quantize_int8, quantized, time_formats
 from tests.conftest import make_model
 
 
@@ -209,3 +210,47 @@ def test_int4_decode_kernel_equals_the_dequantized_weights(tiny_tokenizer):
         fast = quantized(a.model, "int4").model.layers[0].mlp.down_proj(x)
         torch.testing.assert_close(linear(x), x @ linear.weight.t())  # the model's own module is untouched
     torch.testing.assert_close(fast, x.to(torch.bfloat16).float() @ deq.t(), atol=0.05, rtol=0.02)
+
+
+def test_fp16_decode_kernel_equals_the_fp16_rounded_weights(tiny_tokenizer):
+    if "fp16" not in available_formats():
+        pytest.skip("no FBGEMM in this torch build")
+    a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
+    prompt, answer = _ids(24, 13), _ids(5, 14)
+    cache = a.build_cache([])
+    a.forward(prompt, cache, 0, logits="none")
+    want = _steps(a, cache, len(prompt), answer)
+    got = _steps(a, cache, len(prompt), answer, "fp16")
+    kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True, reduction="none")
+    assert float(kl.sum(-1).max()) < 1e-4  # fp16 rounding of the weights only
+    copy = quantized(a.model, "fp16")
+    for mine, theirs in ((copy.model.layers[0].mlp.down_proj, a.model.model.layers[0].mlp.down_proj),
+                         (copy.lm_head, a.model.lm_head)):  # fmt: skip
+        x = torch.randn(3, theirs.in_features)
+        with torch.no_grad():
+            slow = x @ theirs.weight.half().float().t()
+            torch.testing.assert_close(mine(x), slow, atol=1e-5, rtol=1e-4)
+
+
+def test_auto_picks_the_copy_measured_fastest_and_says_so():
+    cpu = torch.device("cpu")
+    asked: list[tuple[str, ...]] = []
+
+    def timer(formats):
+        asked.append(tuple(formats))
+        return {"int8": 3.0, "fp16": 1.5}
+
+    weights, why = resolve_decode_weights("auto", cpu, 5, timer=timer)
+    if "fp16" not in available_formats():
+        assert (weights, asked) == ("int8", [])
+        return
+    assert weights == "fp16" and asked == [("int8", "fp16")]
+    assert "fp16 measured fastest here (int8 3.00 ms, fp16 1.50 ms" in why
+    assert resolve_decode_weights("auto", cpu, 5, timer=lambda f: {"int8": 1.0, "fp16": 2.0})[0] == "int8"
+    assert resolve_decode_weights("auto", cpu, 16, timer=timer)[0] == "model" and len(asked) == 1  # not timed
+
+
+def test_time_formats_times_each_format_on_the_models_layers(tiny_tokenizer):
+    a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
+    times = time_formats(a.model, available_formats(), layers=2, repeats=1)
+    assert set(times) == set(available_formats()) and all(t > 0 for t in times.values())
