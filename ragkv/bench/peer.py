@@ -316,7 +316,8 @@ def format_peer_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 # ---- decode-step anatomy: the int8 error and the time outside matmuls ----------------------------------
-_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
+_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+            "quantized::linear_dynamic_fp16")  # fmt: skip
 
 
 def _step_ms(step: Callable[[int], torch.Tensor], tokens: Sequence[int]) -> tuple[float, float]:

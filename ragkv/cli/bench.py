@@ -250,10 +250,10 @@ def bench_peer(
     ] = None,
     out: JsonOut = None,
 ) -> None:
-    """ragkv (fused, full, int8/int4 decode) against llama.cpp on the same GGUF and prompt token ids.
+    """ragkv (fused, full, each decode copy) against llama.cpp on the same GGUF and prompt token ids.
 
-    llama.cpp keeps its thread count; ragkv's follows RAGKV_THREADS (auto: the cores other processes
-    leave free).
+    Both sides run --threads threads (ragkv: RAGKV_THREADS, unless set; with --busy, ragkv's follow
+    RAGKV_THREADS=auto: the cores other processes leave free).
     """
     import tempfile
 
@@ -274,10 +274,13 @@ def bench_peer(
     from ragkv.bench.table import format_table
     from ragkv.model.attention import DECODE_WEIGHTS
     from ragkv.model.placement import resolve_decode_weights
+    from ragkv.model.quant import time_formats
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads is not None:
         torch.set_num_threads(threads)
+    if not busy:  # llama-server is another process: under auto, its busy cores would read as others' load
+        os.environ.setdefault("RAGKV_THREADS", str(torch.get_num_threads()))
     try:
         gguf = gguf_path(model or engine_config().model)
     except ValueError as e:
@@ -289,7 +292,9 @@ def bench_peer(
         n_ctx = max(len(p.ids) for p in peers) + decode_tokens + 8
         llm = _peer(peer, llama_server, gguf, torch.get_num_threads(), n_ctx, Path(tmp))
         # the first two rows run the defaults (decode_weights=auto: int8 for a quantized file on the CPU)
-        default, _ = resolve_decode_weights("auto", adapter.device, adapter.weight_bits)
+        default, _ = resolve_decode_weights(
+            "auto", adapter.device, adapter.weight_bits, timer=lambda formats: time_formats(adapter.model, formats)
+        )
         systems = {"ragkv fused": ("reuse", default), "ragkv full": ("full", default)}
         systems |= {f"ragkv fused, {w} decode": ("reuse", w) for w in DECODE_WEIGHTS if w != default}
 

@@ -110,9 +110,12 @@ def available_formats() -> tuple[str, ...]:
     return tuple(f for f in QUANTIZED if f != "fp16" or "fbgemm" in torch.backends.quantized.supported_engines)
 
 
-def time_formats(model: Any, formats: Sequence[str], layers: int = 4, repeats: int = 5) -> dict[str, float]:
-    """Milliseconds one decode row takes through the MLP linear layers of the first ``layers`` decoder
-    layers with each format's kernels (the best of ``repeats``): what picks ``auto``'s decode weights.
+def time_formats(
+    model: Any, formats: Sequence[str], layers: int = 4, repeats: int = 5, rows: Sequence[int] = (1, 4)
+) -> dict[str, float]:
+    """Milliseconds a decode step of 1 row plus one of 4 rows (``rows``) take through the MLP linear
+    layers of the first ``layers`` decoder layers with each format's kernels (each the best of
+    ``repeats``): what picks ``auto``'s decode weights, for a stream alone and for a server's batch.
 
     Several layers, so that their weights (tens of MB) stream from memory as a decode step's do
     rather than sit in the cache. The kernels are made for the measurement and dropped after it.
@@ -123,14 +126,17 @@ def time_formats(model: Any, formats: Sequence[str], layers: int = 4, repeats: i
     with torch.inference_mode():
         for fmt in formats:
             kernels = [(_MAKERS[fmt](m, act), m.in_features) for m in linears if m.in_features % _ALIGN[fmt] == 0]
-            rows = {k: torch.randn(1, k, dtype=model.dtype) for _, k in kernels}
-            best = math.inf
-            for _ in range(repeats + 1):  # the first run warms the kernels' packing and threads
-                began = time.perf_counter()
-                for kernel, k in kernels:
-                    kernel(rows[k])
-                best = min(best, time.perf_counter() - began)
-            times[fmt] = round(best * 1000, 3)
+            total = 0.0
+            for n in rows:
+                inputs = {k: torch.randn(n, k, dtype=model.dtype) for _, k in kernels}
+                best = math.inf
+                for _ in range(repeats + 1):  # the first run warms the kernels' packing and threads
+                    began = time.perf_counter()
+                    for kernel, k in kernels:
+                        kernel(inputs[k])
+                    best = min(best, time.perf_counter() - began)
+                total += best
+            times[fmt] = round(total * 1000, 3)
     return times
 
 
