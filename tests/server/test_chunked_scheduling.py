@@ -76,10 +76,9 @@ def _job(engine, log: _Log, who: str, segments: list[str], tokens: int) -> Job:
     return Job(JobRequest(_Counted(engine, log, who), gen, "full", segments=segments), log.post(who))
 
 
-def test_a_running_stream_gets_tokens_between_the_pieces_of_a_long_prefill(engine):
-    log = _Log()
-    # steps of their own (carried steps would shrink the pieces by the rows riding: the next test)
-    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16, carry=False)
+def _long_while_short_streams(engine, log: _Log, scheduler: Scheduler) -> int:
+    """Start ``scheduler``, stream a short request, submit LONG once it decodes; wait for both, stop.
+    Returns LONG's prompt tokens."""
     scheduler.start()
     try:
         scheduler.submit(_job(engine, log, "short", ["Hello there, tell me a story"], tokens=400))
@@ -90,6 +89,14 @@ def test_a_running_stream_gets_tokens_between_the_pieces_of_a_long_prefill(engin
         assert log.finished["long"].wait(120) and log.finished["short"].wait(120)
     finally:
         scheduler.stop()
+    return long_ids
+
+
+def test_a_running_stream_gets_tokens_between_the_pieces_of_a_long_prefill(engine):
+    log = _Log()
+    # steps of their own (carried steps would shrink the pieces by the rows riding: the next test)
+    scheduler = log.scheduler = Scheduler(engine.adapter, max_batch=4, step_tokens=16, carry=False)
+    long_ids = _long_while_short_streams(engine, log, scheduler)
     pieces = [steps for who, what, steps in log.entries if who == "long" and what == "piece"]
     assert len(pieces) == -(-long_ids // 16) - 1  # every piece but the last pauses
     # exactly one batched decode step between two pieces: the running stream never waits for the whole prefill
@@ -174,16 +181,7 @@ def test_pieces_sized_in_time_run_whole_with_no_stream_and_by_the_measured_rate_
     assert isinstance(scheduler.pieces, TimedPieces) and scheduler.piece_tokens == MIN_PIECE_TOKENS  # 16/s: the floor
     scheduler.pieces.rate.seed(48.0)  # tokens per second: 48-token pieces of a second each
     scheduler.pieces.spent = lambda tokens, seconds: None  # type: ignore[method-assign]
-    scheduler.start()
-    try:
-        scheduler.submit(_job(engine, log, "short", ["Hello there, tell me a story"], tokens=400))
-        while not any(who == "short" and what == "delta" for who, what, _ in log.entries):
-            assert not log.finished["short"].wait(0.01), "the short request ended before the long one came"
-        long_ids = len(engine.adapter.encode(LONG[0]))
-        scheduler.submit(_job(engine, log, "long", LONG, tokens=4))
-        assert log.finished["long"].wait(120) and log.finished["short"].wait(120)
-    finally:
-        scheduler.stop()
+    long_ids = _long_while_short_streams(engine, log, scheduler)
     assert not [e for e in log.entries if e[:2] == ("short", "piece")]  # one piece: no pause
     pieces = [steps for who, what, steps in log.entries if who == "long" and what == "piece"]
     assert len(pieces) == -(-long_ids // 48) - 1 and scheduler.piece_tokens == 48
