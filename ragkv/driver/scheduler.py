@@ -8,16 +8,18 @@ verdict and ``finish_reason``, and fills the stats.
 Each loop turn: drop rows whose clients left, run one piece of the prefill under way (a new one
 starts when none is and a batch row is free: ``RagKV.prefill_steps``, Sarathi-style), then
 advance every decoding request by one token in one batched forward pass
-(:class:`ragkv.model.batch.DecodeBatch`). A long prompt therefore delays
-the running streams by one piece per token, never by its whole prefill. A piece is sized in
-time where ``step_ms`` is set (on a CPU): about ``step_ms`` of work at the prefill rate measured
-on the pieces run so far, so the gap a reader sees between two tokens is about a piece plus a
-step whatever the model, dtype and machine; with no stream decoding a prefill runs whole (nobody
-waits on a step). Otherwise a piece is ``step_tokens`` prompt tokens. Where the piece is a
-forward pass over prompt tokens (a full prefill's piece) and the rows decode with the model's
-own weights on the CPU, their step rides on that pass (Sarathi-Serve's mixed batch,
-``DecodeBatch.carried_step``): the rows' tokens share the piece's weight reads instead of paying
-a step of their own. Each request's events go to its ``post``.
+(:class:`ragkv.model.batch.DecodeBatch`). A long prompt therefore delays the running streams by
+one piece per token, never by its whole prefill.
+
+A piece is sized in time where ``step_ms`` is set (on a CPU, :class:`TimedPieces`): a fused
+prefill's layers by the clock, a full prefill's forward pass by the prefill rate measured so
+far, so the gap a reader sees between two tokens is about ``step_ms`` plus a step whatever the
+model, dtype and machine; with no stream decoding a prefill runs whole (nobody waits on a step).
+Otherwise a piece is ``step_tokens`` prompt tokens. Where the piece is a forward pass over prompt
+tokens (a full prefill's piece) and the rows decode with the model's own weights on the CPU,
+their step rides on that pass (Sarathi-Serve's mixed batch, ``DecodeBatch.carried_step``): the
+rows' tokens share the piece's weight reads instead of paying a step of their own. Each
+request's events go to its ``post``.
 """
 
 from __future__ import annotations
