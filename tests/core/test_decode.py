@@ -254,3 +254,16 @@ def test_time_formats_times_each_format_on_the_models_layers(tiny_tokenizer):
     a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
     times = time_formats(a.model, available_formats(), layers=2, repeats=1)
     assert set(times) == set(available_formats()) and all(t > 0 for t in times.values())
+
+
+def test_an_fp16_kernel_packed_in_row_blocks_equals_one_packed_whole():
+    if "fp16" not in available_formats():
+        pytest.skip("no FBGEMM in this torch build")
+    from ragkv.model.quant import _fp16_kernel
+
+    linear = torch.nn.Linear(32, 100, bias=False)  # 100 rows in blocks of 16: 7 packs, the last of 4 rows
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        slow = x @ linear.weight.half().float().t()
+        torch.testing.assert_close(_fp16_kernel(linear, torch.float32, block=16)(x), slow, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(_fp16_kernel(linear, torch.float32)(x), slow, atol=1e-5, rtol=1e-4)
