@@ -212,7 +212,7 @@ class AnswerPath:
         began = time.perf_counter()
         logits = a.forward(ids[start:], cache, start, logits="last", rider=rider)
         if budget is not None:
-            budget.spent(n - start + (rider.batch.step_rows if rider is not None else 0), time.perf_counter() - began)
+            budget.spent(n - start + rows, time.perf_counter() - began)  # the rows of the last piece's rider
         if not carried:  # a pass that carried decode rows timed their work too: not this prefill's speed
             self.parts.load_estimates.recompute.observe(len(ids), busy + time.perf_counter() - began)
             self.parts.save_rates_soon()

@@ -110,10 +110,12 @@ class TimedPieces(PieceBudget):
         self.rate = RateEstimate(first_rate)  # prompt tokens per second through every layer
         self._decoding = decoding
 
-    def tokens(self) -> int | None:
-        if not self._decoding():
-            return None
+    def size(self) -> int:
+        """A full prefill's piece while streams decode: the measured rate times the piece's time."""
         return max(MIN_PIECE_TOKENS, int(self.rate.rate * self.piece_s))
+
+    def tokens(self) -> int | None:
+        return self.size() if self._decoding() else None
 
     def seconds(self) -> float | None:
         return self.piece_s if self._decoding() else None
@@ -203,7 +205,7 @@ class Scheduler:
     def piece_tokens(self) -> int | None:
         """A prefill piece's size now while streams decode, in prompt tokens (None: whole prefills)."""
         if isinstance(self.pieces, TimedPieces):
-            return max(MIN_PIECE_TOKENS, int(self.pieces.rate.rate * self.pieces.piece_s))
+            return self.pieces.size()
         return self.pieces.tokens() if self.pieces is not None else None
 
     @property

@@ -17,7 +17,8 @@ Formats (torch's CPU kernels):
 - ``fp16``: the weights rounded to fp16, packed for FBGEMM's fp16 GEMM, fp32 activations
   (``torch.ops.quantized.linear_dynamic_fp16``; x86 only). Twice int8's bytes, but its kernel
   streams them at the memory's speed where int8's is bound by its arithmetic (a CPU without
-  native bf16 or VNNI); its rounding is 1/16 of int8's.
+  native bf16 or VNNI); its rounding is far smaller than int8's (2^-11 of each weight, against
+  half of 1/127 of its row's largest).
 
 Which one is fastest depends on the CPU's instructions, not on the format's size alone:
 :func:`time_formats` measures them on the model's own layers (``decode_weights="auto"`` picks
@@ -110,6 +111,7 @@ _MAKERS: dict[str, Callable[[nn.Linear, torch.dtype], Kernel]] = {
 }
 QUANTIZED: tuple[str, ...] = tuple(_MAKERS)
 _HEAD = {"int8": "int8", "int4": "int8", "fp16": "fp16"}  # the LM head's format for each
+_BYTES = {"int8": 1.0, "int4": 0.5, "fp16": 2.0}  # bytes a weight takes in each
 
 
 def available_formats() -> tuple[str, ...]:
@@ -132,7 +134,8 @@ def time_formats(
     times: dict[str, float] = {}
     with torch.inference_mode():
         for fmt in formats:
-            kernels = [(_MAKERS[fmt](m, act), m.in_features) for m in linears if m.in_features % _ALIGN[fmt] == 0]
+            fit = [m for m in linears if m.in_features % _ALIGN[fmt] == 0]
+            kernels = list(zip(_make_kernels([(m, fmt) for m in fit], act), [m.in_features for m in fit], strict=True))
             total = 0.0
             for n in rows:
                 inputs = {k: torch.randn(n, k, dtype=model.dtype) for _, k in kernels}
@@ -145,6 +148,13 @@ def time_formats(
                 total += best
             times[fmt] = round(total * 1000, 3)
     return times
+
+
+def _make_kernels(jobs: Sequence[tuple[nn.Linear, str]], act: torch.dtype) -> list[Kernel]:
+    """A kernel per ``(module, format)``, made on every core: the packing runs in C++ without the GIL
+    (fp16's of Qwen 0.5B takes seconds)."""
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        return list(pool.map(lambda job: _MAKERS[job[1]](job[0], act), jobs))
 
 
 class QuantLinear(nn.Module):
@@ -185,12 +195,12 @@ def quantized(model: Any, weights: str) -> Any:
     """
     if weights not in _MAKERS:
         raise ValueError(f"quantized decode weights are one of {QUANTIZED}, got {weights!r}")
-    if weights not in available_formats():
-        raise ValueError(f"{weights} decode weights need FBGEMM (an x86 CPU build of torch); use one of "
-                         f"{', '.join(available_formats())}")  # fmt: skip
     with _COPY_LOCK:
         made = _COPIES.setdefault(model, {})
-        if weights not in made:
+        if weights not in made:  # checked once, when the copy is made (decode steps ask on every step)
+            if weights not in available_formats():
+                raise ValueError(f"{weights} decode weights need FBGEMM (an x86 CPU build of torch); use one of "
+                                 f"{', '.join(available_formats())}")  # fmt: skip
             made[weights] = _quantized_copy(model, weights)
         return made[weights]
 
@@ -208,13 +218,11 @@ def _quantized_copy(model: Any, weights: str) -> Any:
             )
             continue
         jobs.append((module, fmt))
-    # the kernels' packing runs in C++ without the GIL: on every core (fp16's alone takes ~10 s for 0.5B)
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-        kernels = list(pool.map(lambda job: _MAKERS[job[1]](job[0], act), jobs))
+    kernels = _make_kernels(jobs, act)
     swap: dict[nn.Module, nn.Module] = {
         module: QuantLinear(kernel, module.bias, module.in_features)
         for (module, _), kernel in zip(jobs, kernels, strict=True)
     }
-    added = sum(m.weight.numel() * {"int8": 2, "int4": 1, "fp16": 4}[fmt] // 2 for m, fmt in jobs)  # bytes
+    added = sum(m.weight.numel() * _BYTES[fmt] for m, fmt in jobs)
     logger.info("%s decode weights: %.0f MB added", weights, added / 1e6)
     return _swapped(model, swap)
