@@ -10,7 +10,9 @@ and a decoder reading the model's weights on the same model stays exact. (Until 
 linear modules' ``forward`` was swapped for one that read the format from a ContextVar.)
 
 Formats (torch's CPU kernels):
-- ``int8``: symmetric, one scale per output channel (``torch._weight_int8pack_mm``).
+- ``int8``: symmetric, one scale per output channel. On an x86 CPU with AVX2 and a C compiler,
+  ragkv's own kernel (:mod:`ragkv.model.native`: fp32 activations, at the memory's speed);
+  elsewhere torch's (``torch._weight_int8pack_mm``, bf16 activations).
 - ``int4``: asymmetric, one scale and offset per 32 input columns of a row
   (``torch._weight_int4pack_mm_for_cpu``); the LM head keeps int8 (its 150K rows are the
   logits themselves: 4 bits there cost the most quality per byte saved).
@@ -39,6 +41,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ragkv.model import native
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +87,17 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
 
 
 def _int8_kernel(module: nn.Linear, act: torch.dtype) -> Kernel:
-    q, scales = quantize_int8(module.weight, act)
-    return lambda x: torch._weight_int8pack_mm(x.to(act), q, scales)
+    q, scales = quantize_int8(module.weight, torch.float32)
+    slow_scales = scales.to(act)
+    if not native.int8_available():
+        return lambda x: torch._weight_int8pack_mm(x.to(act), q, slow_scales)
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= native.NATIVE_MAX_ROWS:  # a decode batch: the AVX2 kernel, fp32 activations
+            return native.int8_matmul(x, q, scales)
+        return torch._weight_int8pack_mm(x.to(act), q, slow_scales)
+
+    return kernel
 
 
 def _int4_kernel(module: nn.Linear, act: torch.dtype) -> Kernel:
