@@ -27,6 +27,7 @@ from ragkv.model.attention import (
     relay_steer,
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
+from ragkv.model.lean import lean_layers, lean_plan
 from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
@@ -440,8 +441,13 @@ class ModelAdapter:
         A decode step (``steer.kind == "decode"``: one query per row) and a prefill piece carrying
         one (``steer.carry``) call this; the layers are those of :meth:`model_for` ``steer.weights``.
         """
+        model = self.model_for(steer.weights)
+        if steer.kind == "decode" and steer.probe is None and steer.carry is None and hidden.shape[1] == 1:
+            plan = lean_plan(model) if self.device.type == "cpu" else None
+            if plan is not None:  # the same arithmetic without transformers' per-layer machinery
+                return lean_layers(plan, hidden, cache, position_embeddings, mask)
         kw = self._steering(steer)
-        for layer in self.model_for(steer.weights).model.layers:
+        for layer in model.model.layers:
             out = layer(
                 hidden,
                 attention_mask=mask,

@@ -29,13 +29,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NATIVE_MAX_ROWS", "int8_available", "int8_library", "int8_matmul", "kernel_cache_dir"]
+__all__ = ["NATIVE_MAX_ROWS", "int8_available", "int8_kernel", "int8_library", "int8_matmul", "kernel_cache_dir"]
 
 NATIVE_MAX_ROWS = 16  # activation rows the kernel takes (a decode batch); more go to torch's kernel
 
@@ -222,6 +223,38 @@ def int8_available() -> bool:
     return int8_library() is not None
 
 
+def int8_kernel(q: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> int8_matmul(x, q, scales)`` with the operands checked once, for a decode step's many calls."""
+    lib = int8_library()
+    if lib is None:
+        raise RuntimeError("the native int8 kernel is not available here (see the log for why)")
+    _check(q, scales)
+    out, inp = q.shape
+    fn, qp, sp = lib.ragkv_int8_matmul, q.data_ptr(), scales.data_ptr()
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        rows = x.shape[0]
+        if x.dim() != 2 or x.shape[1] != inp:
+            raise ValueError(f"x must be [rows, {inp}], got {tuple(x.shape)}")
+        y = torch.empty(rows, out, dtype=torch.float32)
+        fn(x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
+        # q and scales stay alive with this closure: the pointers above stay valid
+        return y
+
+    kernel.operands = (q, scales)  # type: ignore[attr-defined]
+    return kernel
+
+
+def _check(q: torch.Tensor, scales: torch.Tensor) -> None:
+    if q.dtype != torch.int8 or scales.dtype != torch.float32 or not (q.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("q must be contiguous int8 [out, in] and scales contiguous float32 [out]")
+    if q.dim() != 2 or q.device.type != "cpu" or scales.shape != (q.shape[0],):
+        shapes = f"{tuple(q.shape)} and {tuple(scales.shape)}"
+        raise ValueError(f"q [out, in] on the CPU and scales [out] expected, got {shapes}")
+
+
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [rows, in] @ (q [out, in] int8 * scales [out] fp32).T`` in fp32, by the native kernel.
 
@@ -231,15 +264,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     lib = int8_library()
     if lib is None:
         raise RuntimeError("the native int8 kernel is not available here (see the log for why)")
-    if q.dtype != torch.int8 or scales.dtype != torch.float32 or not (q.is_contiguous() and scales.is_contiguous()):
-        raise ValueError("q must be contiguous int8 [out, in] and scales contiguous float32 [out]")
-    rows, inp = x.shape
-    out = q.shape[0]
-    if q.shape[1] != inp or scales.shape != (out,):
+    _check(q, scales)
+    if x.dim() != 2 or x.shape[1] != q.shape[1]:
         raise ValueError(f"shapes do not agree: x {tuple(x.shape)}, q {tuple(q.shape)}, scales {tuple(scales.shape)}")
-    x = x.to(torch.float32).contiguous()
-    y = torch.empty(rows, out, dtype=torch.float32)
-    lib.ragkv_int8_matmul(
-        x.data_ptr(), q.data_ptr(), scales.data_ptr(), y.data_ptr(), rows, inp, out, torch.get_num_threads()
-    )
-    return y
+    return int8_kernel(q, scales)(x)

@@ -92,9 +92,11 @@ def _int8_kernel(module: nn.Linear, act: torch.dtype) -> Kernel:
     if not native.int8_available():
         return lambda x: torch._weight_int8pack_mm(x.to(act), q, slow_scales)
 
+    fast = native.int8_kernel(q, scales)
+
     def kernel(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= native.NATIVE_MAX_ROWS:  # a decode batch: the AVX2 kernel, fp32 activations
-            return native.int8_matmul(x, q, scales)
+            return fast(x)
         return torch._weight_int8pack_mm(x.to(act), q, slow_scales)
 
     return kernel
@@ -178,10 +180,13 @@ class QuantLinear(nn.Module):
         self.kernel, self.bias, self.in_features = kernel, bias, in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.kernel(x.reshape(-1, x.shape[-1])).to(x.dtype)  # the kernels take 2-D activations
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # the kernels take 2-D activations
+        out = self.kernel(flat)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _swapped(module: nn.Module, swap: dict[nn.Module, nn.Module]) -> nn.Module:
