@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from ragkv.bench.table import Column, format_table
+from ragkv.model.native import PROFILED_NAME
 
 __all__ = [
     "INSTALL_HINT",
@@ -317,7 +318,7 @@ def format_peer_table(rows: Sequence[dict[str, Any]]) -> str:
 
 # ---- decode-step anatomy: the int8 error and the time outside matmuls ----------------------------------
 _MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
-            "quantized::linear_dynamic_fp16")  # fmt: skip
+            "quantized::linear_dynamic_fp16", PROFILED_NAME)  # fmt: skip
 
 
 def _step_ms(step: Callable[[int], torch.Tensor], tokens: Sequence[int]) -> tuple[float, float]:
@@ -408,16 +409,21 @@ def busy_processes(n: int) -> Iterator[None]:
             proc.wait()
 
 
+# what torch's OpenMP runtime read when it loaded (with torch, before any setdefault below): passive
+# waits cost ragkv's decode 20-30% (a thread woken from sleep at each of a step's ~200 parallel regions)
+_RAGKV_WAITS = os.environ.get("OMP_WAIT_POLICY", "")
+
+
 def machine_load() -> str:
     """The load averages and the thread settings, for the line under the table."""
     try:
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     except OSError:  # pragma: no cover - not on Linux/macOS
         load = "unknown"
-    wait = os.environ.get("OMP_WAIT_POLICY", "")
     policy = os.environ.get("RAGKV_THREADS", "auto")
     return (
-        f"load average {load}; {torch.get_num_threads()} threads now (RAGKV_THREADS={policy}); OMP_WAIT_POLICY={wait}"
+        f"load average {load}; {torch.get_num_threads()} threads now (RAGKV_THREADS={policy}); "
+        f"OMP_WAIT_POLICY ragkv {_RAGKV_WAITS or 'unset'}, llama.cpp PASSIVE"
     )
 
 

@@ -33,11 +33,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.autograd import profiler as _profiler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NATIVE_MAX_ROWS", "int8_available", "int8_kernel", "int8_library", "int8_matmul", "kernel_cache_dir"]
+__all__ = [
+    "NATIVE_MAX_ROWS",
+    "PROFILED_NAME",
+    "int8_available",
+    "int8_kernel",
+    "int8_library",
+    "int8_matmul",
+    "kernel_cache_dir",
+]
 
+PROFILED_NAME = "ragkv::int8_matmul"  # the kernel's calls, as torch's profiler lists them
 NATIVE_MAX_ROWS = 16  # activation rows the kernel takes (a decode batch); more go to torch's kernel
 
 _SOURCE = r"""
@@ -158,11 +168,12 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+def _build(compiler: str, again: bool = False) -> Path:
+    """The compiled library's path, compiled unless the cache has it (``again``: recompile anyway)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False, timeout=60).stdout
     digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, version]).encode()).hexdigest()[:20]
     target = kernel_cache_dir() / f"ragkv_int8_{digest}.so"
-    if target.exists():
+    if target.exists() and not again:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
@@ -170,7 +181,7 @@ def _build(compiler: str) -> Path:
         source.write_text(_SOURCE)
         built = Path(work) / target.name
         done = subprocess.run(
-            [compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, check=False
+            [compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, check=False, timeout=300
         )
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:] or f"{compiler} exited {done.returncode}")
@@ -182,7 +193,7 @@ def _load() -> ctypes.CDLL | None:
     if os.environ.get("RAGKV_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
         logger.info("native int8 kernel off (RAGKV_NATIVE_KERNELS); torch's int8 kernel decodes")
         return None
-    if sys.platform != "linux" or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")):
         logger.info("native int8 kernel: not an x86 Linux CPU with AVX2; torch's int8 kernel decodes")
         return None
     compiler = _compiler()
@@ -191,13 +202,17 @@ def _load() -> ctypes.CDLL | None:
         return None
     torch_lib = Path(torch.__file__).parent / "lib"
     try:
-        path = _build(compiler)
         # torch's own libgomp first, so the kernel's OpenMP calls share torch's thread pool
         for gomp in sorted(torch_lib.glob("libgomp*.so*")):
             ctypes.CDLL(str(gomp), mode=ctypes.RTLD_GLOBAL)
             break
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
+        path = _build(compiler)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged file in the cache (a full disk, a copy cut short): built anew, once
+            path = _build(compiler, again=True)
+            lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("native int8 kernel could not be built or loaded (%s); torch's int8 kernel decodes", e)
         return None
     if not lib.ragkv_supported():
@@ -239,7 +254,11 @@ def int8_kernel(q: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor
         if x.dim() != 2 or x.shape[1] != inp:
             raise ValueError(f"x must be [rows, {inp}], got {tuple(x.shape)}")
         y = torch.empty(rows, out, dtype=torch.float32)
-        fn(x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
+        if _profiler._is_profiler_enabled:  # torch's profiler sees the call as PROFILED_NAME
+            with torch.profiler.record_function(PROFILED_NAME):
+                fn(x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
+        else:
+            fn(x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
         # q and scales stay alive with this closure: the pointers above stay valid
         return y
 

@@ -80,3 +80,27 @@ def test_the_kernel_is_built_once_into_the_kernel_cache(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert native._build(native._compiler() or "cc") == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "k").iterdir()] == [first.name] and first.suffix == ".so"
+
+
+@needs_kernel
+def test_the_profiler_sees_the_kernels_calls_by_name():
+    q, scales = quantize_int8(torch.randn(8, 16), torch.float32)
+    kernel, x = native.int8_kernel(q, scales), torch.randn(2, 16)
+    with torch.profiler.profile() as prof:
+        kernel(x)
+        kernel(x)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get(native.PROFILED_NAME) == 2
+    torch.testing.assert_close(kernel(x), _slow(x, q, scales).float())
+
+
+@needs_kernel
+def test_a_damaged_library_in_the_cache_is_built_anew(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGKV_KERNEL_CACHE", str(tmp_path))
+    built = native._build(native._compiler() or "cc")
+    built.write_bytes(b"not a shared library")
+    monkeypatch.setattr(native, "_LIBRARY", [])  # a fresh look, as in a new process
+    assert native.int8_available()
+    q, scales = quantize_int8(torch.randn(8, 16), torch.float32)
+    x = torch.randn(1, 16)
+    torch.testing.assert_close(native.int8_matmul(x, q, scales), _slow(x, q, scales).float())
