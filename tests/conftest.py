@@ -18,6 +18,7 @@ _CACHES = (
     ("RAGKV_MODEL_CACHE", "models"),
     ("HF_HOME", "hf"),
     ("RAGKV_DATA_DIR", "data"),
+    ("RAGKV_KERNEL_CACHE", "kernels"),  # ragkv.model.native's compiled int8 kernel
     ("VLLM_CACHE_ROOT", "vllm-cache"),  # vLLM's venv (tools/vllm_env.sh): its caches default to ~/.cache/vllm
     ("VLLM_CONFIG_ROOT", "vllm-config"),  # ... and its usage record to ~/.config/vllm
 )
@@ -31,6 +32,14 @@ os.environ["VLLM_NO_USAGE_STATS"] = "1"  # ... and send nothing (vLLM posts usag
 # follow the CI machine's load, and two runs compared for equality could then round differently.
 # tests/core/test_threads.py tests the policy itself.
 os.environ["RAGKV_THREADS"] = "torch"
+
+
+def env_without_ragkv_settings(**extra: str) -> dict[str, str]:
+    """This process's environment without its ``RAGKV_*`` settings, for a subprocess that must run
+    on ragkv's defaults, plus ``extra``. The session's kernel cache stays: a default-model subprocess
+    compiles ragkv's int8 kernel, and the tests never write the user's caches."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_") or k == "RAGKV_KERNEL_CACHE"}
+    return env | extra
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -293,6 +293,7 @@ def workspace(folder: Path, model_cache: Path) -> dict[str, str]:
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         RAGKV_DATA_DIR=str(folder / "data"), RAGKV_MODEL_CACHE=str(model_cache),
+        RAGKV_KERNEL_CACHE=os.environ["RAGKV_KERNEL_CACHE"],  # the session's (tests/conftest.py)
         HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
     )  # fmt: skip
     return env

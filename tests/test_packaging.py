@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -95,7 +94,7 @@ def test_installed_wheel_serves_the_web_page(tmp_path, installed):
     """`ragkv serve` run from the installed wheel answers GET / with the web page as shipped."""
     import httpx
 
-    from tests.conftest import make_model, make_tokenizer
+    from tests.conftest import env_without_ragkv_settings, make_model, make_tokenizer
     from tests.server.conftest import free_port
 
     site = installed
@@ -111,7 +110,7 @@ def test_installed_wheel_serves_the_web_page(tmp_path, installed):
         "print(ragkv.cli.__file__, flush=True); ragkv.cli.main()"
     )
     args = ["serve", "--port", str(port), "--model", str(model), "--data-dir", str(tmp_path / "data")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")} | {"HF_HUB_OFFLINE": "1"}
+    env = env_without_ragkv_settings(HF_HUB_OFFLINE="1")
     log = tmp_path / "serve.log"
     with log.open("wb") as err:
         server = subprocess.Popen(

@@ -12,7 +12,7 @@ sized by ``torch.get_num_threads()``. All of Qwen2.5 0.5B's int8 matrices, strea
 as a one-row decode step reads them: 44 ms here against torch's 70 ms (docs/benchmarks.md).
 
 It is compiled on first use with the system's C compiler (``cc``, about a second) into
-``<cache>/ragkv/kernels/`` (``RAGKV_KERNEL_CACHE`` overrides), named by a digest of its source,
+``~/.cache/ragkv/kernels/`` (``RAGKV_KERNEL_CACHE`` overrides), named by a digest of its source,
 flags and compiler, and loaded with ctypes. Where there is no compiler, the CPU lacks AVX2/FMA,
 the build fails, or ``RAGKV_NATIVE_KERNELS=0``, :func:`int8_library` returns None (the reason is
 logged once) and callers keep torch's kernel.
@@ -152,13 +152,9 @@ _LIBRARY: list[ctypes.CDLL | None] = []  # [] until the first look, then [librar
 
 
 def kernel_cache_dir() -> Path:
-    """Where compiled kernels live: ``RAGKV_KERNEL_CACHE``, else beside the converted models."""
+    """Where compiled kernels live: ``RAGKV_KERNEL_CACHE``, else ``~/.cache/ragkv/kernels``."""
     env = os.environ.get("RAGKV_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    from ragkv.model.loading import model_cache_dir
-
-    return model_cache_dir().parent / "kernels"
+    return Path(env) if env else Path.home() / ".cache" / "ragkv" / "kernels"
 
 
 def _compiler() -> str | None:

@@ -3,7 +3,6 @@ an engine, the PostgreSQL catalog under ``kill -9`` of the indexer."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from ragkv.retriever.embedder import HashingEmbedder
 from ragkv.retriever.kv_retriever import RetrieverConfig
 from ragkv.types import tenant_namespace
 from tests.cache.conftest import postgres_server  # noqa: F401
+from tests.conftest import env_without_ragkv_settings
 from tests.integrations.conftest import DOCS, GEN, make_engine
 from tests.server.conftest import free_port, tiny_model_dir  # noqa: F401
 
@@ -228,7 +228,7 @@ def test_an_indexer_killed_mid_run_leaves_a_postgres_catalog_that_agrees(
     files, data, tenant, n = tmp_path / "notes", tmp_path / "data", f"kill-{uuid.uuid4().hex[:8]}", 16
     _write_files(files, n)
     cmd = [sys.executable, "-c", _INDEXER, str(files), str(data), postgres_server, tenant, str(tiny_model_dir)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")} | {"HF_HUB_OFFLINE": "1"}
+    env = env_without_ragkv_settings(HF_HUB_OFFLINE="1")
     indexer = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with Catalog(postgres_server) as catalog:
         deadline = time.monotonic() + 120

@@ -7,7 +7,6 @@ the PostgreSQL catalog; a tiny random-weight Llama saved to disk is what every a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -27,7 +26,7 @@ from ragkv.retriever.kv_retriever import IndexReport, RetrieverConfig
 from ragkv.retriever.precompute import ChunkResult
 from ragkv.retriever.ray_index import ChunkWorker, RayConfig, WorkerSpec, check_store_reach, ray_compute
 from ragkv.types import DEFAULT_CODEC, CodecSpec, tenant_namespace
-from tests.conftest import make_model, make_tokenizer
+from tests.conftest import env_without_ragkv_settings, make_model, make_tokenizer
 
 ray = pytest.importorskip("ray")
 
@@ -209,7 +208,7 @@ def test_a_chunk_that_always_fails_is_reported_the_rest_lands_and_a_generator_an
         + ["--data-dir", str(tmp_path / "generator"), *args, "How do boats move?"],
         capture_output=True,
         text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")},
+        env=env_without_ragkv_settings(),
         timeout=600,
     )
     assert answer.returncode == 0, answer.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import make_model, make_tokenizer
+from tests.conftest import env_without_ragkv_settings, make_model, make_tokenizer
 
 KEYS = {"sk-test-alpha-0001": "alpha", "sk-test-beta-00002": "beta"}
 APPLES = "Apples grow on trees in orchards, and farmers pick them in the autumn. " * 6
@@ -57,7 +56,7 @@ def start_server(model_dir: Path, data_dir: Path, *args: str) -> Served:
     fp32, as ``load_model`` gives the tests' reference engines: ``auto`` would pick bf16 on a CPU with
     avx512_bf16, and the reference answers of the random-weight model differ from bf16 ones."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGKV_")}
+    env = env_without_ragkv_settings()
     env.update(HF_HUB_OFFLINE="1", RAGKV_LOG="INFO")
     log = data_dir / "server.log"
     data_dir.mkdir(parents=True, exist_ok=True)
