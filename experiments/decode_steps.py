@@ -1,12 +1,17 @@
 """Decode-step time per decode copy and batch size, the engine's start per copy, and fp16 packing.
 
     python experiments/decode_steps.py --model M [--contexts 200,2000] [--rows 1,4] [--weights model,int8,fp16]
-        [--steps 6] [--starts] [--pack]
+        [--steps 6] [--starts] [--pack] [--kernels] [--lean]
 
 Steps: one full prefill of ``context`` tokens, then ``DecodeBatch`` steps of ``rows`` rows over it
 (ms per step, the mean of ``--steps`` after 2 untimed). ``--starts``: seconds to build a ``RagKV``
 on the model with each ``decode_weights`` (a fresh process each, so no copy is reused). ``--pack``:
 seconds FBGEMM takes to pack the LM head for fp16 whole and in ``FP16_BLOCK_ROWS`` blocks.
+``--kernels``: every int8 matrix of the model (its decoder and LM head, as the copy quantizes them)
+through ragkv's kernel, torch's int8 kernel and fp16, ms for one pass over all of them (the best of
+5), as a decode step streams them from memory. ``--lean``: the lean decode layers against
+transformers' layers (``RAGKV_LEAN_DECODE``), interleaved 6 times on one engine, median ms per
+int8 step at 1,000 tokens of context.
 """
 
 from __future__ import annotations
@@ -67,6 +72,69 @@ def starts(args: argparse.Namespace) -> None:
         print(f"start with decode_weights={weights}: {out.strip()}", flush=True)
 
 
+def kernels(args: argparse.Namespace) -> None:
+    from torch import nn
+
+    from ragkv.model import native
+    from ragkv.model.quant import quantize_int8
+
+    with tempfile.TemporaryDirectory() as tmp, _engine(args.model, tmp, "model") as rag, torch.inference_mode():
+        model = rag.adapter.model
+        linears = [m for m in [*model.model.layers.modules(), model.lm_head] if isinstance(m, nn.Linear)]
+        mats = []
+        for m in linears:
+            q, s = quantize_int8(m.weight, torch.float32)
+            fp16 = torch.ops.quantized.linear_prepack_fp16(m.weight.detach().float(), None)
+            mats.append((native.int8_kernel(q, s) if native.int8_available() else None, q, s.bfloat16(), fp16))
+        for rows in (int(r) for r in args.rows.split(",")):
+            xs = [torch.randn(rows, m.in_features) for m in linears]
+            for name in ("ragkv int8", "torch int8", "fp16"):
+                if name == "ragkv int8" and mats[0][0] is None:
+                    continue
+                _one_pass(name, mats, xs)
+                best = min(_timed(_one_pass, name, mats, xs) for _ in range(5))
+                print(f"rows {rows}: {name:>10} {best:6.1f} ms for all {len(mats)} matrices", flush=True)
+
+
+def _one_pass(name: str, mats: list, xs: list) -> None:
+    for (fast, q, scales, fp16), x in zip(mats, xs, strict=True):
+        if name == "ragkv int8":
+            fast(x)
+        elif name == "torch int8":
+            torch._weight_int8pack_mm(x.bfloat16(), q, scales)
+        else:
+            torch.ops.quantized.linear_dynamic_fp16(x, fp16)
+
+
+def _timed(run, *args) -> float:
+    began = time.perf_counter()
+    run(*args)
+    return 1000 * (time.perf_counter() - began)
+
+
+def lean(args: argparse.Namespace) -> None:
+    import os
+    import statistics
+
+    with tempfile.TemporaryDirectory() as tmp, _engine(args.model, tmp, "int8") as rag, torch.inference_mode():
+        a = rag.adapter
+        pre = rag.prefill([a.decode(a.encode(TEXT)[:1000])], mode="full")
+        token = int(torch.argmax(pre.logits))
+        for rows in (int(r) for r in args.rows.split(",")):
+            times: dict[str, list[float]] = {"1": [], "0": []}
+            for _ in range(6):
+                for flag in ("1", "0"):
+                    os.environ["RAGKV_LEAN_DECODE"] = flag
+                    batch = DecodeBatch(a, weights="int8")
+                    for r in range(rows):
+                        batch.add(f"r{r}", pre.cache, pre.num_tokens, reserve=20)
+                    batch.step([token] * rows)
+                    times[flag] += [_timed(batch.step, [token] * rows) for _ in range(10)]
+            lean_ms, hf_ms = statistics.median(times["1"]), statistics.median(times["0"])
+            print(f"rows {rows}: lean {lean_ms:.1f} ms/step, transformers' layers {hf_ms:.1f} ms/step", flush=True)
+        os.environ.pop("RAGKV_LEAN_DECODE", None)
+
+
 def pack(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp, _engine(args.model, tmp, "model") as rag:
         head = rag.adapter.model.lm_head.weight.detach().float()
@@ -89,7 +157,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--starts", action="store_true", help="also time the engine's start per decode copy")
     ap.add_argument("--pack", action="store_true", help="also time fp16 packing of the LM head, whole and in blocks")
+    ap.add_argument("--kernels", action="store_true", help="only time every int8 matrix through each kernel")
+    ap.add_argument("--lean", action="store_true", help="only time lean decode layers against transformers' layers")
     args = ap.parse_args()
+    if args.kernels or args.lean:
+        if args.kernels:
+            kernels(args)
+        if args.lean:
+            lean(args)
+        return
     steps(args)
     if args.starts:
         starts(args)

@@ -4,11 +4,12 @@ A decode step of one token is a few hundred small tensor operations; on a CPU ea
 microseconds of Python and dispatch whatever its size. Through transformers' decoder layers a
 Qwen2.5 0.5B step pays for keyword plumbing, the attention interface's lookup, the cache's
 generic update and dtype round trips in every layer; on a 2-core AMD EPYC (int8 decode, 1,000
-tokens of context) the median step took 72 ms that way and 58 ms this way, and 89 against 79 ms
-with two rows. :func:`lean_layers` runs the same arithmetic with the layers' own weights
-and modules (norms, projections, the activation) in the order the modeling files use, the rotary
-embedding written out (bitwise the same products and sum as ``apply_rotary_pos_emb``), and the
-attention through ragkv's fp32 one-query path as the dispatcher would run it.
+tokens of context) the median one-row step took 65 ms that way and 57 ms this way; with four rows
+it did not gain (90 against 94 ms; ``experiments/decode_steps.py --lean``). :func:`lean_layers`
+runs the same arithmetic with the layers' own weights and modules (norms, projections, the
+activation) in the order the modeling files use, the rotary embedding written out (bitwise the
+same products and sum as ``apply_rotary_pos_emb``), and the attention through ragkv's fp32
+one-query path as the dispatcher would run it.
 
 Only layers whose arithmetic is known are taken (:func:`lean_plan`): the Llama, Mistral, Qwen2 and
 Qwen3 decoder layers with a gated SiLU MLP, no sliding window and standard rotary embeddings.

@@ -9,7 +9,8 @@ them with fp32 activations (more precise than the bf16 the torch kernel takes):
 four activation rows at a time (then two, then one). Output rows are split over torch's own
 OpenMP threads: the library links the ``libgomp.so.1`` torch loaded, so there is one thread pool,
 sized by ``torch.get_num_threads()``. All of Qwen2.5 0.5B's int8 matrices, streamed from memory
-as a one-row decode step reads them: 44 ms here against torch's 70 ms (docs/benchmarks.md).
+as a one-row decode step reads them: 34 ms here against torch's 56 ms
+(``experiments/decode_steps.py --kernels``).
 
 It is compiled on first use with the system's C compiler (``cc``, about a second) into
 ``~/.cache/ragkv/kernels/`` (``RAGKV_KERNEL_CACHE`` overrides), named by a digest of its source,
@@ -248,7 +249,7 @@ def int8_kernel(q: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor
             x = x.to(torch.float32).contiguous()
         rows = x.shape[0]
         if x.dim() != 2 or x.shape[1] != inp:
-            raise ValueError(f"x must be [rows, {inp}], got {tuple(x.shape)}")
+            raise ValueError(f"shapes do not agree: x {tuple(x.shape)}, weights [{out}, {inp}]")
         y = torch.empty(rows, out, dtype=torch.float32)
         if _profiler._is_profiler_enabled:  # torch's profiler sees the call as PROFILED_NAME
             with torch.profiler.record_function(PROFILED_NAME):
@@ -276,10 +277,4 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     ``q`` and ``scales`` must be contiguous CPU tensors; ``x`` is made contiguous fp32. Raises
     RuntimeError where the kernel is not available (check :func:`int8_available` first).
     """
-    lib = int8_library()
-    if lib is None:
-        raise RuntimeError("the native int8 kernel is not available here (see the log for why)")
-    _check(q, scales)
-    if x.dim() != 2 or x.shape[1] != q.shape[1]:
-        raise ValueError(f"shapes do not agree: x {tuple(x.shape)}, q {tuple(q.shape)}, scales {tuple(scales.shape)}")
     return int8_kernel(q, scales)(x)
