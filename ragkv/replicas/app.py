@@ -16,13 +16,18 @@ ragkv.replicas.app:app replicas=2`` runs it from the engine's environment settin
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ragkv.replicas.affinity import AffinityConfig, ChunkRef
-from ragkv.replicas.replica import EngineReplica, RequestParts
+from ragkv.replicas.gate import Admission, ClusterGate, MetricsBoard
+from ragkv.replicas.replica import INGRESS, EngineReplica, RequestParts
+from ragkv.server.app import METRICS_AUTH_MESSAGE, metrics_authorized
+from ragkv.server.quotas import QuotaError
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +56,15 @@ class ReplicaOptions:
     health_period_s: float = 2.0  # Serve's health check period; a replica failing it is routed around
     health_timeout_s: float = 5.0  # ... and how long a check may take before it counts as failed
     hint_timeout_s: float = 2.0  # an ingress asks for a request's chunks this long, then routes without them
+    forward_tries: int = 3  # tries of an idempotent request whose replica fails before answering
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     seed: int | None = None  # the router's random draws (tie-breaks, power of two); None: unseeded
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.forward_tries < 1:
+            raise ValueError(f"forward_tries must be >= 1, got {self.forward_tries}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
         for name in ("stats_period_s", "sync_s", "health_period_s", "health_timeout_s", "hint_timeout_s"):
@@ -65,29 +73,88 @@ class ReplicaOptions:
 
 
 class Ingress:
-    """The HTTP entry: forwards every request to an engine replica, chat and completions with their chunks."""
+    """The HTTP entry: forwards every request to an engine replica, chat and completions with their chunks.
 
-    def __init__(self, engine: Any, max_body_bytes: int, hint_timeout_s: float) -> None:
+    It also keeps what holds for the whole cluster (:mod:`ragkv.replicas.gate`): the tenants'
+    request-rate and concurrency quotas, one document change per tenant at a time, and ``/metrics``
+    (every replica's, labelled by replica). A replica that fails before its answer starts (it died,
+    or is being replaced) costs an idempotent request (a GET, a chat or completion) another try on
+    another replica; anything else gets a 503 that says to retry.
+    """
+
+    def __init__(self, engine: Any, settings: Any, base_tenant: str, options: ReplicaOptions) -> None:
         self._engine = engine  # a DeploymentHandle to the engine deployment
-        self._max_body_bytes = max_body_bytes
-        self._hint_timeout_s = hint_timeout_s
+        self._settings = settings
+        self._max_body_bytes = settings.max_body_bytes
+        self._hint_timeout_s = options.hint_timeout_s
+        self._tries = options.forward_tries
+        self._gate = ClusterGate(settings, base_tenant)
+        self._board = MetricsBoard(max_age_s=3 * options.stats_period_s + options.health_timeout_s)
 
     async def __call__(self, request: Any) -> Any:
         """Serve hands over a starlette Request; the answer streams from the replica's app."""
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import StreamingResponse
 
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
-            message = f"request body over {self._max_body_bytes} bytes; send less (split the upload)"
-            body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-            return JSONResponse(body, status_code=413)
+            return _error(413, f"request body over {self._max_body_bytes} bytes; send less (split the upload)")
         parts = _parts(request, await request.body())
-        route = await self._route(parts) if parts.method == "POST" and parts.path in HINTED else None
-        stream = self._engine.options(method_name="forward", stream=True).remote(parts, route=route)
-        start = await stream.__anext__()
-        response = StreamingResponse(_bodies(stream), status_code=start["status"])
+        authorization = request.headers.get("authorization", "")
+        if parts.method == "GET" and parts.path == "/metrics":
+            return self._metrics(authorization)
+        try:
+            admission = self._gate.admit(parts.method, parts.path, authorization)
+        except QuotaError as e:
+            headers = {"Retry-After": str(e.retry_after)} if e.retry_after else {}
+            return _error(e.status, str(e), "rate_limit_error" if e.status == 429 else "invalid_request_error", headers)
+        turn = self._gate.document_turn(parts.method, parts.path, admission.tenant)
+        try:
+            if turn is not None:
+                await turn.acquire()
+            route = await self._route(parts) if parts.method == "POST" and parts.path in HINTED else None
+            stream, start = await self._start(parts, route)
+        except BaseException as e:
+            self._end(admission, turn)
+            if isinstance(e, Exception):
+                logger.warning("no replica answered %s %s", parts.method, parts.path, exc_info=True)
+                return _error(503, "the engine replica failed; retry", "server_error", {"Retry-After": "1"})
+            raise
+        response = StreamingResponse(
+            _bodies(stream, _is_event_stream(start), lambda: self._end(admission, turn)), status_code=start["status"]
+        )
         response.raw_headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", [])]
         return response
+
+    def report_metrics(self, replica: str, text: str) -> None:
+        """Each replica sends its /metrics text here every stats period (the ingress renders them all)."""
+        self._board.report(replica, text)
+
+    async def _start(self, parts: RequestParts, route: list[ChunkRef] | None) -> tuple[Any, dict[str, Any]]:
+        """The replica's stream and its response start; an idempotent request is tried up to
+        ``forward_tries`` times when a replica fails before its answer starts."""
+        tries = self._tries if parts.method in ("GET", "HEAD") or parts.path in HINTED else 1
+        for attempt in range(1, tries + 1):
+            stream = self._engine.options(method_name="forward", stream=True).remote(parts, route=route)
+            try:
+                return stream, await stream.__anext__()
+            except Exception:
+                if attempt == tries:
+                    raise
+                logger.warning("a replica failed before answering %s; trying another", parts.path, exc_info=True)
+                await asyncio.sleep(0.2 * attempt)  # Serve drops a dead replica from routing meanwhile
+        raise AssertionError("unreachable")
+
+    def _end(self, admission: Admission, turn: asyncio.Lock | None) -> None:
+        self._gate.release(admission)
+        if turn is not None and turn.locked():
+            turn.release()
+
+    def _metrics(self, authorization: str) -> Any:
+        from starlette.responses import PlainTextResponse
+
+        if not metrics_authorized(self._settings, authorization):
+            return _error(401, METRICS_AUTH_MESSAGE, "authentication_error")
+        return PlainTextResponse(self._board.render(), media_type="text/plain; version=0.0.4")
 
     async def _route(self, parts: RequestParts) -> list[ChunkRef] | None:
         try:
@@ -98,10 +165,35 @@ class Ingress:
             return None
 
 
-async def _bodies(stream: Any) -> AsyncIterator[bytes]:
-    async for message in stream:
-        if message.get("type") == "http.response.body" and message.get("body"):
-            yield bytes(message["body"])
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None
+) -> Any:
+    """An OpenAI-shaped JSON error, as ``ragkv serve`` answers them."""
+    from starlette.responses import JSONResponse
+
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _is_event_stream(start: dict[str, Any]) -> bool:
+    headers = start.get("headers", [])
+    return any(bytes(k).lower() == b"content-type" and b"text/event-stream" in bytes(v) for k, v in headers)
+
+
+async def _bodies(stream: Any, event_stream: bool, on_end: Any) -> AsyncIterator[bytes]:
+    """The replica's body pieces; ``on_end()`` once the response is over however it ends. A replica
+    that fails mid-answer ends an event stream with an error event (a client sees why it stopped)."""
+    try:
+        async for message in stream:
+            if message.get("type") == "http.response.body" and message.get("body"):
+                yield bytes(message["body"])
+    except Exception:
+        logger.warning("a replica failed mid-answer", exc_info=True)
+        if event_stream:
+            error = {"error": {"message": "the engine replica failed mid-answer; retry", "type": "server_error"}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+    finally:
+        on_end()
 
 
 def _parts(request: Any, body: bytes) -> RequestParts:
@@ -142,14 +234,28 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
         health_check_period_s=options.health_period_s,
         health_check_timeout_s=options.health_timeout_s,
         request_router_config=RequestRouterConfig(**router_fields),
-    )(EngineReplica).bind(engine_config, settings, options.holdings_limit, options.sync_s)
+    )(EngineReplica).bind(engine_config, replica_settings(settings), options.holdings_limit, options.sync_s,
+                          options.stats_period_s)  # fmt: skip
     ingress = serve.deployment(
-        name="ragkv-ingress",
+        name=INGRESS,
         num_replicas=1,
         max_ongoing_requests=settings.max_connections,
         ray_actor_options={"num_cpus": 0},  # it holds no model: it only forwards
     )(Ingress)
-    return ingress.bind(engine, settings.max_body_bytes, options.hint_timeout_s)
+    return ingress.bind(engine, settings, str(engine_config.tenant), options)
+
+
+def replica_settings(settings: Any) -> Any:
+    """The replicas' settings: the ingress counts request rates and concurrent generations for the
+    whole cluster, so a replica does not count them again (its byte quotas still hold)."""
+    from dataclasses import replace
+
+    def lifted(quota: Any) -> Any:
+        return replace(quota, requests_per_minute=None, concurrent=None)
+
+    return replace(
+        settings, quota=lifted(settings.quota), tenant_quotas={t: lifted(q) for t, q in settings.tenant_quotas.items()}
+    )
 
 
 def run_app(
@@ -158,24 +264,33 @@ def run_app(
     """Start (or join) Ray, start Serve on ``settings.host:port`` and run the application.
 
     Returns the ingress handle when ``blocking`` is False (tests, the bench); otherwise serves until
-    interrupted, then shuts Serve down.
+    interrupted (Ctrl-C or SIGTERM, as ``docker stop`` and systemd send it), then shuts Serve down,
+    and the local Ray it started, if it started one (no Ray process outlives ``ragkv serve --ray``).
     """
     import ray
     from ray import serve
 
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=address, log_to_driver=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     handle = serve.run(build_app(engine_config, settings, options), name="ragkv", route_prefix="/")
     if not blocking:
         return handle
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         asyncio.run(_forever())
     except KeyboardInterrupt:
         pass
     finally:
         serve.shutdown()
+        if started:
+            ray.shutdown()
     return None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 async def _forever() -> None:

@@ -30,9 +30,10 @@ from ragkv.types import tenant_namespace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineReplica", "RequestParts", "request_chunks"]
+__all__ = ["INGRESS", "REPLICA_HEADER", "EngineReplica", "RequestParts", "request_chunks"]
 
 REPLICA_HEADER = "x-ragkv-replica"  # names the replica that answered (for logs, tests and the bench)
+INGRESS = "ragkv-ingress"  # the ingress deployment's name (replicas send it their metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,19 +74,24 @@ class EngineReplica:
     :func:`ragkv.replicas.app.build_app`)."""
 
     # Ray actors (so Serve replicas) may have an async constructor; type checkers want __init__ -> None
-    async def __init__(self, engine_config: Any, settings: Any, holdings_limit: int, sync_s: float) -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, engine_config: Any, settings: Any, holdings_limit: int, sync_s: float, report_s: float = 2.0
+    ) -> None:
         from ragkv.engine import RagKV
         from ragkv.server.app import create_app
 
         self._replica_id = _replica_id()
         self.app = create_app(RagKV(engine_config), settings)
         self.state = self.app.state.ragkv
+        self.state.shared_catalog = True  # other replicas add and remove documents too
         self._holdings_limit = holdings_limit
         self._lifespan = self.app.router.lifespan_context(self.app)  # starts the scheduler, as uvicorn would
         await self._lifespan.__aenter__()
         self._stop = threading.Event()
         self._sync = threading.Thread(target=self._sync_loop, args=(sync_s,), name="ragkv-index-sync", daemon=True)
         self._sync.start()
+        self._report = threading.Thread(target=self._report_loop, args=(report_s,), name="ragkv-metrics", daemon=True)
+        self._report.start()
         logger.info("replica %s serving %s", self._replica_id, self.state.base.model_name)
 
     async def forward(self, parts: RequestParts, route: list[ChunkRef] | None = None) -> AsyncIterator[dict[str, Any]]:
@@ -136,6 +142,23 @@ class EngineReplica:
                     engine.sync_index()
                 except Exception:  # a catalog that is down for a moment: the next period tries again
                     logger.warning("index sync failed for tenant %s", engine.config.tenant, exc_info=True)
+
+    def _report_loop(self, period_s: float) -> None:
+        """Every ``period_s``: this replica's /metrics text to the ingress, which renders the cluster's."""
+        from ray import serve
+
+        from ragkv.server.app import metrics_text
+
+        ingress = None
+        while not self._stop.wait(period_s):
+            try:
+                if ingress is None:
+                    app_name = serve.get_replica_context().app_name
+                    ingress = serve.get_deployment_handle(INGRESS, app_name=app_name)
+                call = ingress.options(method_name="report_metrics").remote(self._replica_id, metrics_text(self.state))
+                call.result(timeout_s=max(period_s, 5.0))
+            except Exception:  # the ingress is starting or being replaced: the next period tries again
+                logger.debug("metrics report failed", exc_info=True)
 
 
 def _replica_id() -> str:

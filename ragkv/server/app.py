@@ -23,7 +23,7 @@ from ragkv.server.state import ApiError, ServerState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["create_app"]
+__all__ = ["METRICS_AUTH_MESSAGE", "create_app", "metrics_authorized", "metrics_text"]
 
 STATIC = Path(__file__).parent / "static"
 _TIER_WORDS = {"closed": "reachable", "half-open": "unreachable (retrying)", "open": "unreachable"}
@@ -83,18 +83,29 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(_error_body("internal error; see the server log", "server_error"), status_code=500)
 
 
+def metrics_authorized(settings: ServerSettings, authorization: str) -> bool:
+    """Whether ``authorization`` may read /metrics: anyone without keys configured, else a bearer key
+    that is an API key or the metrics key (compared in constant time)."""
+    if not settings.api_keys and settings.metrics_key is None:
+        return True
+    scheme, _, key = authorization.partition(" ")
+    key = key.strip()
+    known = [*settings.api_keys, *([settings.metrics_key] if settings.metrics_key else [])]
+    return scheme.lower() == "bearer" and any(hmac.compare_digest(key.encode(), k.encode()) for k in known)
+
+
+METRICS_AUTH_MESSAGE = "/metrics needs 'Authorization: Bearer KEY' (an API key or the --metrics-key)"
+
+
 def _metrics_auth(state: ServerState, request: Request) -> None:
     """With API keys (or a metrics key) configured, /metrics needs one of them as its bearer key."""
-    s = state.settings
-    if not s.api_keys and s.metrics_key is None:
-        return
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    key = key.strip()
-    known = [*s.api_keys, *([s.metrics_key] if s.metrics_key else [])]
-    if scheme.lower() != "bearer" or not any(hmac.compare_digest(key.encode(), k.encode()) for k in known):
-        raise ApiError(
-            401, "/metrics needs 'Authorization: Bearer KEY' (an API key or the --metrics-key)", "authentication_error"
-        )
+    if not metrics_authorized(state.settings, request.headers.get("authorization", "")):
+        raise ApiError(401, METRICS_AUTH_MESSAGE, "authentication_error")
+
+
+def metrics_text(state: ServerState) -> str:
+    """This process's /metrics body (Prometheus text)."""
+    return state.metrics.render(state.scheduler.depth, state.tier_counts(), state.scheduler.steps)
 
 
 def _service(app: FastAPI, state: ServerState) -> None:
@@ -132,8 +143,7 @@ def _service(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
         _metrics_auth(state, request)
-        text = state.metrics.render(state.scheduler.depth, state.tier_counts(), state.scheduler.steps)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(state), media_type="text/plain; version=0.0.4")
 
     @app.get("/", include_in_schema=False)
     async def page() -> FileResponse:

@@ -49,11 +49,12 @@ class TenantQuota:
 
 
 class QuotaError(Exception):
-    """A tenant is over one of its quotas; ``status`` is the HTTP answer (429 or 413)."""
+    """A tenant is over one of its quotas; ``status`` is the HTTP answer (429 or 413), ``retry_after``
+    its ``Retry-After`` seconds (a rate's window, a slot's second; None for sizes)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after = status, retry_after
 
 
 class Quotas:
@@ -80,7 +81,7 @@ class Quotas:
                 recent.popleft()
             if len(recent) >= limit:
                 raise QuotaError(429, f"tenant {tenant!r} is over its requests_per_minute quota of {limit}; "
-                                 f"retry in {int(recent[0] + 60 - now) + 1} s")  # fmt: skip
+                                 f"retry in {int(recent[0] + 60 - now) + 1} s", 60)  # fmt: skip
             recent.append(now)
 
     def start_generation(self, tenant: str) -> None:
@@ -89,7 +90,7 @@ class Quotas:
         with self._lock:
             if limit is not None and self._running[tenant] >= limit:
                 raise QuotaError(429, f"tenant {tenant!r} already runs its concurrent quota of {limit} "
-                                 "generations; wait for one to finish")  # fmt: skip
+                                 "generations; wait for one to finish", 1)  # fmt: skip
             self._running[tenant] += 1
 
     def end_generation(self, tenant: str) -> None:

@@ -56,6 +56,9 @@ class ServerState:
         # set when the process is told to stop (SIGTERM): uploads in flight stop at their next step and
         # answer 503 naming what was indexed, before uvicorn's drain runs out and cuts them to a bare 500
         self.closing = threading.Event()
+        # True where other processes change the catalog too (Serve replicas): a tenant's document bytes
+        # are read from it afresh before each upload's quota check
+        self.shared_catalog = False
         self._register(engine)
 
     # ---- tenants ------------------------------------------------------------------------------
@@ -123,7 +126,10 @@ class ServerState:
         """Raises ApiError 413 when ``engine``'s tenant may not add ``adding_text`` bytes of documents."""
         tenant = engine.config.tenant
         stored_bytes = engine.stored_bytes()
+        fresh = sum(len(t.encode()) for t in engine.chunk_texts()) if self.shared_catalog else None
         with self._lock:  # uploads still indexing count too: parallel uploads cannot pass the quota together
+            if fresh is not None:
+                self._text_bytes[tenant] = fresh
             stored = self._text_bytes.get(tenant, 0) + self._uploading.get(tenant, 0)
             try:
                 self.quotas.check_upload(tenant, stored, adding_text, stored_bytes)

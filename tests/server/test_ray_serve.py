@@ -1,8 +1,9 @@
 """``ragkv serve --ray``: two Ray Serve replicas of the server behind one ingress, on a local Ray.
 
-One real run (it costs ~40 s: Ray, Serve, then each replica loads the tiny model and the embedder):
+One real run (it costs ~50 s: Ray, Serve, then each replica loads the tiny model and the embedder):
 OpenAI requests (blocking and streaming, with ``cached_tokens``), API keys, a document upload seen
-by both replicas, routing toward the replica that holds the chunks, and a removal served by none.
+by both replicas, routing toward the replica that holds the chunks, a removal served by none, a
+rate quota and /metrics that hold for the cluster, and a replica killed while answering.
 The store is a memory tier in front of Redis, the catalog PostgreSQL, as replicas on several
 machines would share them.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow, pytest.mark.redis, pytest.mark.postgres]
 
 KEY, TENANT = "sk-ray-serve-0001", "alpha"
+LIMITED, LIMITED_TENANT = "sk-ray-serve-0002", "beta"  # 3 requests a minute, for the whole cluster
 REPLICA = "x-ragkv-replica"
 
 
@@ -36,6 +39,7 @@ def served(tiny_model_dir: Path, tmp_path: Path, redis_url: str, postgres_url: s
     from ragkv.engine import EngineConfig
     from ragkv.generation import GenerationConfig
     from ragkv.replicas.app import ReplicaOptions, run_app
+    from ragkv.server.quotas import TenantQuota
     from ragkv.server.settings import ServerSettings
 
     config = EngineConfig(
@@ -46,7 +50,11 @@ def served(tiny_model_dir: Path, tmp_path: Path, redis_url: str, postgres_url: s
         catalog=postgres_url,
         generation=GenerationConfig(max_new_tokens=8),
     )
-    settings = ServerSettings(port=free_port(), api_keys={KEY: TENANT})
+    settings = ServerSettings(
+        port=free_port(),
+        api_keys={KEY: TENANT, LIMITED: LIMITED_TENANT},
+        tenant_quotas={LIMITED_TENANT: TenantQuota(requests_per_minute=3)},
+    )
     options = ReplicaOptions(replicas=2, stats_period_s=0.5, sync_s=1.0, seed=0)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
@@ -117,3 +125,52 @@ def test_replicas_serve_route_by_chunks_and_share_documents(served: str) -> None
     for _ in range(4):
         sources = {s["source"] for s in chat(client, "Where do apples grow?").json()["ragkv"]["sources"]}
         assert "mem:apples" not in sources
+
+    # a rate quota holds for the cluster, not per replica: the 4th request in the minute is refused
+    limited = httpx.Client(base_url=served, headers={"Authorization": f"Bearer {LIMITED}"}, timeout=60)
+    statuses = [limited.get("/v1/models").status_code for _ in range(4)]
+    assert statuses == [200, 200, 200, 429], statuses
+
+    # /metrics at the ingress: both replicas' samples, each labelled with its replica
+    replicas = set(listed_by_replica(client))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = client.get("/metrics").text
+        if "ragkv_replicas_reporting 2" in text and 'status="200"' in text:
+            break
+        time.sleep(0.5)
+    assert "ragkv_replicas_reporting 2" in text, text[-500:]
+    for rid in replicas:  # each replica answered the document lists above
+        assert f'ragkv_requests_total{{replica="{rid}",endpoint="/v1/documents",status="200"}}' in text
+    assert httpx.get(served + "/metrics").status_code == 401
+
+    # a replica killed while streams run: each in-flight answer ends whole or with a clean error,
+    # nothing indexed is lost, and the other replica keeps serving
+    victim = sorted(replicas)[0]
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(stream_answer, served, 256) for _ in range(4)]
+        time.sleep(0.3)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::ragkv#ragkv-engine#{victim}", namespace="serve"), no_restart=True)
+        outcomes = [f.result(timeout=120) for f in running]
+    assert all(o in ("whole", "error event", "503") for o in outcomes), outcomes
+    after = [chat(client, "How do boats travel?") for _ in range(6)]
+    assert all(r.status_code == 200 for r in after), [(r.status_code, r.text[:200]) for r in after]
+    assert {s["source"] for r in after for s in r.json()["ragkv"]["sources"]} == {"mem:boats"}
+    assert {d["source"] for d in client.get("/v1/documents").json()["data"]} == {"mem:boats"}
+
+
+def stream_answer(url: str, max_tokens: int) -> str:
+    """One streamed chat: "whole" (ended with [DONE]), "error event", "503", or what else happened."""
+    body = {"messages": [{"role": "user", "content": "How do boats travel?"}], "stream": True,
+            "max_tokens": max_tokens, "ragkv": {"retrieve": True}}  # fmt: skip
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+        try:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    return str(r.status_code)
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        except httpx.HTTPError as e:
+            return f"transport error {type(e).__name__}"
+    if lines and lines[-1] == "data: [DONE]":
+        return "whole"
+    return "error event" if lines and '"error"' in lines[-1] else f"cut: {lines[-1:]}"

@@ -1,0 +1,168 @@
+"""What the ingress keeps for the whole cluster: quotas, upload turns and the replicas' metrics.
+
+One ingress sees every request, so it is where per-tenant limits hold across replicas:
+
+- :class:`ClusterGate` counts each tenant's requests per minute and concurrent generations (the
+  ``ragkv serve`` quotas, :class:`ragkv.server.quotas.Quotas`, counted once for the cluster instead of
+  once per replica), and gives each tenant one document change at a time (an upload or a removal),
+  so each replica's ``document_bytes``/``cache_bytes`` check reads the usage the change before it left
+  in the shared catalog and store.
+- :class:`MetricsBoard` holds the Prometheus text each replica last reported (every stats period)
+  and renders them as one exposition, every sample labelled with its ``replica``: Prometheus then
+  sums over replicas (``sum without (replica) (...)``), as it does for any scaled-out service.
+
+Pure Python, no Ray: :mod:`ragkv.replicas.app` wires them into the Serve ingress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ragkv.server.quotas import Quotas
+from ragkv.server.settings import ServerSettings
+
+__all__ = ["Admission", "ClusterGate", "MetricsBoard", "bearer_tenant"]
+
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+DOCUMENT_PATH = "/v1/documents"
+
+
+def bearer_tenant(api_keys: dict[str, str], authorization: str) -> str | None:
+    """The tenant of ``Authorization: Bearer KEY`` in ``api_keys`` (None: no key, or an unknown one).
+
+    >>> bearer_tenant({"sk-1": "alpha"}, "Bearer sk-1"), bearer_tenant({"sk-1": "alpha"}, "Bearer sk-2")
+    ('alpha', None)
+    """
+    scheme, _, key = authorization.partition(" ")
+    return api_keys.get(key.strip()) if scheme.lower() == "bearer" else None
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request the gate let through; :meth:`ClusterGate.release` it when its response has ended."""
+
+    tenant: str | None  # None: not counted (no /v1 route, or a key the replica will refuse with 401)
+    generation: bool = False  # holds one of the tenant's concurrent-generation slots
+    released: bool = False
+
+
+class ClusterGate:
+    """The cluster's per-tenant quotas and document turns, kept by the one ingress (see the module docstring)."""
+
+    def __init__(self, settings: ServerSettings, base_tenant: str) -> None:
+        self.quotas = Quotas(settings.quota, settings.tenant_quotas)
+        self._keys = dict(settings.api_keys)
+        self._base_tenant = base_tenant
+        self._turns: dict[str, asyncio.Lock] = {}
+
+    def tenant(self, method: str, path: str, authorization: str) -> str | None:
+        """The tenant a request acts for, as ``ragkv serve`` decides it; None for requests no quota counts
+        (outside /v1, CORS preflights, or a missing or unknown key: the replica answers those 401)."""
+        if not path.startswith("/v1/") or method == "OPTIONS":
+            return None
+        if not self._keys:
+            return self._base_tenant
+        return bearer_tenant(self._keys, authorization)
+
+    def admit(self, method: str, path: str, authorization: str) -> Admission:
+        """Count the request against its tenant's quotas; raises QuotaError (429) past one of them."""
+        tenant = self.tenant(method, path, authorization)
+        if tenant is None:
+            return Admission(None)
+        self.quotas.count_request(tenant)
+        generation = method == "POST" and path in GENERATION_PATHS
+        if generation:
+            self.quotas.start_generation(tenant)
+        return Admission(tenant, generation)
+
+    def release(self, admission: Admission) -> None:
+        """The request's response ended (sent whole, failed or cut off): free its generation slot."""
+        if admission.generation and not admission.released and admission.tenant is not None:
+            self.quotas.end_generation(admission.tenant)
+        admission.released = True
+
+    def document_turn(self, method: str, path: str, tenant: str | None) -> asyncio.Lock | None:
+        """The lock a document change (upload or removal) of ``tenant`` holds while it runs; None for
+        any other request. One change per tenant at a time across replicas, as in one process."""
+        if tenant is None or method not in ("POST", "DELETE") or not path.startswith(DOCUMENT_PATH):
+            return None
+        return self._turns.setdefault(tenant, asyncio.Lock())
+
+
+class MetricsBoard:
+    """Each replica's last Prometheus text; one exposition for the cluster (see the module docstring).
+
+    A replica that has not reported for ``max_age_s`` (it died, or was replaced) drops out.
+    """
+
+    def __init__(self, max_age_s: float) -> None:
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be > 0 seconds, got {max_age_s}")
+        self.max_age_s = max_age_s
+        self._reports: dict[str, tuple[float, str]] = {}
+
+    def report(self, replica: str, text: str, now: float | None = None) -> None:
+        """Keep ``replica``'s exposition text (its whole ``/metrics`` body) as of ``now``."""
+        self._reports[replica] = (time.monotonic() if now is None else now, text)
+
+    def replicas(self, now: float | None = None) -> list[str]:
+        """The replicas whose last report is fresh, sorted; older ones are forgotten."""
+        now = time.monotonic() if now is None else now
+        for rid in [r for r, (at, _) in self._reports.items() if now - at > self.max_age_s]:
+            del self._reports[rid]
+        return sorted(self._reports)
+
+    def render(self, now: float | None = None) -> str:
+        """One exposition: every family once, its samples from each fresh replica with ``replica="ID"``,
+        then ``ragkv_replicas_reporting`` (how many replicas it covers)."""
+        live = self.replicas(now)
+        families: dict[str, list[str]] = {}  # name -> HELP and TYPE lines, in first-seen order
+        samples: dict[str, list[str]] = {}
+        for rid in live:
+            for family, header, sample in _parse(self._reports[rid][1]):
+                families.setdefault(family, [])
+                if header is not None and len(families[family]) < 2 and header not in families[family]:
+                    families[family].append(header)
+                if sample is not None:
+                    samples.setdefault(family, []).append(_labelled(sample, rid))
+        out: list[str] = []
+        for family, headers in families.items():
+            out.extend(headers)
+            out.extend(samples.get(family, []))
+        out += [
+            "# HELP ragkv_replicas_reporting Engine replicas whose metrics this exposition covers.",
+            "# TYPE ragkv_replicas_reporting gauge",
+            f"ragkv_replicas_reporting {len(live)}",
+        ]
+        return "\n".join(out) + "\n"
+
+
+def _parse(text: str) -> Iterable[tuple[str, str | None, str | None]]:
+    """``(family, header line or None, sample line or None)`` per line of an exposition."""
+    family = ""
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        if line.startswith("# HELP ") or line.startswith("# TYPE "):
+            family = line.split(" ", 3)[2]
+            yield family, line, None
+        elif not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            yield (family if name.startswith(family) and family else name), None, line
+
+
+def _labelled(sample: str, replica: str) -> str:
+    """``sample`` with ``replica="ID"`` as its first label.
+
+    >>> _labelled('x_total{a="1"} 3', "r1"), _labelled("y 2", "r1")
+    ('x_total{replica="r1",a="1"} 3', 'y{replica="r1"} 2')
+    """
+    label = 'replica="' + replica.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    name, brace, rest = sample.partition("{")
+    if brace:
+        return f"{name}{{{label},{rest}" if not rest.startswith("}") else f"{name}{{{label}{rest}"
+    name, _, value = sample.partition(" ")
+    return f"{name}{{{label}}} {value}"

@@ -1,0 +1,225 @@
+"""What the Serve ingress keeps for the cluster: quotas, document turns, merged metrics, and how it
+survives a replica that fails (stand-in engine handles that inject the faults; no Ray cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from ragkv.replicas.gate import ClusterGate, MetricsBoard
+from ragkv.server.metrics import Metrics
+from ragkv.server.quotas import QuotaError, TenantQuota
+from ragkv.server.settings import ServerSettings
+from ragkv.types import GenerationStats
+
+KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}
+
+
+def gate(**quota: Any) -> ClusterGate:
+    return ClusterGate(ServerSettings(api_keys=KEYS, quota=TenantQuota(**quota)), "default")
+
+
+def test_the_rate_quota_counts_every_replicas_requests_once():
+    g = gate(requests_per_minute=3)
+    for _ in range(3):
+        g.admit("GET", "/v1/models", "Bearer sk-alpha")
+    with pytest.raises(QuotaError) as e:
+        g.admit("POST", "/v1/chat/completions", "Bearer sk-alpha")
+    assert e.value.status == 429 and e.value.retry_after == 60 and "requests_per_minute" in str(e.value)
+    g.admit("GET", "/v1/models", "Bearer sk-beta")  # another tenant is untouched
+    for path in ("/health", "/metrics", "/", "/static/app.js"):  # no quota outside /v1, as in ragkv serve
+        assert g.admit("GET", path, "Bearer sk-alpha").tenant is None
+    assert g.admit("GET", "/v1/models", "Bearer sk-unknown").tenant is None  # the replica answers 401
+
+
+def test_a_generation_slot_is_held_until_released_once():
+    g = gate(concurrent=1)
+    first = g.admit("POST", "/v1/chat/completions", "Bearer sk-alpha")
+    assert first.generation
+    with pytest.raises(QuotaError) as e:
+        g.admit("POST", "/v1/completions", "Bearer sk-alpha")
+    assert e.value.status == 429 and e.value.retry_after == 1
+    assert not g.admit("GET", "/v1/documents", "Bearer sk-alpha").generation  # not a generation
+    g.release(first)
+    g.release(first)  # a second release frees nothing more
+    assert g.quotas.running("alpha") == 0
+    g.release(g.admit("POST", "/v1/chat/completions", "Bearer sk-alpha"))
+
+
+def test_without_keys_every_request_is_the_servers_own_tenant():
+    g = ClusterGate(ServerSettings(quota=TenantQuota(requests_per_minute=1)), "default")
+    assert g.admit("GET", "/v1/models", "").tenant == "default"
+    with pytest.raises(QuotaError):
+        g.admit("GET", "/v1/models", "Bearer anything")
+
+
+def test_document_changes_take_turns_per_tenant():
+    g = gate()
+    upload = g.document_turn("POST", "/v1/documents", "alpha")
+    assert upload is not None and upload is g.document_turn("DELETE", "/v1/documents/7", "alpha")
+    assert g.document_turn("POST", "/v1/documents", "beta") is not upload
+    assert g.document_turn("GET", "/v1/documents", "alpha") is None
+    assert g.document_turn("POST", "/v1/chat/completions", "alpha") is None
+
+
+def replica_metrics(requests: int, ttft_s: float) -> str:
+    m = Metrics()
+    for _ in range(requests):
+        m.count_request("/v1/chat/completions", 200)
+    m.observe_generation(GenerationStats(ttft_ms=ttft_s * 1000, total_ms=ttft_s * 2000, prompt_tokens=10), "stop")
+    return m.render((0, 0), {"memory": (3, 1, 0)}, 5)
+
+
+def parse(text: str) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """HELP/TYPE lines per family and sample -> value, checking each family's header comes once."""
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# "):
+            headers.setdefault(line.split()[2], []).append(line.split()[1])
+        else:
+            name, value = line.rsplit(" ", 1)
+            assert name not in samples, f"sample {name} twice"
+            samples[name] = float(value)
+    assert all(kinds == ["HELP", "TYPE"] for kinds in headers.values()), headers
+    return headers, samples
+
+
+def test_the_board_labels_each_replicas_samples_and_forgets_the_silent():
+    board = MetricsBoard(max_age_s=10)
+    board.report("r1", replica_metrics(2, 0.2), now=0.0)
+    board.report("r2", replica_metrics(3, 7.0), now=5.0)
+    headers, samples = parse(board.render(now=6.0))
+    one = parse(replica_metrics(1, 0.1))[0]
+    assert set(headers) == set(one) | {"ragkv_replicas_reporting"}  # every family once
+    assert samples['ragkv_requests_total{replica="r1",endpoint="/v1/chat/completions",status="200"}'] == 2
+    assert samples['ragkv_requests_total{replica="r2",endpoint="/v1/chat/completions",status="200"}'] == 3
+    assert samples['ragkv_ttft_seconds_bucket{replica="r2",le="10.0"}'] == 1
+    assert samples['ragkv_decode_steps_total{replica="r1"}'] == 5
+    assert samples["ragkv_replicas_reporting"] == 2
+    _, later = parse(board.render(now=12.0))  # r1 silent for 12 s: dropped
+    assert later["ragkv_replicas_reporting"] == 1 and not any('replica="r1"' in k for k in later)
+
+
+# ---- the ingress, on stand-in engine handles ---------------------------------------------------
+
+
+class Call:
+    """What ``handle.options(...).remote(...)`` returns: awaitable (hint) and async-iterable (forward)."""
+
+    def __init__(self, messages: list[Any], fail_at: int | None) -> None:
+        self.messages, self.fail_at, self.i = messages, fail_at, 0
+
+    def __await__(self) -> Any:
+        async def value() -> Any:
+            return []
+
+        return value().__await__()
+
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.i == self.fail_at:
+            raise RuntimeError("the replica's actor died")
+        if self.i >= len(self.messages):
+            raise StopAsyncIteration
+        self.i += 1
+        return self.messages[self.i - 1]
+
+
+class Engine:
+    """A handle whose replicas fail as scripted: ``fail_at[n]`` is where the n-th forward call fails."""
+
+    def __init__(self, messages: list[Any], fail_at: list[int | None]) -> None:
+        self.messages, self.fail_at, self.calls = messages, list(fail_at), 0
+        self._method = ""
+
+    def options(self, method_name: str, **_: Any) -> Engine:
+        self._method = method_name
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> Call:
+        if self._method != "forward":
+            return Call([], None)
+        fail = self.fail_at[self.calls] if self.calls < len(self.fail_at) else None
+        self.calls += 1
+        return Call(self.messages, fail)
+
+
+SSE = [
+    {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]},
+    {"type": "http.response.body", "body": b'data: {"x": 1}\n\n', "more_body": True},
+    {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False},
+]
+
+
+def make_ingress(engine: Engine, **quota: Any) -> Any:
+    pytest.importorskip("ray.serve")
+    from ragkv.replicas.app import Ingress, ReplicaOptions
+
+    return Ingress(engine, ServerSettings(quota=TenantQuota(**quota)), "default", ReplicaOptions())
+
+
+def send(ingress: Any, method: str = "POST", path: str = "/v1/chat/completions") -> tuple[int, bytes, Any]:
+    """One request through ``ingress``: (status, whole body, headers)."""
+    from starlette.requests import Request
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+
+    async def run() -> tuple[int, bytes, Any]:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
+        response = await ingress(Request(scope, receive))
+        chunks = [c async for c in response.body_iterator] if hasattr(response, "body_iterator") else [response.body]
+        return response.status_code, b"".join(chunks), response.headers
+
+    return asyncio.run(run())
+
+
+def call_ingress(engine: Engine, path: str = "/v1/chat/completions", **quota: Any) -> tuple[int, bytes, Any]:
+    """One chat request through a new Ingress on ``engine``: (status, body, the ingress)."""
+    ingress = make_ingress(engine, **quota)
+    status, body, _ = send(ingress, "POST", path)
+    return status, body, ingress
+
+
+def test_a_replica_that_fails_before_answering_costs_a_retry_not_an_error():
+    engine = Engine(SSE, fail_at=[0, 0])  # two replicas fail at once; the third answers
+    status, body, _ = call_ingress(engine)
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n") and engine.calls == 3
+
+
+def test_a_replica_that_keeps_failing_is_a_503_that_says_retry_and_frees_the_slot():
+    engine = Engine(SSE, fail_at=[0, 0, 0])
+    status, body, ingress = call_ingress(engine, concurrent=1)
+    assert status == 503 and "retry" in json.loads(body)["error"]["message"]
+    assert ingress._gate.quotas.running("default") == 0
+
+
+def test_a_replica_that_fails_mid_stream_ends_it_with_an_error_event():
+    engine = Engine(SSE, fail_at=[2])  # the start and one event, then the replica dies
+    status, body, ingress = call_ingress(engine, concurrent=1)
+    events = [json.loads(e[6:]) for e in body.decode().split("\n\n") if e.startswith("data: {")]
+    assert status == 200 and events[0] == {"x": 1} and events[-1]["error"]["type"] == "server_error"
+    assert b"[DONE]" not in body and engine.calls == 1  # an answer half sent is not sent again
+    assert ingress._gate.quotas.running("default") == 0
+
+
+def test_a_document_upload_is_not_retried():
+    engine = Engine(SSE, fail_at=[0, None])
+    status, _, _ = call_ingress(engine, path="/v1/documents")
+    assert status == 503 and engine.calls == 1
+
+
+def test_the_ingress_answers_429_over_the_clusters_quota():
+    ingress = make_ingress(Engine(SSE, fail_at=[]), requests_per_minute=1)
+    assert send(ingress)[0] == 200
+    status, body, headers = send(ingress, "GET", "/v1/models")  # a second request in the minute
+    assert status == 429 and headers["retry-after"] == "60"
+    assert "requests_per_minute" in json.loads(body)["error"]["message"]
