@@ -37,6 +37,7 @@ COLUMNS = (
     Column("load", "requests per replica"),
     Column("max_over_mean", "max/mean load", "{:.2f}"),
     Column("errors"),
+    Column("errors_after_kill", "errors after the kill"),
 )
 TOPICS = ("apples", "boats", "clocks", "doors", "engines", "ferns", "glass", "harbours", "islands", "jazz", "kites",
           "lamps", "maps", "nets", "owls", "pianos", "quarries", "rivers", "salt", "tides", "umbrellas", "violins",
@@ -85,11 +86,14 @@ class ReplicaBenchConfig:
     max_tokens: int = 4  # answer tokens per request (the bench is about prefill and loading)
     top_k: int = 2
     seed: int = 0
+    kill_after: int = 0  # > 0: one more affinity run, whose busiest replica is killed after this many answers
 
     def __post_init__(self) -> None:
         for name in ("replicas", "docs", "requests", "concurrency", "max_tokens", "top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.kill_after < self.requests:
+            raise ValueError(f"kill_after must be in [0, requests), got {self.kill_after}")
         if not 0 < self.memory_share < 1:
             raise ValueError(f"memory_share must be in (0, 1) (the corpus must not fit), got {self.memory_share}")
 
@@ -156,6 +160,17 @@ def run_replica_bench(
             results, wall = asyncio.run(_workload(url, [docs[i][2] for i in draws], config))
             after = _replica_stats(config.replicas)
             rows.append(_row(router, results, wall, before, after, config.replicas))
+        if config.kill_after:
+            serve.run(
+                build_app(measured, settings, replace(options, router="affinity")), name="ragkv", route_prefix="/"
+            )
+            echo(f"affinity again; its busiest replica is killed after {config.kill_after} answers")
+            before = _replica_stats(config.replicas)
+            results, wall = asyncio.run(
+                _workload(url, [docs[i][2] for i in draws], config, kill_after=config.kill_after)
+            )
+            after = _replica_stats(config.replicas - 1)  # the killed one is restarted with empty counters, if up
+            rows.append(_row("affinity, 1 killed", results, wall, before, after, config.replicas))
         return rows
     finally:
         serve.shutdown()
@@ -187,24 +202,42 @@ def _replica_stats(replicas: int, tries: int = 60) -> dict[str, dict[str, Any]]:
     return seen
 
 
+def _kill_replica(replica_id: str) -> None:
+    """Kill one engine replica's actor, as a machine that dies would (no drain, no restart of that actor)."""
+    import ray
+
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::ragkv#ragkv-engine#{replica_id}", namespace="serve"), no_restart=True)
+
+
 def _lower_tier_bytes_in(stats: dict[str, dict[str, Any]]) -> int:
     """Bytes written to the lasting tiers (what one copy of the corpus's caches takes)."""
     return max((t["bytes_in"] for s in stats.values() for t in s["tiers"].values() if not t["in_process"]), default=0)
 
 
 async def _workload(
-    url: str, questions: Sequence[str], config: ReplicaBenchConfig
+    url: str, questions: Sequence[str], config: ReplicaBenchConfig, kill_after: int = 0
 ) -> tuple[list[dict[str, Any]], float]:
+    """Every question at ``config.concurrency``; with ``kill_after``, the replica that answered most so
+    far is killed (Ray kills its actor; Serve starts another) once that many have answered."""
     import httpx
 
     queue: asyncio.Queue[str] = asyncio.Queue()
     for q in questions:
         queue.put_nowait(q)
     results: list[dict[str, Any]] = []
+    killed: list[str] = []
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():
-            results.append(await _one(client, queue.get_nowait(), config))
+            started_after_kill = bool(killed)  # those in flight at the kill may fail; these should not
+            result = await _one(client, queue.get_nowait(), config)
+            result["after_kill"] = started_after_kill
+            results.append(result)
+            if kill_after and len(results) == kill_after and not killed:
+                busiest = Counter(r["replica"] for r in results if "replica" in r).most_common(1)
+                if busiest:
+                    killed.append(busiest[0][0])
+                    await asyncio.to_thread(_kill_replica, busiest[0][0])
 
     start = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
@@ -271,6 +304,7 @@ def _row(
         "load": "/".join(str(c) for c in counts),
         "max_over_mean": max(counts) / mean if mean else 0.0,
         "errors": len(results) - len(ok),
+        "errors_after_kill": sum("error" in r for r in results if r.get("after_kill")) if "killed" in router else "-",
     }
 
 

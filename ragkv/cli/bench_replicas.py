@@ -35,6 +35,14 @@ def bench_replicas(
     ] = None,
     port: Annotated[int, typer.Option("--port", help="Port Serve listens on.")] = 8011,
     seed: Annotated[int, typer.Option("--seed", help="Corpus, workload order and router draws.")] = 0,
+    kill_after: Annotated[
+        int,
+        typer.Option(
+            "--kill-after",
+            help="One more affinity run whose busiest replica is killed after N answers [0: none].",
+            min=0,
+        ),
+    ] = 0,
     model: Model = None,
     out: JsonOut = None,
 ) -> None:
@@ -64,6 +72,7 @@ def bench_replicas(
             memory_share=memory_share,
             max_tokens=max_tokens,
             seed=seed,
+            kill_after=kill_after,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -7,7 +7,12 @@ The score is the production-stack router's (matched share minus a load term) wit
 place of prefix tokens, since a RAG prompt's chunks sit in its middle, where a prefix hash cannot see
 them::
 
-    score(r) = held_tokens(r) / request_tokens - load_weight * min(queue(r), load_cap) / load_cap
+    score(r) = held_tokens(r) / request_tokens - load_weight * load(r)
+    load(r)  = max(min(queue(r), load_cap) / load_cap, min(in_flight_tokens(r), token_cap) / token_cap)
+
+``queue`` counts requests queued and running at the replica; ``in_flight_tokens`` the chunk tokens
+of the requests this router sent there and that have not completed (a few long prompts load a
+replica as much as many short ones).
 
 Nothing here decides what an answer is: a replica that no longer holds a chunk its summary claims
 loads it from the shared store (a miss), so a stale or wrong summary costs time, never correctness.
@@ -100,6 +105,7 @@ class AffinityConfig:
 
     load_weight: float = 0.5  # the score a replica loses at a full load term (queue >= load_cap)
     load_cap: int = 8  # queue length at which the load term stops growing
+    token_cap: int = 16384  # in-flight chunk tokens at which the load term stops growing
     min_share: float = 0.0  # a best matched share at or below this: nothing held, power of two decides
 
     def __post_init__(self) -> None:
@@ -107,6 +113,8 @@ class AffinityConfig:
             raise ValueError(f"load_weight must be >= 0, got {self.load_weight}")
         if self.load_cap < 1:
             raise ValueError(f"load_cap must be >= 1 (requests), got {self.load_cap}")
+        if self.token_cap < 1:
+            raise ValueError(f"token_cap must be >= 1 (tokens), got {self.token_cap}")
         if not 0 <= self.min_share < 1:
             raise ValueError(f"min_share must be in [0, 1), got {self.min_share}")
 
@@ -117,6 +125,7 @@ class ReplicaView:
 
     holdings: Holdings = field(default_factory=Holdings)
     queue: int = 0  # requests queued and running there (Serve's queue length, or the router's own count)
+    tokens: int = 0  # chunk tokens of the requests routed there and not completed
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +136,20 @@ class Ranking:
     how: Literal["affinity", "power_of_two"]
 
 
-def score(held_tokens: int, request_tokens: int, queue: int, config: AffinityConfig) -> float:
+def score(held_tokens: int, request_tokens: int, queue: int, config: AffinityConfig, tokens: int = 0) -> float:
     """Matched share minus the load term (see the module docstring).
 
     >>> score(300, 400, 0, AffinityConfig())
     0.75
     >>> score(300, 400, 100, AffinityConfig(load_weight=0.5, load_cap=8))  # load capped at 8
     0.25
+    >>> score(300, 400, 1, AffinityConfig(load_cap=8, token_cap=1000), tokens=500)  # tokens weigh more here
+    0.5
     """
     share = held_tokens / request_tokens if request_tokens > 0 else 0.0
-    return share - config.load_weight * min(max(queue, 0), config.load_cap) / config.load_cap
+    by_queue = min(max(queue, 0), config.load_cap) / config.load_cap
+    by_tokens = min(max(tokens, 0), config.token_cap) / config.token_cap
+    return share - config.load_weight * max(by_queue, by_tokens)
 
 
 def power_of_two(ids: Sequence[str], rng: random.Random) -> tuple[str, ...]:
@@ -165,5 +178,10 @@ def rank_replicas(
     if total <= 0 or max(held.values()) / total <= config.min_share:
         return Ranking(power_of_two(ids, rng), "power_of_two")
     draw = {r: rng.random() for r in ids}
-    order = sorted(ids, key=lambda r: (-score(held[r], total, replicas[r].queue, config), replicas[r].queue, draw[r]))
+
+    def key(r: str) -> tuple[float, int, float]:
+        view = replicas[r]
+        return -score(held[r], total, view.queue, config, view.tokens), view.queue, draw[r]
+
+    order = sorted(ids, key=key)
     return Ranking(tuple(order), "affinity")

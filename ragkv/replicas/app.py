@@ -97,7 +97,7 @@ class Ingress:
 
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
-            return _error(413, f"request body over {self._max_body_bytes} bytes; send less (split the upload)")
+            return _error(413, f"request body over this route's limit of {self._max_body_bytes} bytes; send less")
         parts = _parts(request, await request.body())
         authorization = request.headers.get("authorization", "")
         if parts.method == "GET" and parts.path == "/metrics":
@@ -273,8 +273,14 @@ def run_app(
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
-    handle = serve.run(build_app(engine_config, settings, options), name="ragkv", route_prefix="/")
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        handle = serve.run(build_app(engine_config, settings, options), name="ragkv", route_prefix="/")
+    except BaseException:  # a deployment that fails leaves no Serve or Ray behind
+        serve.shutdown()
+        if started:
+            ray.shutdown()
+        raise
     if not blocking:
         return handle
     signal.signal(signal.SIGTERM, _interrupt)

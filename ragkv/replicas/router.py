@@ -40,6 +40,8 @@ class ChunkAffinityRouter(RequestRouter):
         self._config = AffinityConfig(**kwargs)
         self._rng = random.Random(seed)
         self._in_flight: Counter[str] = Counter()  # requests this router sent and not yet completed, per replica
+        self._tokens: Counter[str] = Counter()  # ... and their chunk tokens
+        self._routed: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, chunk tokens)
         self.decisions: Counter[str] = Counter()  # "affinity" / "power_of_two" / "error": how requests were routed
 
     async def choose_replicas(
@@ -67,17 +69,29 @@ class ChunkAffinityRouter(RequestRouter):
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         queue = max(self._in_flight[rid], cached or 0)
         holdings = Holdings.from_stats(replica.routing_stats.get(HOLDINGS_STAT)) if with_holdings else Holdings()
-        return ReplicaView(holdings, queue)
+        return ReplicaView(holdings, queue, max(self._tokens[rid], 0))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Count the request as in flight on ``replica_id`` until :meth:`on_request_completed`."""
-        self._in_flight[replica_id.unique_id] += 1
+        """Count the request and its chunk tokens as in flight on ``replica_id`` until it completes."""
+        rid = replica_id.unique_id
+        self._in_flight[rid] += 1
+        try:
+            tokens = sum(max(c.tokens, 0) for c in _route_of(pending_request))
+            request_id = pending_request.metadata.internal_request_id
+        except Exception:  # no route, or one the router could not read: nothing to weigh
+            return
+        if tokens and request_id:
+            self._tokens[rid] += tokens
+            self._routed[request_id] = (rid, tokens)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        """The request left the replica: one less in flight there."""
+        """The request left the replica: one less in flight there, and its chunk tokens."""
         rid = replica_id.unique_id
         if self._in_flight[rid] > 0:
             self._in_flight[rid] -= 1
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is not None:
+            self._tokens[routed[0]] -= routed[1]
 
 
 class RoundRobinRouter(RequestRouter):

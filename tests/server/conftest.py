@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -17,6 +18,10 @@ import pytest
 from tests.conftest import env_without_ragkv_settings, make_model, make_tokenizer
 
 KEYS = {"sk-test-alpha-0001": "alpha", "sk-test-beta-00002": "beta"}
+# RAGKV_TEST_SERVE_RAY=N: every real server these tests start is ``ragkv serve --ray --replicas N``
+# (Ray Serve replicas behind the ingress), so the client tests run against the replicated server too
+RAY_REPLICAS = int(os.environ.get("RAGKV_TEST_SERVE_RAY") or 0)
+only_one_process = pytest.mark.skipif(RAY_REPLICAS > 0, reason="a property of one ragkv serve process")
 APPLES = "Apples grow on trees in orchards, and farmers pick them in the autumn. " * 6
 BOATS = "Boats float on water and carry people across lakes and along rivers. " * 6
 
@@ -62,9 +67,11 @@ def start_server(model_dir: Path, data_dir: Path, *args: str) -> Served:
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ragkv.cli", "serve", "--port", str(port), "--model", str(model_dir),
            "--data-dir", str(data_dir), "--max-new-tokens", "16", "--dtype", "float32", *args]  # fmt: skip
+    if RAY_REPLICAS:
+        cmd += ["--ray", "--replicas", str(RAY_REPLICAS)]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + (600 if RAY_REPLICAS else 180)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"ragkv serve exited with {process.returncode}:\n{log.read_text()}")
@@ -80,7 +87,7 @@ def start_server(model_dir: Path, data_dir: Path, *args: str) -> Served:
 def stop_server(served: Served) -> None:
     served.process.terminate()
     try:
-        served.process.wait(30)
+        served.process.wait(90 if RAY_REPLICAS else 30)
     except subprocess.TimeoutExpired:
         served.process.kill()
         served.process.wait()

@@ -34,6 +34,16 @@ def test_score_is_matched_share_minus_capped_load():
     assert score(0, 0, 0, cfg) == 0.0  # a request of no chunk tokens has no share
 
 
+def test_in_flight_tokens_load_a_replica_as_its_queue_does():
+    cfg = AffinityConfig(load_weight=0.5, load_cap=4, token_cap=1000)
+    assert score(300, 500, 1, cfg, tokens=500) == pytest.approx(0.6 - 0.25)  # tokens outweigh the queue
+    assert score(300, 500, 2, cfg, tokens=100) == pytest.approx(0.6 - 0.25)  # the queue outweighs tokens
+    assert score(300, 500, 0, cfg, tokens=10**6) == score(300, 500, 4, cfg)  # capped alike
+    # one replica holds a small share but runs one long prompt: the idle one wins
+    views = {"long": ReplicaView(held(B), queue=1, tokens=1000), "idle": ReplicaView()}
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order == ("idle", "long")
+
+
 def test_holder_of_most_chunk_tokens_ranks_first():
     views = {"r1": ReplicaView(held(B, C)), "r2": ReplicaView(held(A)), "r3": ReplicaView()}
     ranking = rank_replicas([A, B, C], views, AffinityConfig(), random.Random(0))

@@ -76,3 +76,22 @@ def test_round_robin_turns():
     replicas = [replica("b"), replica("a"), replica("c")]
     firsts = [choose(router, replicas)[0][0] for _ in range(4)]
     assert firsts == ["a", "b", "c", "a"]
+
+
+def test_the_router_counts_in_flight_chunk_tokens_until_each_request_completes():
+    router = make(ChunkAffinityRouter)
+    long = ChunkRef((key_tag("ns:long:int8"),), 5000)
+
+    async def route(request_id: str, rid: str, chunks: list[ChunkRef]) -> None:
+        meta = RequestMetadata(request_id, request_id, call_method="forward")
+        pending = PendingRequest(args=[], kwargs={"route": chunks}, metadata=meta)
+        router.on_request_routed(pending, ReplicaID(rid, DEPLOYMENT), None)
+
+    asyncio.run(route("q1", "a", [long, CHUNK]))
+    asyncio.run(route("q2", "a", [CHUNK]))
+    assert router._view(replica("a"), False).tokens == 5400
+    router.on_request_completed(ReplicaID("a", DEPLOYMENT), "q1")
+    assert router._view(replica("a"), False).tokens == 200
+    router.on_request_completed(ReplicaID("a", DEPLOYMENT), "q1")  # a second completion changes nothing
+    router.on_request_completed(ReplicaID("a", DEPLOYMENT), "q2")
+    assert router._view(replica("a"), False).tokens == 0 and router._routed == {}

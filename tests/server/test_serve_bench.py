@@ -8,7 +8,7 @@ import sys
 
 from ragkv.bench.serve import format_serve_table, run_serve_bench
 from ragkv.retriever.corpus import stdlib_corpus
-from tests.server.conftest import start_server, stop_server
+from tests.server.conftest import RAY_REPLICAS, start_server, stop_server
 
 
 def test_serve_bench_rows_for_reuse_and_full(server):
@@ -19,7 +19,8 @@ def test_serve_bench_rows_for_reuse_and_full(server):
     assert all(r["cached"] > 0 for r in rows if r["mode"] == "reuse")
     assert all(r["cached"] == 0 for r in rows if r["mode"] == "full")
     # streams of 4 tokens: gaps between their text pieces; the server's counters: time outside the forward
-    assert all(r["gap_p95"] >= r["gap_p50"] >= 0 and r["outside_ms"] > 0 for r in rows)
+    # (read from /health, which with --ray is one replica's: that one may have decoded nothing)
+    assert all(r["gap_p95"] >= r["gap_p50"] >= 0 and (r["outside_ms"] > 0 or RAY_REPLICAS) for r in rows)
     table = format_serve_table(rows)
     assert "TTFT p95 reuse/full" in table and "| reuse" in table
 

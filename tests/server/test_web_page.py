@@ -270,7 +270,8 @@ def test_a_document_is_deleted_after_a_confirming_second_click(page, server):
     assert button.text == "Confirm"
     button.click()
     wait(page).until(lambda d: "deleted ferns" in d.find_element(*by("#upload-status")).text)
-    assert "ferns" not in [e.text for e in page.find_elements(*by("#docs .doc-name"))]
+    # the list is fetched again after the status says so
+    wait(page).until(lambda d: "ferns" not in [e.text for e in d.find_elements(*by("#docs .doc-name"))])
     with server.client() as c:
         assert "mem:ferns" not in [d["source"] for d in c.get("/v1/documents").json()["data"]]
 
