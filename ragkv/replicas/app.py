@@ -19,9 +19,11 @@ import asyncio
 import json
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from starlette.responses import StreamingResponse
 
 from ragkv.replicas.affinity import AffinityConfig, ChunkRef
 from ragkv.replicas.gate import Admission, ClusterGate, MetricsBoard
@@ -88,13 +90,11 @@ class Ingress:
         self._max_body_bytes = settings.max_body_bytes
         self._hint_timeout_s = options.hint_timeout_s
         self._tries = options.forward_tries
-        self._gate = ClusterGate(settings, base_tenant)
+        self._gate = ClusterGate(settings, base_tenant, options.replicas * replica_slots(settings))
         self._board = MetricsBoard(max_age_s=3 * options.stats_period_s + options.health_timeout_s)
 
     async def __call__(self, request: Any) -> Any:
         """Serve hands over a starlette Request; the answer streams from the replica's app."""
-        from starlette.responses import StreamingResponse
-
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self._max_body_bytes:
             return _error(413, f"request body over this route's limit of {self._max_body_bytes} bytes; send less")
@@ -119,9 +119,9 @@ class Ingress:
                 logger.warning("no replica answered %s %s", parts.method, parts.path, exc_info=True)
                 return _error(503, "the engine replica failed; retry", "server_error", {"Retry-After": "1"})
             raise
-        response = StreamingResponse(
-            _bodies(stream, _is_event_stream(start), lambda: self._end(admission, turn)), status_code=start["status"]
-        )
+        end = _once(lambda: self._end(admission, turn))
+        response = _EndingResponse(_bodies(stream, _is_event_stream(start), end), status_code=start["status"])
+        response.on_end = end  # also when the body is never read (a client gone before it starts)
         response.raw_headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", [])]
         return response
 
@@ -173,6 +173,31 @@ def _error(
 
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _once(action: Callable[[], None]) -> Callable[[], None]:
+    """``action`` run on the first call only (a slot or a turn is released once, never twice)."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return run
+
+
+class _EndingResponse(StreamingResponse):
+    """A streaming response that calls ``on_end`` once it is over, however it ends."""
+
+    on_end: Callable[[], None] = staticmethod(lambda: None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 def _is_event_stream(start: dict[str, Any]) -> bool:
@@ -229,7 +254,7 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
     engine = serve.deployment(
         name="ragkv-engine",
         num_replicas=options.replicas,
-        max_ongoing_requests=settings.max_queue,  # the app answers 429 past its own queue, as ragkv serve does
+        max_ongoing_requests=replica_slots(settings),  # past it the ingress answers 429, as ragkv serve does
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
         health_check_period_s=options.health_period_s,
         health_check_timeout_s=options.health_timeout_s,
@@ -243,6 +268,11 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
         ray_actor_options={"num_cpus": 0},  # it holds no model: it only forwards
     )(Ingress)
     return ingress.bind(engine, settings, str(engine_config.tenant), options)
+
+
+def replica_slots(settings: Any) -> int:
+    """Requests one replica holds at once: ``max_batch`` decoding plus ``max_queue`` waiting."""
+    return int(settings.max_batch + settings.max_queue)
 
 
 def replica_settings(settings: Any) -> Any:

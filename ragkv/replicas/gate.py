@@ -3,10 +3,11 @@
 One ingress sees every request, so it is where per-tenant limits hold across replicas:
 
 - :class:`ClusterGate` counts each tenant's requests per minute and concurrent generations (the
-  ``ragkv serve`` quotas, :class:`ragkv.server.quotas.Quotas`, counted once for the cluster instead of
-  once per replica), and gives each tenant one document change at a time (an upload or a removal),
-  so each replica's ``document_bytes``/``cache_bytes`` check reads the usage the change before it left
-  in the shared catalog and store.
+  ``ragkv serve`` quotas, :class:`ragkv.server.quotas.Quotas`, counted once for the cluster instead
+  of once per replica), refuses generations past what the replicas hold together (429), and gives
+  each tenant one document change at a time (an upload or a removal), so each replica's
+  ``document_bytes``/``cache_bytes`` check reads the usage the change before it left in the shared
+  catalog and store.
 - :class:`MetricsBoard` holds the Prometheus text each replica last reported (every stats period)
   and renders them as one exposition, every sample labelled with its ``replica``: Prometheus then
   sums over replicas (``sum without (replica) (...)``), as it does for any scaled-out service.
@@ -21,7 +22,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ragkv.server.quotas import Quotas
+from ragkv.server.quotas import QuotaError, Quotas
 from ragkv.server.settings import ServerSettings
 
 __all__ = ["Admission", "ClusterGate", "MetricsBoard", "bearer_tenant"]
@@ -52,8 +53,15 @@ class Admission:
 class ClusterGate:
     """The cluster's per-tenant quotas and document turns, kept by the one ingress (see the module docstring)."""
 
-    def __init__(self, settings: ServerSettings, base_tenant: str) -> None:
+    def __init__(self, settings: ServerSettings, base_tenant: str, capacity: int | None = None) -> None:
+        """``capacity``: generations the replicas hold at once, all together (each its ``max_batch``
+        decoding plus ``max_queue`` waiting); past it a generation is refused 429, as one full
+        ``ragkv serve`` refuses it, instead of waiting unbounded in front of the replicas."""
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 generations (or None: no limit), got {capacity}")
         self.quotas = Quotas(settings.quota, settings.tenant_quotas)
+        self.capacity = capacity
+        self.generations = 0  # generations admitted and not yet released, all tenants
         self._keys = dict(settings.api_keys)
         self._base_tenant = base_tenant
         self._turns: dict[str, asyncio.Lock] = {}
@@ -75,13 +83,17 @@ class ClusterGate:
         self.quotas.count_request(tenant)
         generation = method == "POST" and path in GENERATION_PATHS
         if generation:
+            if self.capacity is not None and self.generations >= self.capacity:
+                raise QuotaError(429, f"the replicas hold {self.capacity} generations already; retry shortly", 1)
             self.quotas.start_generation(tenant)
+            self.generations += 1
         return Admission(tenant, generation)
 
     def release(self, admission: Admission) -> None:
         """The request's response ended (sent whole, failed or cut off): free its generation slot."""
         if admission.generation and not admission.released and admission.tenant is not None:
             self.quotas.end_generation(admission.tenant)
+            self.generations = max(0, self.generations - 1)
         admission.released = True
 
     def document_turn(self, method: str, path: str, tenant: str | None) -> asyncio.Lock | None:

@@ -4,6 +4,7 @@ survives a replica that fails (stand-in engine handles that inject the faults; n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -47,6 +48,18 @@ def test_a_generation_slot_is_held_until_released_once():
     g.release(first)  # a second release frees nothing more
     assert g.quotas.running("alpha") == 0
     g.release(g.admit("POST", "/v1/chat/completions", "Bearer sk-alpha"))
+
+
+def test_generations_past_what_the_replicas_hold_are_429():
+    g = ClusterGate(ServerSettings(api_keys=KEYS), "default", capacity=2)
+    held = [g.admit("POST", "/v1/chat/completions", f"Bearer {k}") for k in ("sk-alpha", "sk-beta")]
+    with pytest.raises(QuotaError) as e:
+        g.admit("POST", "/v1/completions", "Bearer sk-alpha")
+    assert e.value.status == 429 and e.value.retry_after == 1 and "retry shortly" in str(e.value)
+    g.admit("GET", "/v1/documents", "Bearer sk-alpha")  # not a generation: still served
+    g.release(held[0])
+    g.release(g.admit("POST", "/v1/completions", "Bearer sk-alpha"))
+    assert g.generations == 1
 
 
 def test_without_keys_every_request_is_the_servers_own_tenant():
@@ -223,3 +236,33 @@ def test_the_ingress_answers_429_over_the_clusters_quota():
     status, body, headers = send(ingress, "GET", "/v1/models")  # a second request in the minute
     assert status == 429 and headers["retry-after"] == "60"
     assert "requests_per_minute" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/documents"])
+def test_a_response_whose_client_is_gone_before_its_body_frees_its_slot_and_turn(path):
+    from starlette.requests import Request
+
+    ingress = make_ingress(Engine(SSE, fail_at=[]), concurrent=1)
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+
+    sent: list[bool] = []
+
+    async def receive() -> dict[str, Any]:  # the body, then the client is gone
+        if sent:
+            return {"type": "http.disconnect"}
+        sent.append(True)
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def gone(message: dict[str, Any]) -> None:
+        raise OSError("the client closed the connection")
+
+    async def run() -> None:
+        response = await ingress(Request(scope, receive))
+        with contextlib.suppress(OSError):  # as the server sees a client gone mid-send
+            await response(scope, receive, gone)  # the body iterator is never started
+
+    asyncio.run(run())
+    assert ingress._gate.quotas.running("default") == 0 and ingress._gate.generations == 0
+    turn = ingress._gate.document_turn("POST", "/v1/documents", "default")
+    assert turn is not None and not turn.locked()
+    assert send(ingress, "POST", path)[0] == 200  # the next one is admitted

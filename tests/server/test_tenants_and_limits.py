@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.server.conftest import APPLES, BOATS, KEYS
+from tests.server.conftest import APPLES, BOATS, KEYS, only_one_process
 
 ALPHA, BETA = list(KEYS)
 
@@ -55,6 +55,7 @@ def _wait_idle(c: httpx.Client, timeout: float = 30.0) -> dict:
     raise AssertionError(f"the server still holds requests: {health}")
 
 
+@only_one_process  # with replicas the limit is replicas x (max_batch + max_queue): test_replica_gate.py
 def test_queue_limit_gives_429_and_a_disconnect_frees_the_slot(keyed_server):
     long = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 2000, "stream": True}
     with keyed_server.client(ALPHA) as c:

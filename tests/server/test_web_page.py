@@ -271,7 +271,8 @@ def test_a_document_is_deleted_after_a_confirming_second_click(page, server):
     button.click()
     wait(page).until(lambda d: "deleted ferns" in d.find_element(*by("#upload-status")).text)
     # the list is fetched again after the status says so
-    wait(page).until(lambda d: "ferns" not in [e.text for e in d.find_elements(*by("#docs .doc-name"))])
+    names = "return [...document.querySelectorAll('#docs .doc-name')].map(e => e.textContent)"
+    wait(page).until(lambda d: "ferns" not in d.execute_script(names))
     with server.client() as c:
         assert "mem:ferns" not in [d["source"] for d in c.get("/v1/documents").json()["data"]]
 
