@@ -277,6 +277,9 @@ class AnswerPath:
         p.save_rates_soon()
         stats.recomputed_tokens = fused.recomputed_tokens
         stats.reused_tokens = max(0, hit_tokens - fused.recomputed_tokens)
+        if fused.wanted_share is not None:  # an adaptive share: what its target wanted, and whether the cap held
+            stats.extra["recompute_wanted"] = round(fused.wanted_share, 4)
+            stats.extra["recompute_capped"] = fused.selection_capped
         logits = fused.suffix_logits
         if logits is None:  # empty suffix
             logits = a.forward(suffix, fused.cache, fused.num_tokens, logits="last")

@@ -140,6 +140,10 @@ class FusedContext:
     selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # final slots
     suffix_logits: torch.Tensor | None = None  # [suffix, vocab] fp32 when fused with prefill_suffix
     token_passes: int = 0  # tokens run through a decoder layer, summed over layers (the recompute's work)
+    # An adaptive share (QueryFocusParams.coverage): the share of chunk tokens its target wanted
+    # (None: no target ran), and whether the cap (the ratio) held it back; then the cap was recomputed.
+    wanted_share: float | None = None
+    selection_capped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +221,9 @@ def fuse_steps(
     if budget is not None:
         yield  # placement and the question probe were this piece
     active, hidden, passes = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
-    return _finish(adapter, placed, active, forced, hidden, tail.numel(), passes)
+    fused = _finish(adapter, placed, active, forced, hidden, tail.numel(), passes)
+    fused.wanted_share, fused.selection_capped = state.wanted_share, state.capped
+    return fused
 
 
 def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:
@@ -274,6 +280,7 @@ def _recompute(
     """
     cache = adapter.scatter_cache(placed.keys, placed.values)
     checks = set(strategy.check_layers(state, adapter.spec.num_layers)) if active.numel() else set()
+    state.checks = tuple(sorted(checks))  # a strategy may act differently at its last check
     # Positions are assembled on the host (the mask is chosen from them without a device sync) and
     # move to the device once per active set. Between check layers the loop runs layer after layer
     # with nothing read back: no host sync (tests/core/test_host_syncs.py counts them).

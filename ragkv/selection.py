@@ -32,6 +32,7 @@ __all__ = [
     "Strategy",
     "StrategyParams",
     "available_strategies",
+    "coverage_count",
     "register_strategy",
     "strategy_class",
     "top_indices",
@@ -104,12 +105,28 @@ class QueryFocusParams(StrategyParams):
     # ``number_boost``. Off by default until measured on two model sizes (docs/benchmarks.md).
     number_spans: bool = False
     number_boost: float = 1.0
+    # An adaptive share (issue 36): > 0 keeps, at the last check layer, the fewest top-scored tokens
+    # holding this share of the score mass there, with ``ratio`` as the cap and ``min_ratio`` (clamped
+    # to the cap) as the floor; 0 = off, ``ratio`` is a fixed share. A target the cap cuts short is
+    # reported (FusedContext.selection_capped), never dropped. Off by default until measured.
+    coverage: float = 0.0
+    min_ratio: float = 0.05  # the least share of chunk tokens kept under ``coverage`` (unused when off)
 
     def __post_init__(self) -> None:
         check_layer_knobs(self.check_layer, self.deviation)
         check_sink_tokens(self.sink_tokens)
         if self.number_boost <= 0:
             raise ValueError(f"number_boost must be > 0 (1 = no boost), got {self.number_boost}")
+        if not 0.0 <= self.coverage <= 1.0:
+            raise ValueError(
+                f"coverage must be in [0, 1] (the share of the last check's score mass to keep; "
+                f"0 = off, ratio is then a fixed share), got {self.coverage}"
+            )
+        if not 0.0 <= self.min_ratio <= 1.0:
+            raise ValueError(
+                f"min_ratio must be in [0, 1] (the least share of chunk tokens kept under coverage; "
+                f"the fusion ratio caps it), got {self.min_ratio}"
+            )
         if self.narrow_layer < 0:
             raise ValueError(f"narrow_layer must be >= 0 (0 = num_layers // 4), got {self.narrow_layer}")
         if not 0.0 <= self.focus_ratio <= 1.0:
@@ -134,6 +151,13 @@ class SelectionState:
     # [chunk tokens] id of the number each token belongs to (-1: none), for strategies that
     # ask for it (``wants_numbers``); see ragkv.model.ModelAdapter.number_runs
     number_runs: torch.Tensor | None = None
+    # the check layers of this pass, in order, as fusion runs them (recorded by fusion; () = not
+    # recorded, and a strategy then takes its second check for its last)
+    checks: tuple[int, ...] = ()
+    # an adaptive share (QueryFocusParams.coverage): the share of chunk tokens its target wanted at
+    # the last check (None: no target), and whether the cap (the ratio) held it back
+    wanted_share: float | None = None
+    capped: bool = False
 
     @classmethod
     def start(cls, chunk_lengths: Sequence[int]) -> SelectionState:
@@ -178,6 +202,11 @@ class SelectionState:
         """Number of chunk tokens a ``share`` of them is (rounded, within [0, all])."""
         return max(0, min(self.num_chunk_tokens, round(share * self.num_chunk_tokens)))
 
+    def is_last_check(self, layer: int) -> bool:
+        """Whether ``layer`` is this pass's last check layer (:attr:`checks`; when fusion did not
+        record them, the second check is the last)."""
+        return layer == self.checks[-1] if self.checks else len(self.deviations) > 1
+
     def question_importance(self, after_layer: int) -> torch.Tensor | None:
         """[chunk tokens] attention the question pays each token in the layers after ``after_layer``.
 
@@ -215,6 +244,33 @@ def top_indices(score: torch.Tensor, k: int, forced: torch.Tensor | None = None)
         score[forced] = float("inf")
     k = min(k, score.numel())
     return torch.sort(torch.topk(score, k).indices).values if k > 0 else torch.zeros(0, dtype=torch.long)
+
+
+def coverage_count(score: torch.Tensor, coverage: float, forced: torch.Tensor | None = None) -> int:
+    """The fewest tokens, taken best first, whose ``score`` sums to at least ``coverage`` of the total.
+
+    Best first is :func:`top_indices`'s order: ``forced`` tokens first, then higher scores, so the
+    tokens it keeps for this count hold the mass counted. Scores are non-negative (negative ones
+    count as 0); sums run in fp64 and the total is the last partial sum, so the count is exact
+    against a written-out loop.
+
+    >>> s = torch.tensor([1.0, 5.0, 3.0, 1.0])
+    >>> coverage_count(s, 0.8), coverage_count(s, 0.81), coverage_count(s, 0.0)
+    (2, 3, 0)
+    >>> coverage_count(s, 0.5, forced=torch.tensor([True, False, False, False]))  # 1 + 5 of 10
+    2
+    """
+    s = score.double().cpu().clamp_min(0.0)  # [n]
+    if s.numel() == 0 or coverage <= 0:
+        return 0
+    order = torch.sort(s, descending=True, stable=True).indices
+    if forced is not None and forced.any():  # forced first, each group by score
+        order = order[torch.sort((~forced.cpu()[order]).to(torch.uint8), stable=True).indices]
+    cum = torch.cumsum(s[order], 0)  # [n] mass of the best 1..n
+    target = coverage * float(cum[-1])
+    if target <= 0:
+        return 0
+    return min(int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype))[0]) + 1, s.numel())
 
 
 def deviation_score(deviation: str, k_dev: torch.Tensor, v_dev: torch.Tensor) -> torch.Tensor:
@@ -355,6 +411,10 @@ class QueryFocus(Strategy):
     ``ratio * narrow_factor`` survive the first check layer, re-ranked at a deeper one
     (``narrow_layer``) and cut to ``ratio``: early deviation predicts deep deviation only roughly.
     Every chunk's first ``sink_tokens`` are kept whatever their score.
+
+    With ``coverage`` > 0 the share adapts per request: the last check keeps the fewest best tokens
+    holding that share of the score mass measured there, between ``min_ratio`` and ``ratio`` (now a
+    cap); a target the cap cuts short is recorded on the state, and fusion reports it.
     """
 
     name = "query_focus"
@@ -407,8 +467,23 @@ class QueryFocus(Strategy):
         return score if weight is None else score * weight
 
     def select(self, state: SelectionState, layer: int) -> torch.Tensor:
-        first_check = len(state.deviations) == 1
-        share = self.ratio * (self.params.narrow_factor if first_check else 1.0)
         forced = state.sink_mask(state.active[layer], self.params.sink_tokens)
-        chosen = top_indices(self.score(state, layer), state.budget(min(1.0, share)), forced)
+        score = self.score(state, layer)
+        if self.params.coverage > 0 and state.is_last_check(layer):
+            k = self._covering(state, score, forced)
+        else:
+            first_check = len(state.deviations) == 1
+            share = self.ratio * (self.params.narrow_factor if first_check else 1.0)
+            k = state.budget(min(1.0, share))
+        chosen = top_indices(score, k, forced)
         return state.complete_numbers(chosen, state.active[layer]) if self.params.number_spans else chosen
+
+    def _covering(self, state: SelectionState, score: torch.Tensor, forced: torch.Tensor) -> int:
+        """How many of the scored tokens the last check keeps under ``coverage``: the count the target
+        wants, within [floor, cap]; what it wanted and whether the cap held it back go on ``state``."""
+        cap = state.budget(min(1.0, self.ratio))
+        floor = min(state.budget(self.params.min_ratio), cap)
+        want = coverage_count(score, self.params.coverage, forced)
+        state.wanted_share = want / max(1, state.num_chunk_tokens)
+        state.capped = want > cap
+        return max(floor, min(want, cap))

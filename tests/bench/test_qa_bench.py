@@ -18,6 +18,7 @@ from ragkv.bench.qa import merge_results, parse_methods, run_qa_bench
 from ragkv.bench.qa_data import QA_SETS, QASet, build_prompt, documents_text, load_qa_set, pick_documents
 from ragkv.bench.qa_score import best_f1, contains_answer, normalize, token_f1
 from ragkv.cli import app
+from ragkv.selection import QueryFocusParams
 
 # ---- scoring -------------------------------------------------------------------------------------
 
@@ -276,6 +277,14 @@ def test_one_token_answers_are_compared_without_an_empty_forward_pass(tiny_token
     rows = compare_methods(adapter, prompt, [("full", 1.0), ("blend", 1.0)], answer_tokens=1)
     assert len(rows[0]["answer"]) == 1 and rows[0]["kl"] == 0.0
     assert rows[1]["kl"] < 1e-4  # every token recomputed: full prefill, through the fused path
+
+
+def test_a_methods_knobs_parse_into_its_params_record() -> None:
+    (_, m) = parse_methods("query_focus:0.3:coverage=0.8+min_ratio=0.1")
+    assert m.label == "query_focus:0.3:coverage=0.8+min_ratio=0.1"
+    assert m.grid_entry() == ("query_focus", 0.3, QueryFocusParams(coverage=0.8, min_ratio=0.1))
+    with pytest.raises(ValueError, match="coverage must be in"):
+        parse_methods("query_focus:0.3:coverage=8")
 
 
 def test_runs_over_disjoint_questions_merge_into_the_rows_of_one_run() -> None:

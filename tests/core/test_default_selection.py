@@ -70,6 +70,27 @@ def test_fused_selection_on_the_tiny_models_is_what_the_old_code_selected(tiny_a
             )
 
 
+def test_coverage_off_selects_and_computes_exactly_as_before(llama_adapter):
+    # coverage 0 (the default) is a fixed share whatever min_ratio says: the captured selections, and
+    # logits equal bit for bit to the default record's
+    want = iter(EXPECTED["fused"]["llama"])  # prompt by prompt, config by config
+    for sizes, seed in EXPECTED["prompts"][:2]:  # two prompts: the path is the same for all
+        chunk_ids = [_ids(n, seed + 10 + i) for i, n in enumerate(sizes)]
+        pre = llama_adapter.prefill_kv(_ids(9, seed))
+        chunks = [llama_adapter.prefill_kv(c, past=[pre]) for c in chunk_ids]
+        inp = FusionInput(pre, chunks, chunk_ids, _ids(5, seed + 99))
+        for knobs in EXPECTED["configs"]:
+            off = _config({**knobs, "coverage": 0.0, "min_ratio": 0.5})
+            fused = fuse(llama_adapter, inp, off, prefill_suffix=True)
+            row = next(want)
+            assert (fused.selected.tolist(), fused.recomputed_tokens) == (row["selected"], row["recomputed"])
+            assert fused.wanted_share is None and not fused.selection_capped
+            if knobs == {"ratio": 0.15}:
+                default = fuse(llama_adapter, inp, FusionConfig(), prefill_suffix=True)
+                assert default.suffix_logits is not None and fused.suffix_logits is not None
+                assert torch.equal(fused.suffix_logits, default.suffix_logits)
+
+
 @pytest.mark.parametrize("bad", [{"narrow_layer": -1}, {"focus_ratio": 1.5}, {"sink_tokens": -1}])
 def test_query_focus_params_refuse_bad_knobs(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -16,6 +16,7 @@ from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.documents import Document
 from ragkv.retriever.embedder import HashingEmbedder
 from ragkv.retriever.kv_retriever import RetrieverConfig
+from ragkv.selection import QueryFocusParams
 
 DOCS = [
     Document("mem:apples", "Apples grow on trees in orchards. " * 12 + "\n\nThey are red or green. " * 8, "apples"),
@@ -58,6 +59,22 @@ def test_full_fusion_through_the_engine_equals_full_prefill(tmp_path, llama_adap
         full = rag.answer("What do sails do?", chunks=chunks, mode="full", generation=GEN)
         assert reuse.text == full.text and reuse.stats.generated_tokens == full.stats.generated_tokens
         assert full.stats.prefilled_chunk_tokens == sum(len(c.token_ids) for c in chunks)
+
+
+def test_an_answer_says_when_its_recompute_target_was_capped(tmp_path, llama_adapter):
+    # coverage 1.0 wants every scored token; the ratio caps it, and the stats say so (issue 36)
+    capped = FusionConfig("query_focus", 0.2, QueryFocusParams(coverage=1.0))
+    with _engine(tmp_path, llama_adapter, fusion=capped) as rag:
+        rag.index(DOCS, progress=False)
+        res = rag.answer("Where do apples grow?", generation=GEN)
+        extra = res.stats.extra
+        assert extra["recompute_capped"] is True and 0.2 < extra["recompute_wanted"] <= 1.0
+        assert res.stats.recomputed_tokens > 0  # the cap, not naive reuse
+        assert res.stats.as_dict()["recompute_capped"] is True
+    with _engine(tmp_path / "fixed", llama_adapter) as rag:  # the default: a fixed share, no new keys
+        rag.index(DOCS, progress=False)
+        res = rag.answer("Where do apples grow?", generation=GEN)
+        assert "recompute_capped" not in res.stats.extra and "recompute_wanted" not in res.stats.extra
 
 
 def test_restart_keeps_index_and_caches(tmp_path, llama_adapter):

@@ -122,14 +122,22 @@ def test_the_question_probe_records_the_attention_the_question_pays(llama_adapte
     torch.testing.assert_close(got, _slow_question_attention(a, inp, slots), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["full", "blend", "query_focus", "query_focus+numbers"])
+@pytest.mark.parametrize("method", ["full", "blend", "query_focus", "query_focus+numbers", "query_focus+coverage"])
 def test_selective_recompute_equals_slow_loop(llama_adapter, method):
     a = llama_adapter
     _, chunk_ids, suffix, inp = _prompt(a)
     numbers = method.endswith("+numbers")  # whole numbers recomputed, their tokens weighed up
-    method = method.removesuffix("+numbers")
+    coverage = 0.5 if method.endswith("+coverage") else 0.0  # the share set by the last check's scores
+    method = method.removesuffix("+numbers").removesuffix("+coverage")
     cfg = _config(
-        method, 0.3, narrow_layer=2, focus_ratio=0.6, number_spans=numbers, number_boost=3.0 if numbers else 1.0
+        method,
+        0.3,
+        narrow_layer=2,
+        focus_ratio=0.6,
+        number_spans=numbers,
+        number_boost=3.0 if numbers else 1.0,
+        coverage=coverage,
+        min_ratio=0.02,
     )
     fused = fuse(a, inp, cfg)
     # the slow path replays the same selection decisions layer by layer with explicit attention
@@ -143,6 +151,7 @@ def test_selective_recompute_equals_slow_loop(llama_adapter, method):
         assert (state.number_runs >= 0).any()  # the random prompt holds numbers to complete
     active = strategy.initial(state)
     checks = set(strategy.check_layers(state, a.spec.num_layers))
+    state.checks = tuple(sorted(checks))
     hidden = a.embed(torch.tensor(sum(chunk_ids, []))[active])
     with torch.no_grad():
         for i, layer in enumerate(a.model.model.layers):
@@ -157,9 +166,25 @@ def test_selective_recompute_equals_slow_loop(llama_adapter, method):
                 active, hidden = active[keep], hidden[:, keep]
     assert fused.recomputed_tokens == active.numel()
     assert torch.equal(fused.selected, slots[active])
+    assert (fused.wanted_share, fused.selection_capped) == (state.wanted_share, state.capped)
+    if coverage:  # the target set the share: neither the cap nor the floor
+        assert fused.wanted_share is not None and 0.02 * 60 < active.numel() < 0.3 * 60
     for i, layer in enumerate(fused.cache.layers):
         torch.testing.assert_close(layer.keys, keys[i], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(layer.values, values[i], atol=1e-4, rtol=1e-4)
+
+
+def test_a_coverage_the_cap_cannot_meet_recomputes_the_cap_and_says_so(llama_adapter):
+    _, chunk_ids, _, inp = _prompt(llama_adapter)
+    n = sum(map(len, chunk_ids))
+    capped = fuse(llama_adapter, inp, _config("query_focus", 0.3, coverage=1.0), prefill_suffix=True)
+    assert capped.recomputed_tokens == round(0.3 * n) and capped.selection_capped
+    assert capped.wanted_share is not None and capped.wanted_share > 0.3
+    met = fuse(llama_adapter, inp, _config("query_focus", 0.3, coverage=0.2), prefill_suffix=True)
+    assert not met.selection_capped and met.wanted_share is not None and met.wanted_share <= 0.3
+    assert round(0.05 * n) <= met.recomputed_tokens < round(0.3 * n)
+    fixed = fuse(llama_adapter, inp, _config("query_focus", 0.3), prefill_suffix=True)
+    assert fixed.wanted_share is None and not fixed.selection_capped  # no target: nothing to report
 
 
 def test_query_aware_selection_runs_and_respects_budget(tiny_adapter):

@@ -14,7 +14,9 @@ from ragkv.selection import (
     NoParams,
     QueryFocusParams,
     SelectionState,
+    Strategy,
     available_strategies,
+    coverage_count,
     strategy_class,
 )
 
@@ -196,3 +198,83 @@ def test_number_spans_pull_in_whole_numbers_and_boost_weighs_their_tokens():
     with pytest.raises(ValueError, match="number_boost"):
         QueryFocusParams(number_boost=0.0)
     assert not plain.wants_numbers and spans.wants_numbers
+
+
+def _slow_coverage_count(score: list[float], coverage: float, forced: set[int]) -> int:
+    """The fewest tokens, best first (forced first, then higher score), whose scores reach ``coverage``."""
+    order = sorted(range(len(score)), key=lambda i: (i not in forced, -score[i]))
+    total = sum(score[i] for i in order)
+    mass = 0.0
+    for count, i in enumerate(order):
+        if mass >= coverage * total:
+            return count
+        mass += score[i]
+    return len(order)
+
+
+def test_coverage_count_is_the_smallest_prefix_reaching_the_target():
+    g = torch.Generator().manual_seed(11)
+    for trial in range(20):
+        n = 1 + trial * 3
+        score = torch.rand(n, generator=g).pow(3)  # skewed: a few tokens hold most of the mass
+        forced = torch.rand(n, generator=g) < 0.15
+        marked = set(torch.nonzero(forced).flatten().tolist())
+        for coverage in (0.0, 0.1, 0.5, 0.8, 0.95, 1.0):
+            want = _slow_coverage_count(score.double().tolist(), coverage, marked)
+            assert coverage_count(score, coverage, forced) == want, (n, coverage)
+    assert coverage_count(torch.zeros(5), 0.9) == 0  # no mass to cover
+    assert coverage_count(torch.zeros(0), 0.9) == 0
+
+
+def _query_focus(ratio: float, **knobs) -> Strategy:
+    return FusionConfig("query_focus", ratio, QueryFocusParams(sink_tokens=1, query_weight=0.0, **knobs)).strategy()
+
+
+def test_coverage_keeps_the_covering_count_between_floor_and_cap_at_the_last_check():
+    g = torch.Generator().manual_seed(12)
+    v = torch.rand(25, generator=g).pow(4)
+    sinks = set(_slow_sinks(LENGTHS, 1))
+    cap, floor = round(0.4 * 25), round(0.1 * 25)
+    seen = set()
+    for coverage in (0.05, 0.3, 0.5, 0.7, 0.99):
+        strategy = _query_focus(0.4, coverage=coverage, min_ratio=0.1)
+        state = SelectionState.start(LENGTHS)
+        state.checks = (1,)  # one check: it is the last, where coverage acts
+        _measured(strategy, state, 1, torch.zeros(25), v)
+        score = (v / v.mean()).tolist()  # query_weight 0: normalized deviation alone
+        wanted = _slow_coverage_count(score, coverage, sinks)
+        k = max(floor, min(wanted, cap))
+        seen.add("floor" if k == floor else "cap" if k == cap else "between")
+        assert strategy.select(state, 1).tolist() == _slow_top(score, k, sinks), coverage
+        assert state.wanted_share == wanted / 25 and state.capped == (wanted > cap)
+    assert seen == {"floor", "between", "cap"}
+    # a floor above the cap is clamped to it
+    strategy = _query_focus(0.1, coverage=0.01, min_ratio=0.5)
+    state = SelectionState.start(LENGTHS)
+    state.checks = (1,)
+    _measured(strategy, state, 1, torch.zeros(25), v)
+    assert strategy.select(state, 1).numel() == round(0.1 * 25)
+
+
+def test_coverage_leaves_the_first_of_two_checks_at_ratio_times_narrow_factor():
+    g = torch.Generator().manual_seed(13)
+    strategy = _query_focus(0.2, coverage=0.9, min_ratio=0.0)
+    state = SelectionState.start(LENGTHS)  # checks not recorded: the second check is the last
+    v = torch.rand(25, generator=g)
+    _measured(strategy, state, 1, torch.zeros(25), v)
+    first = strategy.select(state, 1)
+    assert first.numel() == round(0.2 * 2.0 * 25) and state.wanted_share is None
+    v2 = torch.rand(first.numel(), generator=g)
+    strategy.observe(state, 4, first, k_dev=torch.zeros(first.numel()), v_dev=v2)
+    score = (v2 / v2.mean()).tolist()
+    forced = set(torch.nonzero(state.sink_mask(first, 1)).flatten().tolist())
+    wanted = _slow_coverage_count(score, 0.9, forced)
+    assert strategy.select(state, 4).tolist() == _slow_top(score, min(wanted, round(0.2 * 25)), forced)
+    assert state.wanted_share == wanted / 25
+
+
+@pytest.mark.parametrize("bad", [{"coverage": 1.5}, {"coverage": -0.1}, {"min_ratio": 2.0}, {"min_ratio": -1.0}])
+def test_coverage_knobs_outside_zero_one_are_refused_saying_what_they_mean(bad):
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be in \\[0, 1\\]"):
+        QueryFocusParams(**bad)
+    assert QueryFocusParams().coverage == 0.0  # off by default: ratio is a fixed share
