@@ -28,7 +28,7 @@ from starlette.responses import StreamingResponse
 from ragkv.replicas.affinity import AffinityConfig, ChunkRef
 from ragkv.replicas.gate import Admission, ClusterGate, MetricsBoard
 from ragkv.replicas.replica import INGRESS, EngineReplica, RequestParts
-from ragkv.server.app import METRICS_AUTH_MESSAGE, metrics_authorized
+from ragkv.server.app import METRICS_AUTH_MESSAGE, error_body, metrics_authorized
 from ragkv.server.quotas import QuotaError
 
 logger = logging.getLogger(__name__)
@@ -107,10 +107,12 @@ class Ingress:
         except QuotaError as e:
             headers = {"Retry-After": str(e.retry_after)} if e.retry_after else {}
             return _error(e.status, str(e), "rate_limit_error" if e.status == 429 else "invalid_request_error", headers)
-        turn = self._gate.document_turn(parts.method, parts.path, admission.tenant)
+        wanted = self._gate.document_turn(parts.method, parts.path, admission.tenant)
+        turn = None  # the document turn once held (a wait cut short holds none, and releases none)
         try:
-            if turn is not None:
-                await turn.acquire()
+            if wanted is not None:
+                await wanted.acquire()
+                turn = wanted
             route = await self._route(parts) if parts.method == "POST" and parts.path in HINTED else None
             stream, start = await self._start(parts, route)
         except BaseException as e:
@@ -146,7 +148,7 @@ class Ingress:
 
     def _end(self, admission: Admission, turn: asyncio.Lock | None) -> None:
         self._gate.release(admission)
-        if turn is not None and turn.locked():
+        if turn is not None:
             turn.release()
 
     def _metrics(self, authorization: str) -> Any:
@@ -171,8 +173,7 @@ def _error(
     """An OpenAI-shaped JSON error, as ``ragkv serve`` answers them."""
     from starlette.responses import JSONResponse
 
-    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:

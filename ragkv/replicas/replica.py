@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ragkv.replicas.affinity import ChunkRef, Holdings, key_tag
+from ragkv.replicas.gate import bearer_tenant
 from ragkv.server.openai_api import retrieval_query
 from ragkv.types import tenant_namespace
 
@@ -269,9 +270,7 @@ def _engine_for(state: Any, headers: tuple[tuple[bytes, bytes], ...]) -> Any:
     keys = state.settings.api_keys
     if not keys:
         return state.base
-    auth = dict(headers).get(b"authorization", b"").decode("latin-1")
-    scheme, _, key = auth.partition(" ")
-    tenant = keys.get(key.strip()) if scheme.lower() == "bearer" else None
+    tenant = bearer_tenant(keys, dict(headers).get(b"authorization", b"").decode("latin-1"))
     return state.engine_of(tenant) if tenant is not None else None
 
 

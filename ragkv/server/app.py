@@ -23,7 +23,7 @@ from ragkv.server.state import ApiError, ServerState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METRICS_AUTH_MESSAGE", "create_app", "metrics_authorized", "metrics_text"]
+__all__ = ["METRICS_AUTH_MESSAGE", "create_app", "error_body", "metrics_authorized", "metrics_text"]
 
 STATIC = Path(__file__).parent / "static"
 _TIER_WORDS = {"closed": "reachable", "half-open": "unreachable (retrying)", "open": "unreachable"}
@@ -58,7 +58,8 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
     return app
 
 
-def _error_body(message: str, kind: str) -> dict[str, Any]:
+def error_body(message: str, kind: str) -> dict[str, Any]:
+    """An error as OpenAI answers it: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
@@ -68,19 +69,19 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = exc.kind if isinstance(exc, ApiError) else "invalid_request_error"
-        return JSONResponse(_error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in exc.errors()
         )
-        return JSONResponse(_error_body(f"invalid request: {problems}", "invalid_request_error"), status_code=400)
+        return JSONResponse(error_body(f"invalid request: {problems}", "invalid_request_error"), status_code=400)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(_error_body("internal error; see the server log", "server_error"), status_code=500)
+        return JSONResponse(error_body("internal error; see the server log", "server_error"), status_code=500)
 
 
 def metrics_authorized(settings: ServerSettings, authorization: str) -> bool:

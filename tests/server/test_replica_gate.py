@@ -266,3 +266,25 @@ def test_a_response_whose_client_is_gone_before_its_body_frees_its_slot_and_turn
     turn = ingress._gate.document_turn("POST", "/v1/documents", "default")
     assert turn is not None and not turn.locked()
     assert send(ingress, "POST", path)[0] == 200  # the next one is admitted
+
+
+def test_an_upload_cancelled_while_it_waits_for_its_turn_leaves_the_holders_turn_alone():
+    from starlette.requests import Request
+
+    ingress = make_ingress(Engine(SSE, fail_at=[]))
+    turn = ingress._gate.document_turn("POST", "/v1/documents", "default")
+    scope = {"type": "http", "method": "POST", "path": "/v1/documents", "headers": [], "query_string": b""}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def run() -> None:
+        await turn.acquire()  # another upload of the tenant runs
+        waiting = asyncio.ensure_future(ingress(Request(scope, receive)))
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # the client left while waiting
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert turn.locked()  # still the running upload's
+
+    asyncio.run(run())
