@@ -22,11 +22,22 @@ if TYPE_CHECKING:
     from ragkv.model import ModelAdapter
     from ragkv.types import CodecSpec
 
-__all__ = ["KNOWN_SETTINGS", "build_side", "engine_config", "parse_codec"]
+__all__ = ["CONNECTOR_SETTINGS", "KNOWN_SETTINGS", "build_side", "connector_options", "engine_config", "parse_codec"]
 
 _ENGINE_FIELDS = ("catalog", "tenant", "data_dir", "model", "dtype", "device")
+# the connector's own settings (RagkvConnector reads them; not part of the keys)
+CONNECTOR_SETTINGS = frozenset({"load_async", "fusion_threads"})
 KNOWN_SETTINGS = frozenset(
-    {"store", *_ENGINE_FIELDS, "fusion_method", "fusion_ratio", "codec", "index_codecs", "transform_levels"}
+    {
+        "store",
+        *_ENGINE_FIELDS,
+        "fusion_method",
+        "fusion_ratio",
+        "codec",
+        "index_codecs",
+        "transform_levels",
+        *CONNECTOR_SETTINGS,
+    }
 )
 
 
@@ -101,6 +112,39 @@ def engine_config(model: str, extra: Mapping[str, Any]) -> EngineConfig:
             retriever, transform=replace(retriever.transform, levels=_levels(extra["transform_levels"]))
         )
     return replace(cfg, retriever=retriever)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} takes true or false; got {value!r}")
+
+
+def connector_options(extra: Mapping[str, Any]) -> tuple[bool, int | None]:
+    """``(load_async, fusion_threads)`` from the connector's extra config.
+
+    ``load_async`` (default false): true reports the served tokens as loading asynchronously, so vLLM
+    keeps stepping its other requests while ragkv fuses, and learns of the end through
+    ``get_finished``; false fuses within the step, before its forward pass. Measured on 2 CPU cores
+    (docs/benchmarks.md, "vLLM connector"), the overlap costs more than it saves: fusion and vLLM's
+    forward contend for the same cores. ``fusion_threads`` (default: every CPU this process may run
+    on): torch's intra-op threads while ragkv fuses (vLLM's CPU worker pins torch to fewer).
+
+    Raises:
+        ValueError: a value written wrong (the message names the form).
+    """
+    load_async = _flag("load_async", extra.get("load_async", False))
+    threads = extra.get("fusion_threads")
+    if threads is None:
+        return load_async, None
+    if isinstance(threads, bool) or not str(threads).strip().isdigit() or int(threads) < 1:
+        raise ValueError(f"fusion_threads takes an integer >= 1 (torch threads while fusing); got {threads!r}")
+    return load_async, int(threads)
 
 
 def build_side(adapter: ModelAdapter, store: TieredStore, catalog: Catalog, cfg: EngineConfig) -> RagkvSide:

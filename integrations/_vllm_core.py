@@ -19,6 +19,7 @@ with ragkv's own model copy, and returns the K/V of the reported tokens for vLLM
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -230,11 +231,13 @@ class RagkvSide:
         self._record = record
         self._head: tuple[tuple[int, ...], ChunkKV] | None = None  # the last text-before-the-chunks prefill
         self.phase_s: dict[str, float] = {}  # seconds per step of plan / fused_kv, summed (benchmarks read it)
+        self.fused_on: dict[str, object] = {}  # the torch threads and CPUs the last fusion ran with (benchmarks)
 
     def add_time(self, phase: str, started: float) -> float:
         """Add the seconds since ``started`` to ``phase_s[phase]``; return now."""
         now = time.perf_counter()
-        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - started
+        with self._lock:  # the scheduler plans while the loader thread fuses
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - started
         return now
 
     def say_once(self, reason: str) -> None:
@@ -381,6 +384,7 @@ class RagkvSide:
         if plan.transform and self.computer.transforms.digest() != plan.transform:
             # a worker in another process than the scheduler: read the transform the scheduler keyed with
             self.computer.transforms.reload()
+        self.fused_on = {"torch_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
         started = time.perf_counter()
         prefix = self._head_kv(ids[:first])
         started = self.add_time("prefix", started)

@@ -11,15 +11,19 @@ Load it with::
         kv_connector_extra_config={"store": "redis://host:6379/0", "catalog": "postgresql://..."}))
 
 The extra config takes ragkv's ``EngineConfig`` fields (``store``, ``catalog``, ``tenant``,
-``data_dir``, ``model``, ``dtype``, ``device``), ``fusion_method`` / ``fusion_ratio``, and the
+``data_dir``, ``model``, ``dtype``, ``device``), ``fusion_method`` / ``fusion_ratio``,
+``load_async`` / ``fusion_threads`` (:func:`~ragkv.integrations._vllm_config.connector_options`), and the
 indexer's ``codec`` / ``index_codecs`` / ``transform_levels`` (they decide the chunk keys), over the
 ``RAGKV_*`` environment variables; ``model`` defaults to vLLM's own model folder, ``device`` to cpu.
 
 Scheduler side: a prompt whose token ids hold chunks indexed in ragkv's catalog is reported
 computed up to its last chunk the store can serve, in whole blocks, beyond vLLM's own prefix hit.
-Worker side: before the forward pass, those tokens' K/V are fused by ragkv (its own model copy,
-see docs/vllm.md for why and what it costs) and written into vLLM's paged blocks with vLLM's own
-cache op; vLLM prefills the rest (the question) and decodes. Save-back: a prompt whose first chunk
+Worker side: those tokens' K/V are fused by ragkv (its own model copy, see docs/vllm.md for why
+and what it costs) and written into vLLM's paged blocks with vLLM's own cache op; vLLM prefills the
+rest (the question) and decodes. By default (``load_async``) the fusion runs in a background
+thread on every CPU the process may use while vLLM steps its other requests, and the request is
+reported loaded through ``get_finished``; ``load_async=False`` fuses inside the step, before its
+forward pass. Save-back: a prompt whose first chunk
 ragkv recognizes but cannot serve is computed by vLLM, and after that forward pass the chunk's K/V
 are read back from vLLM's blocks and stored as ragkv's indexing would (``RagkvSide.saveable`` says
 why only that chunk). Anything else (no chunk found, store
@@ -32,16 +36,18 @@ opts out with ``SamplingParams(extra_args={"kv_transfer_params": {"ragkv": False
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ragkv.integrations._lazy import missing_framework
-from ragkv.integrations._vllm_config import build_side, engine_config
+from ragkv.integrations._vllm_config import build_side, connector_options, engine_config
 from ragkv.integrations._vllm_core import ChunkSpan, RagkvSide, ServePlan, slot_mapping
 from ragkv.integrations._vllm_paged import read_paged, write_paged
 
@@ -81,6 +87,7 @@ class _Load:
     prompt_ids: list[int]
     plan: ServePlan
     block_ids: list[int]  # the request's blocks, from its first token
+    background: bool = False  # fused in the loader thread, reported through get_finished (load_async)
 
 
 @dataclass(slots=True)
@@ -110,6 +117,7 @@ class ConnectorCounts:
     served_tokens: int = 0  # tokens reported computed
     written_tokens: int = 0  # tokens written into vLLM's cache
     failed_loads: int = 0
+    background_loads: int = 0  # loads run while vLLM steps other requests (load_async)
     load_s: float = 0.0  # seconds spent fusing and writing (ragkv's model on its device)
     saved_chunks: int = 0  # chunks stored back from vLLM's cache
     failed_saves: int = 0
@@ -150,6 +158,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._cfg = engine_config(vllm_config.model_config.model, extra)
+        self._async, self._fusion_threads = connector_options(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
         self._side_obj: RagkvSide | None = None
@@ -167,10 +176,17 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending: dict[str, tuple[list[int], ServePlan]] = {}  # allocated, not yet sent to the worker
         self._save_wanted: dict[str, tuple[list[int], ChunkSpan]] = {}  # chunk vLLM will compute, to store
         self._saving: dict[str, _Save] = {}  # scheduled, waiting for the step that computes the chunk's end
+        self._to_load: dict[str, _Load] = {}  # async loads allocated, handed to the worker in the next step
+        self._loading: set[str] = set()  # async loads handed to the worker, not yet reported finished
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._isa: dict[str, str | None] = {}  # layer name -> its attention ISA (the CPU cache layout)
         self._failed_blocks: set[int] = set()
+        self._failed_lock = threading.Lock()  # the loader thread adds to _failed_blocks
+        self._loader: ThreadPoolExecutor | None = None  # one thread: fusions run one at a time, in order
+        self._in_flight: dict[str, Future[None]] = {}  # req_id -> its background load
+        self._ended: set[str] = set()  # finished while loading: their blocks are freed once the load ends
+        self._idle_step = False  # this step runs no forward pass (vLLM only waits for loads)
         self._save_failures: set[str] = set()  # kinds of save failure logged already (a store that is down: once)
 
     def _refuse(self, why: str) -> None:
@@ -203,7 +219,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._want_save(request.request_id, ids)
             return 0, False
         self._plans[request.request_id] = plan
-        return plan.new_tokens, False
+        return plan.new_tokens, self._async
 
     def _want_save(self, req_id: str, ids: list[int]) -> None:
         """Remember the chunk this request makes vLLM compute that ragkv can store (save-back)."""
@@ -226,13 +242,22 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if num_external_tokens > 0 and plan is not None:
             if num_external_tokens != plan.new_tokens:  # vLLM took fewer: serve exactly what it counts on
                 plan = replace(plan, end=plan.start + num_external_tokens)
-            self._pending[request.request_id] = (list(request.prompt_token_ids or []), plan)
+            ids = list(request.prompt_token_ids or [])
+            if self._async:  # its blocks are allocated now; it is scheduled once the worker says it is loaded
+                block_ids = list(blocks.get_block_ids()[0])
+                self._to_load[request.request_id] = _Load(request.request_id, ids, plan, block_ids, background=True)
+            else:
+                self._pending[request.request_id] = (ids, plan)
             COUNTS.served_requests += 1
             COUNTS.served_tokens += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RagkvConnectorMetadata:
         COUNTS.call("build_connector_meta")
         meta = RagkvConnectorMetadata()
+        for load in self._to_load.values():
+            meta.loads.append(load)
+            self._loading.add(load.req_id)
+        self._to_load.clear()
         for new in scheduler_output.scheduled_new_reqs:
             got = self._pending.pop(new.req_id, None)
             if got is not None:
@@ -270,7 +295,16 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending.pop(request.request_id, None)
         self._save_wanted.pop(request.request_id, None)
         self._saving.pop(request.request_id, None)
-        return False, None
+        self._to_load.pop(request.request_id, None)  # never handed to the worker
+        # a request ended (aborted) while the worker still fuses into its blocks: vLLM frees them once
+        # the worker reports the load over (get_finished's first set)
+        return request.request_id in self._loading, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._loading.discard(req_id)
+        for req_id in getattr(connector_output, "finished_sending", None) or ():
+            self._loading.discard(req_id)
 
     # ---- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -282,20 +316,51 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         layers = getattr(forward_context, "no_compile_layers", {}) or {}
         for name in self._kv_caches:  # wait_for_save reads the caches in the layout they were written in
             self._isa.setdefault(name, getattr(layers.get(name), "isa", None))
+        # a step with nothing to compute only waits for loads (get_finished may block a little then)
+        self._idle_step = getattr(forward_context, "attn_metadata", None) is None
         meta = self._get_connector_metadata()
         if not isinstance(meta, RagkvConnectorMetadata):
             return
         for load in meta.loads:
-            try:
-                self._load(load, forward_context)
-            except Exception:  # vLLM recomputes the blocks we report as failed
-                logger.exception("ragkv vLLM connector: loading request %s failed; vLLM recomputes it", load.req_id)
-                bs = self._block_size
-                # every block the span touches, its last partial one included (-(-n // bs): n / bs rounded up)
-                self._failed_blocks.update(load.block_ids[load.plan.start // bs : -(-load.plan.end // bs)])
-                COUNTS.failed_loads += 1
+            job = self._loader_pool().submit(self._load_or_fail, load)
+            if load.background:
+                self._in_flight[load.req_id] = job
+                COUNTS.background_loads += 1
+            else:  # before this step's forward pass; in the loader thread all the same (its CPUs, threads)
+                job.result()
 
-    def _load(self, load: _Load, forward_context: ForwardContext) -> None:
+    def _loader_pool(self) -> ThreadPoolExecutor:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="ragkv-load", initializer=self._loader_threads)
+        return self._loader
+
+    def _loader_threads(self) -> None:
+        """The loader thread runs on every CPU this process may use, with as many torch threads.
+
+        Every fusion runs there (a synchronous load waits for it): vLLM's CPU worker binds its
+        threads one per core and pins torch's threads down, a thread it starts inherits its mask,
+        and fusion is a prefill of its own; in vLLM's thread it could run on one core.
+        """
+        cpus = set(range(os.cpu_count() or 1))
+        try:
+            os.sched_setaffinity(0, cpus)  # the kernel keeps the CPUs the process's cpuset allows
+        except OSError as e:
+            logger.debug("ragkv vLLM connector: cannot widen the loader thread's CPUs (%s)", e)
+        _set_torch_threads(self._fusion_threads or len(os.sched_getaffinity(0)))
+
+    def _load_or_fail(self, load: _Load) -> None:
+        """Fuse and write ``load``; on failure, its blocks are reported for vLLM to recompute."""
+        try:
+            self._load(load)
+        except Exception:  # vLLM recomputes the blocks we report as failed
+            logger.exception("ragkv vLLM connector: loading request %s failed; vLLM recomputes it", load.req_id)
+            bs = self._block_size
+            # every block the span touches, its last partial one included (-(-n // bs): n / bs rounded up)
+            with self._failed_lock:
+                self._failed_blocks.update(load.block_ids[load.plan.start // bs : -(-load.plan.end // bs)])
+            COUNTS.failed_loads += 1
+
+    def _load(self, load: _Load) -> None:
         started = time.perf_counter()
         try:
             kv = self.side.fused_kv(load.prompt_ids, load.plan)  # [layers, H, tokens, D]
@@ -334,11 +399,37 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return int(found.group(1))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
+        with self._failed_lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Background loads that ended: ``(ended requests whose blocks may be freed, loaded requests)``.
+
+        A failed load ends too; its blocks were added to ``get_block_ids_with_load_errors`` before,
+        so vLLM learns of them no later than of the end. In a step with no forward pass (vLLM has
+        nothing to do but wait for loads) this waits up to 20 ms for one to end rather than let the
+        engine loop spin against the fusion for the CPU.
+        """
+        if not self._in_flight:
+            return None, None
+        self._ended.update(r for r in finished_req_ids if r in self._in_flight)
+        if self._idle_step:
+            wait(list(self._in_flight.values()), timeout=0.02, return_when=FIRST_COMPLETED)
+        done = {r for r, f in self._in_flight.items() if f.done()}
+        for r in done:
+            del self._in_flight[r]
+        sending, self._ended = done & self._ended, self._ended - done
+        recving = done - sending
+        return sending or None, recving or None
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)  # a fusion still writing into vLLM's cache ends first
+            self._loader = None
+
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv writes every layer before the forward pass
+        return  # a synchronous load writes every layer before the forward pass; an async one before it is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # wait_for_save reads every layer once the forward pass has written them all
@@ -386,3 +477,8 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stacked_v = torch.stack([v for v in values if v is not None])
         if self.side.save_chunk(save.prompt_ids, save.span, stacked_k, stacked_v):
             COUNTS.saved_chunks += 1
+
+
+def _set_torch_threads(n: int) -> None:
+    # vLLM's CPU worker replaces torch.set_num_threads with a stub that only warns; torch._C's is the real one
+    torch._C.set_num_threads(max(1, n))

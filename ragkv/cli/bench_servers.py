@@ -41,40 +41,56 @@ def bench_serve(
 
 @bench_app.command("vllm")
 def bench_vllm(
-    questions: Annotated[int, typer.Option("--questions", help="RAG prompts (one per QA question).", min=1)] = 4,
+    questions: Annotated[int, typer.Option("--questions", help="RAG prompts (one per QA question).", min=1)] = 12,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens of the end-to-end request.", min=1)] = 32,
     docs: Annotated[int, typer.Option("--docs", help="QA documents indexed.", min=1)] = 10,
     ratio: Annotated[
         float | None, typer.Option("--ratio", help="Fusion ratio (share of chunk tokens recomputed) [ragkv's].")
     ] = None,
-    model_folder: Annotated[
-        str | None, typer.Option("--model-folder", help="A model folder vLLM loads [ragkv's default, converted].")
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "--model-folder", help="An alias, a .gguf file or a model folder [ragkv's default model]."
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", help="Also send this many requests at once (requests/s).", min=1)
+    ] = 1,
+    load_async: Annotated[
+        bool,
+        typer.Option("--load-async/--load-sync", help="The connector loads while vLLM steps other requests."),
+    ] = False,
+    vllm_dtype: Annotated[
+        str | None, typer.Option("--vllm-dtype", help="vLLM's dtype [the one ragkv runs in here].")
     ] = None,
     out: JsonOut = None,
 ) -> None:
-    """TTFT and end-to-end time of vLLM alone vs vLLM with ragkv's KV connector, same prompts and engine.
+    """TTFT, answers and requests/s of vLLM alone vs vLLM with ragkv's KV connector, same prompts and engine.
 
     Runs in vLLM's own virtual environment (bash tools/vllm_env.sh --no-test builds it).
     """
-    from ragkv.bench.table import Column, format_table
-    from ragkv.bench.vllm import VllmBenchConfig, VllmMissingError, require_vllm, run_vllm_bench
+    from ragkv.bench.table import Column, format_table, machine_note
+    from ragkv.bench.vllm import (
+        VllmBenchConfig,
+        VllmMissingError,
+        format_vllm_summary,
+        require_vllm,
+        run_vllm_bench,
+    )
 
     try:
         require_vllm()
-        cfg = VllmBenchConfig(questions, max_tokens, docs, ratio, model_folder)
+        cfg = VllmBenchConfig(questions, max_tokens, docs, ratio, model, concurrency, load_async, vllm_dtype)
     except VllmMissingError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     rows, summary = run_vllm_bench(cfg, echo=lambda line: typer.echo(line, err=True))
+    typer.echo(machine_note(model or "smollm2-135m", summary["ragkv_dtype"], f"vLLM in {summary['vllm_dtype']}"))
     typer.echo(format_table(rows, [Column(k) for k in rows[0]]))
-    typer.echo(
-        f"median TTFT: vLLM {summary['median_ttft_vllm_ms']:.0f} ms, "
-        f"vLLM + connector {summary['median_ttft_connector_ms']:.0f} ms; warm-up {summary['warm_up_s']} s"
-    )
-    steps = ", ".join(f"{k} {v:.0f}" for k, v in summary["step_ms"].items())
-    typer.echo(f"connector steps per request (ms, ragkv in {summary['ragkv_dtype']}): {steps}")
+    for line in format_vllm_summary(summary):
+        typer.echo(line)
     _write_rows([*rows, {"summary": summary}], out)
 
 

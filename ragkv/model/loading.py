@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ALIASES",
     "DEFAULT_MODEL",
+    "converted_folder",
     "hub_cache_dir",
     "hub_offline",
     "model_cache",
@@ -133,6 +134,30 @@ def gguf_file(name: str) -> Path | None:
             return None
     path = Path(name).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def converted_folder(name: str, dtype: torch.dtype | str | None = None) -> Path:
+    """The plain model folder (``save_pretrained`` layout) a GGUF model converts to, converted once if needed.
+
+    ``name`` is an alias or a ``.gguf`` path; ``dtype`` as :func:`resolve` takes it. Other engines
+    (vLLM) load this folder: it holds the exact weights ragkv runs, so their caches match ragkv's.
+
+    Raises:
+        ValueError: ``name`` is not a GGUF model (a folder or a hub name is loadable as it is).
+    """
+    path = gguf_file(name)
+    if path is None:
+        raise ValueError(f"{name!r} is not a GGUF model (an alias or a .gguf file); pass a model folder as it is")
+    dt = _parse_dtype(dtype) or torch.float32
+    cache = model_cache()
+    key = ConversionKey(source_digest=cache.file_digest(path), dtype=str(dt).removeprefix("torch."))
+    entry = cache.lookup(key)
+    if entry is None:
+        _load_gguf(path, name, dt)
+        entry = cache.lookup(key)
+    if entry is None:  # a read-only cache converts into a temporary folder that is gone by now
+        raise ValueError(f"cannot keep a converted copy of {name!r} in {cache.root} (is it writable?)")
+    return entry
 
 
 def _load_gguf(path: Path, name: str, dt: torch.dtype | None) -> tuple[Any, Any]:

@@ -13,7 +13,7 @@ import torch
 from ragkv.codec import read_header
 from ragkv.codec.transform import transform_blob, transform_key
 from ragkv.engine import EngineConfig, RagKV
-from ragkv.integrations._vllm_config import build_side, engine_config
+from ragkv.integrations._vllm_config import build_side, connector_options, engine_config
 from ragkv.integrations._vllm_core import RagkvSide
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.embedder import HashingEmbedder
@@ -53,6 +53,27 @@ def test_settings_take_the_indexers_codecs_and_transform_levels():
 def test_a_setting_written_wrong_says_how_to_write_it(extra, match):
     with pytest.raises(ValueError, match=match):
         engine_config("m", extra)
+
+
+def test_connector_options_default_to_a_load_within_the_step_on_every_cpu():
+    assert connector_options({}) == (False, None)
+    assert connector_options({"load_async": False, "fusion_threads": 4}) == (False, 4)
+    assert connector_options({"load_async": "off", "fusion_threads": "2"}) == (False, 2)
+    engine_config("m", {"load_async": True, "fusion_threads": 2})  # known settings, not part of the keys
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"load_async": "sometimes"}, "load_async takes true or false"),
+        ({"fusion_threads": 0}, "fusion_threads takes an integer >= 1"),
+        ({"fusion_threads": "two"}, "fusion_threads takes an integer >= 1"),
+        ({"fusion_threads": True}, "fusion_threads takes an integer >= 1"),
+    ],
+)
+def test_a_connector_option_written_wrong_says_how_to_write_it(extra, match):
+    with pytest.raises(ValueError, match=match):
+        connector_options(extra)
 
 
 # ---- keys in the channel transform ------------------------------------------------------------

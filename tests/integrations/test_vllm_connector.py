@@ -10,11 +10,11 @@ which turns the skip into a failure.
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -27,6 +27,7 @@ from ragkv.integrations._vllm_core import (
     ChunkTokenIndex,
     KnownChunk,
     RagkvSide,
+    ServePlan,
     choose_span,
     slot_mapping,
 )
@@ -416,11 +417,12 @@ def vllm_rig(tmp_path_factory):
     from vllm.config import KVTransferConfig
 
     from ragkv.engine import EngineConfig, RagKV
-    from ragkv.model import load_model
+    from ragkv.model.loading import converted_folder
+    from ragkv.model.placement import dtype_name
     from ragkv.retriever.documents import Document
 
-    load_model("smollm2-135m")  # converts the default model into this session's model cache
-    folder = sorted(glob.glob(os.path.join(os.environ["RAGKV_MODEL_CACHE"], "smollm2-135m-*")))[0]
+    # the default model converted into this session's model cache, in the dtype ragkv picks here
+    folder = str(converted_folder("smollm2-135m", "auto"))
     data_dir = tmp_path_factory.mktemp("vllm-data")
     with open(QA) as f:
         qa = json.load(f)
@@ -443,6 +445,7 @@ def vllm_rig(tmp_path_factory):
     )
     llm = LLM(
         model=folder,
+        dtype=dtype_name(engine.adapter.dtype),  # both sides compute alike (vLLM's bf16 is emulated without it)
         max_model_len=4096,
         enable_prefix_caching=False,
         enforce_eager=True,
@@ -496,6 +499,24 @@ def test_connector_serves_a_rag_prompt_and_vllm_skips_those_tokens(vllm_rig):
     # token agreement, not golden text: KV from two kernels (and fusion) differs slightly
     agree = next((i for i, (a, b) in enumerate(zip(base, got, strict=False)) if a != b), min(len(base), len(got)))
     assert agree >= min(len(base), 16), (base, got)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_load_while_vllm_steps_other_requests_answers_as_a_load_within_the_step(vllm_rig):
+    from ragkv.integrations.vllm import COUNTS
+
+    llm, ids = vllm_rig["llm"], vllm_rig["ids"]
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector  # load_async is the scheduler's call
+    within, cached = _generate(llm, ids, max_tokens=8)
+    background = COUNTS.background_loads
+    scheduler._async = True
+    try:
+        got, got_cached = _generate(llm, ids, max_tokens=8)
+    finally:
+        scheduler._async = False
+    assert COUNTS.background_loads == background + 1  # it did load in the background
+    assert got == within and got_cached == cached > 0
 
 
 @needs_vllm
@@ -676,3 +697,75 @@ def test_a_failing_save_is_logged_once_per_reason(caplog):
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and "saving a chunk" in r.getMessage()]
     assert len(warnings) == 1 and "ConnectionError" in warnings[0].getMessage()
     assert COUNTS.failed_saves == failed + 6
+
+
+# ---- background loads (load_async): the bookkeeping vLLM relies on ------------------------------
+def _worker_for_background_loads():
+    from ragkv.integrations.vllm import RagkvConnector
+
+    worker = RagkvConnector.__new__(RagkvConnector)  # only the worker's load state
+    worker._in_flight, worker._ended, worker._idle_step = {}, set(), False
+    worker._failed_blocks, worker._failed_lock = set(), threading.Lock()
+    worker._loader, worker._fusion_threads, worker._block_size = None, None, 4
+    return worker
+
+
+@needs_vllm
+def test_a_background_load_is_reported_loaded_once_and_an_aborted_ones_blocks_wait_for_its_end():
+    from concurrent.futures import Future
+
+    worker = _worker_for_background_loads()
+    a, b = Future(), Future()
+    worker._in_flight = {"a": a, "b": b}
+    assert worker.get_finished(set()) == (None, None)
+    a.set_result(None)
+    assert worker.get_finished(set()) == (None, {"a"})
+    # b ends (aborted) while it still loads: vLLM frees its blocks only once the load is over
+    assert worker.get_finished({"b"}) == (None, None)
+    worker._idle_step = True  # nothing else to run: waits a little for the load, then says so
+    assert worker.get_finished(set()) == (None, None)
+    b.set_result(None)
+    assert worker.get_finished(set()) == ({"b"}, None)
+    assert worker.get_finished(set()) == (None, None) and not worker._in_flight and not worker._ended
+
+
+@needs_vllm
+def test_a_failed_background_load_reports_its_blocks_no_later_than_its_end():
+    from ragkv.integrations.vllm import COUNTS, _Load
+
+    worker = _worker_for_background_loads()
+
+    def broken(load):
+        raise RuntimeError("injected")
+
+    worker._load = broken
+    plan = ServePlan((_span(4, 12),), 12, 4, 12)
+    load = _Load("r", list(range(20)), plan, [10, 11, 12, 13, 14], background=True)
+    failed = COUNTS.failed_loads
+    worker._in_flight["r"] = worker._loader_pool().submit(worker._load_or_fail, load)
+    worker._in_flight["r"].result(timeout=30)
+    _, loaded = worker.get_finished(set())
+    assert loaded == {"r"} and worker.get_block_ids_with_load_errors() == {11, 12}
+    assert COUNTS.failed_loads == failed + 1
+    worker.shutdown()
+
+
+@needs_vllm
+def test_the_scheduler_keeps_an_aborted_requests_blocks_while_its_load_runs():
+    from types import SimpleNamespace
+
+    from ragkv.integrations.vllm import RagkvConnector, RagkvConnectorMetadata, _Load
+
+    sched = RagkvConnector.__new__(RagkvConnector)  # only the scheduler's state
+    sched._plans, sched._pending, sched._save_wanted, sched._saving = {}, {}, {}, {}
+    sched._to_load, sched._loading = {}, set()
+    plan = ServePlan((_span(4, 12),), 12, 4, 12)
+    sched._to_load["r"] = _Load("r", list(range(20)), plan, [10, 11, 12], background=True)
+    sched._to_load["s"] = _Load("s", list(range(20)), plan, [20, 21, 22], background=True)
+    out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+    meta = sched.build_connector_meta(out)
+    assert isinstance(meta, RagkvConnectorMetadata) and [x.req_id for x in meta.loads] == ["r", "s"]
+    assert sched.request_finished(SimpleNamespace(request_id="r"), [10, 11, 12]) == (True, None)
+    sched.update_connector_output(SimpleNamespace(finished_recving={"s"}, finished_sending={"r"}))
+    assert sched.request_finished(SimpleNamespace(request_id="s"), [20, 21, 22]) == (False, None)
+    assert not sched._loading

@@ -238,8 +238,15 @@ def test_a_second_load_reads_the_entry_and_another_dtype_converts_anew(real_adap
     entries = loading.model_cache().entries()
     # the entry is the session's own (whichever name first converted it: the alias or the file name)
     assert [e.dtype for e in entries] == ["float32"] and Path(entries[0].source).resolve() == source
+    # the folder other engines (vLLM) load: that same entry, not converted again
+    assert loading.converted_folder("smollm2-135m", "float32") == entries[0].path
     with pytest.raises(AssertionError, match="converted again"):  # bf16 is its own entry, never the fp32 one
         loading.resolve("smollm2-135m", dtype="bfloat16")
+
+
+def test_a_converted_folder_is_asked_of_gguf_models_only(tmp_path):
+    with pytest.raises(ValueError, match="not a GGUF model"):
+        loading.converted_folder(str(tmp_path))
 
 
 def test_tests_never_see_the_users_caches():
