@@ -20,10 +20,10 @@ Scheduler side: a prompt whose token ids hold chunks indexed in ragkv's catalog 
 computed up to its last chunk the store can serve, in whole blocks, beyond vLLM's own prefix hit.
 Worker side: those tokens' K/V are fused by ragkv (its own model copy, see docs/vllm.md for why
 and what it costs) and written into vLLM's paged blocks with vLLM's own cache op; vLLM prefills the
-rest (the question) and decodes. By default (``load_async``) the fusion runs in a background
-thread on every CPU the process may use while vLLM steps its other requests, and the request is
-reported loaded through ``get_finished``; ``load_async=False`` fuses inside the step, before its
-forward pass. Save-back: a prompt whose first chunk
+rest (the question) and decodes. The fusion runs in the connector's loader thread, on every CPU
+the process may use; by default the step waits for it before its forward pass. With
+``load_async`` vLLM steps its other requests meanwhile and learns of the end through
+``get_finished`` (off by default: on 2 CPU cores it lost, see docs/vllm.md). Save-back: a prompt whose first chunk
 ragkv recognizes but cannot serve is computed by vLLM, and after that forward pass the chunk's K/V
 are read back from vLLM's blocks and stored as ragkv's indexing would (``RagkvSide.saveable`` says
 why only that chunk). Anything else (no chunk found, store
@@ -341,12 +341,15 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         threads one per core and pins torch's threads down, a thread it starts inherits its mask,
         and fusion is a prefill of its own; in vLLM's thread it could run on one core.
         """
-        cpus = set(range(os.cpu_count() or 1))
-        try:
-            os.sched_setaffinity(0, cpus)  # the kernel keeps the CPUs the process's cpuset allows
-        except OSError as e:
-            logger.debug("ragkv vLLM connector: cannot widen the loader thread's CPUs (%s)", e)
-        _set_torch_threads(self._fusion_threads or len(os.sched_getaffinity(0)))
+        try:  # never fatal: a failed initializer would break the pool, and every load with it
+            try:
+                # the kernel keeps the CPUs the process's cpuset allows
+                os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+            except OSError as e:
+                logger.debug("ragkv vLLM connector: cannot widen the loader thread's CPUs (%s)", e)
+            _set_torch_threads(self._fusion_threads or len(os.sched_getaffinity(0)))
+        except Exception as e:
+            logger.warning("ragkv vLLM connector: the loader thread keeps vLLM's CPUs and threads (%s)", e)
 
     def _load_or_fail(self, load: _Load) -> None:
         """Fuse and write ``load``; on failure, its blocks are reported for vLLM to recompute."""

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ANSWER_COLUMNS",
     "PHASES",
     "VllmBenchConfig",
     "VllmMissingError",
@@ -43,6 +44,8 @@ QA = Path(__file__).resolve().parent / "data" / "qa_invented.json"
 # the connector's steps, as RagkvSide.phase_s names them (plan: the scheduler's check of the
 # prompt's chunks and entries; the rest: the worker's load before the forward pass)
 PHASES = ("plan", "prefix", "entries", "fusion", "extract", "write")
+# a row's answer texts: in the JSON, not in the printed table
+ANSWER_COLUMNS = ("answer_vllm", "answer_connector", "answer_ragkv_full", "answer_ragkv_fused")
 
 
 class VllmMissingError(RuntimeError):
@@ -293,6 +296,11 @@ def _measure(run: Callable[..., tuple[float, list[Any]]], i: int, q: _Question, 
         "right_connector": contains_answer(text_c, q.golds),
         "right_ragkv_full": contains_answer(q.ragkv.get("full", ""), q.golds),
         "right_ragkv_fused": contains_answer(q.ragkv.get("fused", ""), q.golds),
+        # the texts, for the JSON (the table leaves ANSWER_COLUMNS out)
+        "answer_vllm": text_b,
+        "answer_connector": text_c,
+        "answer_ragkv_full": q.ragkv.get("full", ""),
+        "answer_ragkv_fused": q.ragkv.get("fused", ""),
     }
 
 

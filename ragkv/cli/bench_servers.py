@@ -71,6 +71,7 @@ def bench_vllm(
     """
     from ragkv.bench.table import Column, format_table, machine_note
     from ragkv.bench.vllm import (
+        ANSWER_COLUMNS,
         VllmBenchConfig,
         VllmMissingError,
         format_vllm_summary,
@@ -88,7 +89,7 @@ def bench_vllm(
         raise typer.BadParameter(str(e)) from e
     rows, summary = run_vllm_bench(cfg, echo=lambda line: typer.echo(line, err=True))
     typer.echo(machine_note(model or "smollm2-135m", summary["ragkv_dtype"], f"vLLM in {summary['vllm_dtype']}"))
-    typer.echo(format_table(rows, [Column(k) for k in rows[0]]))
+    typer.echo(format_table(rows, [Column(k) for k in rows[0] if k not in ANSWER_COLUMNS]))
     for line in format_vllm_summary(summary):
         typer.echo(line)
     _write_rows([*rows, {"summary": summary}], out)

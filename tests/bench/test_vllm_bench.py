@@ -66,6 +66,8 @@ def test_a_row_times_both_sides_of_one_prompt_and_compares_the_answers() -> None
     assert row["ttft_ragkv_full_ms"] == 90.0 and row["ttft_ragkv_fused_ms"] == 30.0
     assert row["agreeing_prefix"] == "2/3" and row["same_answer"] is False and row["ragkv_same_answer"] is True
     assert row["right_connector"] and not row["right_vllm"] and row["right_ragkv_full"] and row["right_ragkv_fused"]
+    assert row["answer_vllm"] == "It is 41." and row["answer_ragkv_fused"] == " It is 42."
+    assert set(bench_vllm.ANSWER_COLUMNS) <= set(row)
 
 
 def test_throughput_sends_waves_of_n_prompts_on_each_side() -> None:
