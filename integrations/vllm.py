@@ -295,10 +295,10 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pending.pop(request.request_id, None)
         self._save_wanted.pop(request.request_id, None)
         self._saving.pop(request.request_id, None)
-        self._to_load.pop(request.request_id, None)  # never handed to the worker
-        # a request ended (aborted) while the worker still fuses into its blocks: vLLM frees them once
-        # the worker reports the load over (get_finished's first set)
-        return request.request_id in self._loading, None
+        # a request ended (aborted) while its load is queued or runs: vLLM frees its blocks once the
+        # worker reports the load over (get_finished's first set); a queued one is still handed over,
+        # so that report comes
+        return request.request_id in self._loading or request.request_id in self._to_load, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         for req_id in getattr(connector_output, "finished_recving", None) or ():
@@ -363,6 +363,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._failed_blocks.update(load.block_ids[load.plan.start // bs : -(-load.plan.end // bs)])
             COUNTS.failed_loads += 1
 
+    @torch.inference_mode()
     def _load(self, load: _Load) -> None:
         started = time.perf_counter()
         try:
@@ -384,6 +385,8 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._isa.get(name),
                 self._kv_cache_dtype,
             )
+        if any(c.is_cuda for c in self._kv_caches.values()):  # written on this thread's stream: done before "done"
+            torch.cuda.synchronize()
         self.side.add_time("write", written)
         COUNTS.written_tokens += load.plan.new_tokens
         COUNTS.load_s += time.perf_counter() - started

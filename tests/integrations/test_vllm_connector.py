@@ -762,9 +762,13 @@ def test_the_scheduler_keeps_an_aborted_requests_blocks_while_its_load_runs():
     plan = ServePlan((_span(4, 12),), 12, 4, 12)
     sched._to_load["r"] = _Load("r", list(range(20)), plan, [10, 11, 12], background=True)
     sched._to_load["s"] = _Load("s", list(range(20)), plan, [20, 21, 22], background=True)
+    sched._to_load["q"] = _Load("q", list(range(20)), plan, [30, 31, 32], background=True)
+    # aborted before its load reached the worker: still handed over, its blocks kept until it ends
+    assert sched.request_finished(SimpleNamespace(request_id="q"), [30, 31, 32]) == (True, None)
     out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
     meta = sched.build_connector_meta(out)
-    assert isinstance(meta, RagkvConnectorMetadata) and [x.req_id for x in meta.loads] == ["r", "s"]
+    assert isinstance(meta, RagkvConnectorMetadata) and [x.req_id for x in meta.loads] == ["r", "s", "q"]
+    sched.update_connector_output(SimpleNamespace(finished_recving=None, finished_sending={"q"}))
     assert sched.request_finished(SimpleNamespace(request_id="r"), [10, 11, 12]) == (True, None)
     sched.update_connector_output(SimpleNamespace(finished_recving={"s"}, finished_sending={"r"}))
     assert sched.request_finished(SimpleNamespace(request_id="s"), [20, 21, 22]) == (False, None)
