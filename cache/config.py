@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-__all__ = ["TierConfig", "parse_size", "redact_url"]
+__all__ = ["TierConfig", "parse_bool", "parse_size", "redact_url"]
 
 _SIZE_UNITS = {
     "": 1,
@@ -69,10 +69,16 @@ def _parse_seconds(text: str) -> float:
     return value
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in _TRUE:
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case, spaces around ignored).
+
+    Raises:
+        ValueError: anything else.
+    """
+    word = text.strip().lower()
+    if word in _TRUE:
         return True
-    if text.lower() in _FALSE:
+    if word in _FALSE:
         return False
     raise ValueError(f"expected 0 or 1, got {text!r}")
 
@@ -83,7 +89,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "tenant_max_bytes": ("tenant_max_bytes", parse_size),
     "ttl": ("ttl", _parse_seconds),
     "timeout": ("timeout", _parse_seconds),
-    "write": ("writable", _parse_bool),
+    "write": ("writable", parse_bool),
     "policy": ("policy", str),
 }
 

@@ -115,14 +115,14 @@ def engine_config(model: str, extra: Mapping[str, Any]) -> EngineConfig:
 
 
 def _flag(name: str, value: Any) -> bool:
+    from ragkv.cache.config import parse_bool
+
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} takes true or false; got {value!r}")
+    try:
+        return parse_bool(str(value))
+    except ValueError:
+        raise ValueError(f"{name} takes true or false; got {value!r}") from None
 
 
 def connector_options(extra: Mapping[str, Any]) -> tuple[bool, int | None]:

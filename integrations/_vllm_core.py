@@ -384,7 +384,8 @@ class RagkvSide:
         if plan.transform and self.computer.transforms.digest() != plan.transform:
             # a worker in another process than the scheduler: read the transform the scheduler keyed with
             self.computer.transforms.reload()
-        self.fused_on = {"torch_threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0))}
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux only
+        self.fused_on = {"torch_threads": torch.get_num_threads(), "cpus": sorted(affinity(0)) if affinity else None}
         started = time.perf_counter()
         prefix = self._head_kv(ids[:first])
         started = self.add_time("prefix", started)

@@ -143,30 +143,37 @@ def converted_folder(name: str, dtype: torch.dtype | str | None = None) -> Path:
     (vLLM) load this folder: it holds the exact weights ragkv runs, so their caches match ragkv's.
 
     Raises:
-        ValueError: ``name`` is not a GGUF model (a folder or a hub name is loadable as it is).
+        ValueError: ``name`` is not a GGUF model (a folder or a hub name is loadable as it is), or
+            the model cache cannot be written.
     """
     path = gguf_file(name)
     if path is None:
         raise ValueError(f"{name!r} is not a GGUF model (an alias or a .gguf file); pass a model folder as it is")
-    dt = _parse_dtype(dtype) or torch.float32
-    cache = model_cache()
-    key = ConversionKey(source_digest=cache.file_digest(path), dtype=str(dt).removeprefix("torch."))
+    from ragkv.model.gguf_header import check_gguf
+
+    check_gguf(path)
+    cache, key, dt = _conversion(path, _parse_dtype(dtype))
     entry = cache.lookup(key)
-    if entry is None:
-        _load_gguf(path, name, dt)
-        entry = cache.lookup(key)
-    if entry is None:  # a read-only cache converts into a temporary folder that is gone by now
-        raise ValueError(f"cannot keep a converted copy of {name!r} in {cache.root} (is it writable?)")
-    return entry
+    if entry is not None:
+        return entry
+    try:
+        return cache.convert(key, lambda folder: _convert_gguf(path, dt, folder), name=name, source=str(path.resolve()))
+    except OSError as e:
+        raise ValueError(f"cannot keep a converted copy of {name!r} in {cache.root} ({e}); is it writable?") from e
+
+
+def _conversion(path: Path, dt: torch.dtype | None) -> tuple[ModelCache, ConversionKey, torch.dtype]:
+    """The model cache, the key ``path`` converted to ``dt`` (fp32 when None) is kept under, and that dtype."""
+    dtype = dt or torch.float32
+    cache = model_cache()
+    return cache, ConversionKey(source_digest=cache.file_digest(path), dtype=str(dtype).removeprefix("torch.")), dtype
 
 
 def _load_gguf(path: Path, name: str, dt: torch.dtype | None) -> tuple[Any, Any]:
     from ragkv.model.gguf_header import check_gguf
 
     check_gguf(path)  # header only: an unsupported architecture costs no conversion
-    dtype = dt or torch.float32
-    cache = model_cache()
-    key = ConversionKey(source_digest=cache.file_digest(path), dtype=str(dtype).removeprefix("torch."))
+    cache, key, dtype = _conversion(path, dt)
     entry = cache.lookup(key)
     if entry is not None:
         try:
