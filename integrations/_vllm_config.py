@@ -9,8 +9,9 @@ transform (a key digests the transform a chunk was coded in, :mod:`ragkv.retriev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ragkv.integrations._vllm_core import RagkvSide
@@ -22,11 +23,20 @@ if TYPE_CHECKING:
     from ragkv.model import ModelAdapter
     from ragkv.types import CodecSpec
 
-__all__ = ["CONNECTOR_SETTINGS", "KNOWN_SETTINGS", "build_side", "connector_options", "engine_config", "parse_codec"]
+__all__ = [
+    "CONNECTOR_SETTINGS",
+    "DEFAULT_LOAD_TIMEOUT_S",
+    "KNOWN_SETTINGS",
+    "ConnectorOptions",
+    "build_side",
+    "connector_options",
+    "engine_config",
+    "parse_codec",
+]
 
 _ENGINE_FIELDS = ("catalog", "tenant", "data_dir", "model", "dtype", "device")
 # the connector's own settings (RagkvConnector reads them; not part of the keys)
-CONNECTOR_SETTINGS = frozenset({"load_async", "fusion_threads"})
+CONNECTOR_SETTINGS = frozenset({"load_async", "fusion_threads", "load_timeout_s"})
 KNOWN_SETTINGS = frozenset(
     {
         "store",
@@ -125,8 +135,23 @@ def _flag(name: str, value: Any) -> bool:
         raise ValueError(f"{name} takes true or false; got {value!r}") from None
 
 
-def connector_options(extra: Mapping[str, Any]) -> tuple[bool, int | None]:
-    """``(load_async, fusion_threads)`` from the connector's extra config.
+# A load that takes longer is given up: its blocks are reported failed and vLLM computes them. The
+# slowest fusion measured (Qwen2.5 1.5B, fp32 on 2 CPU cores, a 1.6K-token context) takes ~15 s;
+# a minute never cuts a working load short, and a store that hangs stalls vLLM's steps no longer.
+DEFAULT_LOAD_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorOptions:
+    """The connector's own settings (not part of the chunk keys); see :func:`connector_options`."""
+
+    load_async: bool = False
+    fusion_threads: int | None = None  # None: every CPU the process may run on
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S  # 0: no limit
+
+
+def connector_options(extra: Mapping[str, Any]) -> ConnectorOptions:
+    """The connector's own settings from its extra config.
 
     ``load_async`` (default false): true reports the served tokens as loading asynchronously, so vLLM
     keeps stepping its other requests while ragkv fuses, and learns of the end through
@@ -134,17 +159,24 @@ def connector_options(extra: Mapping[str, Any]) -> tuple[bool, int | None]:
     (docs/benchmarks.md, "vLLM connector"), the overlap costs more than it saves: fusion and vLLM's
     forward contend for the same cores. ``fusion_threads`` (default: every CPU this process may run
     on): torch's intra-op threads while ragkv fuses (vLLM's CPU worker pins torch to fewer).
+    ``load_timeout_s`` (default 60, 0 = no limit): a load still fusing after that long is given up:
+    its blocks are reported failed, vLLM computes them, and the fusion's result is never written.
 
     Raises:
         ValueError: a value written wrong (the message names the form).
     """
     load_async = _flag("load_async", extra.get("load_async", False))
     threads = extra.get("fusion_threads")
-    if threads is None:
-        return load_async, None
-    if isinstance(threads, bool) or not str(threads).strip().isdigit() or int(threads) < 1:
+    if threads is not None and (isinstance(threads, bool) or not str(threads).strip().isdigit() or int(threads) < 1):
         raise ValueError(f"fusion_threads takes an integer >= 1 (torch threads while fusing); got {threads!r}")
-    return load_async, int(threads)
+    timeout = extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S)
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(timeout, bool) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"load_timeout_s takes seconds >= 0 (0 = no limit); got {timeout!r}")
+    return ConnectorOptions(load_async, None if threads is None else int(threads), seconds)
 
 
 def build_side(adapter: ModelAdapter, store: TieredStore, catalog: Catalog, cfg: EngineConfig) -> RagkvSide:

@@ -12,7 +12,8 @@ Load it with::
 
 The extra config takes ragkv's ``EngineConfig`` fields (``store``, ``catalog``, ``tenant``,
 ``data_dir``, ``model``, ``dtype``, ``device``), ``fusion_method`` / ``fusion_ratio``,
-``load_async`` / ``fusion_threads`` (:func:`~ragkv.integrations._vllm_config.connector_options`), and the
+``load_async`` / ``fusion_threads`` / ``load_timeout_s``
+(:func:`~ragkv.integrations._vllm_config.connector_options`), and the
 indexer's ``codec`` / ``index_codecs`` / ``transform_levels`` (they decide the chunk keys), over the
 ``RAGKV_*`` environment variables; ``model`` defaults to vLLM's own model folder, ``device`` to cpu.
 
@@ -41,6 +42,7 @@ import re
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +92,40 @@ class _Load:
     background: bool = False  # fused in the loader thread, reported through get_finished (load_async)
 
 
+class _Gate:
+    """Whether a load may still write into vLLM's blocks.
+
+    The step that gives up on a load (it ran past ``load_timeout_s``) and the loader thread that
+    fused it agree under one lock: either the load was given up before its first write, and then it
+    never writes (vLLM computes its blocks), or its writes began, and the step waits for them.
+    """
+
+    __slots__ = ("_lock", "_state")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "fusing"  # -> "writing" | "failed" | "given up"
+
+    def begin_write(self) -> bool:
+        """The loader may write (False: the load was given up)."""
+        return self._move("writing")
+
+    def fail(self) -> bool:
+        """The load failed; True when its blocks are still to be reported (it was not given up)."""
+        return self._move("failed")
+
+    def give_up(self) -> bool:
+        """Give the load up; True when it had not begun writing (nor failed) and now never will."""
+        return self._move("given up")
+
+    def _move(self, to: str) -> bool:
+        with self._lock:
+            if self._state not in ("fusing", "writing") or (self._state == "writing" and to != "failed"):
+                return False
+            self._state = to
+            return True
+
+
 @dataclass(slots=True)
 class _Save:
     """One chunk the worker stores from vLLM's cache after this step's forward pass."""
@@ -117,6 +153,7 @@ class ConnectorCounts:
     served_tokens: int = 0  # tokens reported computed
     written_tokens: int = 0  # tokens written into vLLM's cache
     failed_loads: int = 0
+    timed_out_loads: int = 0  # given up after load_timeout_s (counted in failed_loads too)
     background_loads: int = 0  # loads run while vLLM steps other requests (load_async)
     load_s: float = 0.0  # seconds spent fusing and writing (ragkv's model on its device)
     saved_chunks: int = 0  # chunks stored back from vLLM's cache
@@ -158,7 +195,12 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._cfg = engine_config(vllm_config.model_config.model, extra)
-        self._async, self._fusion_threads = connector_options(extra)
+        options = connector_options(extra)
+        self._async, self._fusion_threads, self._load_timeout = (
+            options.load_async,
+            options.fusion_threads,
+            options.load_timeout_s,
+        )
         self._block_size = int(vllm_config.cache_config.block_size)
         self._kv_cache_dtype = str(vllm_config.cache_config.cache_dtype)
         self._side_obj: RagkvSide | None = None
@@ -185,6 +227,7 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._failed_lock = threading.Lock()  # the loader thread adds to _failed_blocks
         self._loader: ThreadPoolExecutor | None = None  # one thread: fusions run one at a time, in order
         self._in_flight: dict[str, Future[None]] = {}  # req_id -> its background load
+        self._watch: dict[str, tuple[float, _Gate, _Load]] = {}  # req_id -> (deadline, gate, load) in flight
         self._ended: set[str] = set()  # finished while loading: their blocks are freed once the load ends
         self._idle_step = False  # this step runs no forward pass (vLLM only waits for loads)
         self._save_failures: set[str] = set()  # kinds of save failure logged already (a store that is down: once)
@@ -322,12 +365,43 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, RagkvConnectorMetadata):
             return
         for load in meta.loads:
-            job = self._loader_pool().submit(self._load_or_fail, load)
+            gate = _Gate()
+            job = self._loader_pool().submit(self._load_or_fail, load, gate)
             if load.background:
                 self._in_flight[load.req_id] = job
+                if self._load_timeout > 0:
+                    self._watch[load.req_id] = (time.monotonic() + self._load_timeout, gate, load)
                 COUNTS.background_loads += 1
             else:  # before this step's forward pass; in the loader thread all the same (its CPUs, threads)
-                job.result()
+                self._wait(job, gate, load)
+
+    def _wait(self, job: Future[None], gate: _Gate, load: _Load) -> None:
+        """Wait for a load within the step, at most ``load_timeout_s`` unless its writes began."""
+        try:
+            job.result(timeout=self._load_timeout or None)
+        except FutureTimeout:
+            if not self._give_up(gate, load):
+                job.result()  # it is writing: a copy into vLLM's blocks, short; it must end first
+
+    def _give_up(self, gate: _Gate, load: _Load) -> bool:
+        """Give ``load`` up if it has not begun writing: its blocks are reported failed (vLLM computes
+        them) and the fusion, still running in the loader thread, never writes. False: too late."""
+        if not gate.give_up():
+            return False
+        self._report_failed(load)
+        COUNTS.failed_loads += 1
+        COUNTS.timed_out_loads += 1
+        self.side.say_once(
+            f"a load ran past load_timeout_s={self._load_timeout:g}; vLLM computes its tokens "
+            "(raise load_timeout_s where fusion is slow, e.g. a big model on few cores)"
+        )
+        return True
+
+    def _report_failed(self, load: _Load) -> None:
+        bs = self._block_size
+        # every block the span touches, its last partial one included (-(-n // bs): n / bs rounded up)
+        with self._failed_lock:
+            self._failed_blocks.update(load.block_ids[load.plan.start // bs : -(-load.plan.end // bs)])
 
     def _loader_pool(self) -> ThreadPoolExecutor:
         if self._loader is None:
@@ -351,20 +425,19 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as e:
             logger.warning("ragkv vLLM connector: the loader thread keeps vLLM's CPUs and threads (%s)", e)
 
-    def _load_or_fail(self, load: _Load) -> None:
-        """Fuse and write ``load``; on failure, its blocks are reported for vLLM to recompute."""
+    def _load_or_fail(self, load: _Load, gate: _Gate) -> None:
+        """Fuse and write ``load``; on failure, its blocks are reported for vLLM to recompute (unless
+        the load was given up already: then they were)."""
         try:
-            self._load(load)
+            self._load(load, gate)
         except Exception:  # vLLM recomputes the blocks we report as failed
-            logger.exception("ragkv vLLM connector: loading request %s failed; vLLM recomputes it", load.req_id)
-            bs = self._block_size
-            # every block the span touches, its last partial one included (-(-n // bs): n / bs rounded up)
-            with self._failed_lock:
-                self._failed_blocks.update(load.block_ids[load.plan.start // bs : -(-load.plan.end // bs)])
-            COUNTS.failed_loads += 1
+            if gate.fail():
+                logger.exception("ragkv vLLM connector: loading request %s failed; vLLM recomputes it", load.req_id)
+                self._report_failed(load)
+                COUNTS.failed_loads += 1
 
     @torch.inference_mode()
-    def _load(self, load: _Load) -> None:
+    def _load(self, load: _Load, gate: _Gate) -> None:
         started = time.perf_counter()
         try:
             kv = self.side.fused_kv(load.prompt_ids, load.plan)  # [layers, H, tokens, D]
@@ -372,6 +445,9 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.side.say_once(f"fusion failed ({type(e).__name__}: {e}); prefilling the served tokens instead")
             kv = self.side.exact_kv(load.prompt_ids, load.plan)
         written = time.perf_counter()
+        if not gate.begin_write():  # given up while fusing: vLLM computes these blocks now
+            logger.debug("ragkv vLLM connector: request %s's fusion ended after its load was given up", load.req_id)
+            return
         slots = slot_mapping(load.block_ids, load.plan.start, load.plan.end, self._block_size)
         for name, cache in self._kv_caches.items():
             layer = self._layer(name, cache, kv.num_kv_heads)
@@ -415,16 +491,24 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         A failed load ends too; its blocks were added to ``get_block_ids_with_load_errors`` before,
         so vLLM learns of them no later than of the end. In a step with no forward pass (vLLM has
         nothing to do but wait for loads) this waits up to 20 ms for one to end rather than let the
-        engine loop spin against the fusion for the CPU.
+        engine loop spin against the fusion for the CPU. A load still fusing past ``load_timeout_s``
+        is given up (:meth:`_give_up`) and reported ended: its blocks are failed, never written.
         """
         if not self._in_flight:
             return None, None
         self._ended.update(r for r in finished_req_ids if r in self._in_flight)
         if self._idle_step:
             wait(list(self._in_flight.values()), timeout=0.02, return_when=FIRST_COMPLETED)
-        done = {r for r, f in self._in_flight.items() if f.done()}
+        now = time.monotonic()
+        given_up = {
+            r
+            for r, (deadline, gate, load) in self._watch.items()
+            if now > deadline and not self._in_flight[r].done() and self._give_up(gate, load)
+        }
+        done = {r for r, f in self._in_flight.items() if f.done()} | given_up
         for r in done:
             del self._in_flight[r]
+            self._watch.pop(r, None)
         sending, self._ended = done & self._ended, self._ended - done
         recving = done - sending
         return sending or None, recving or None

@@ -13,7 +13,13 @@ import torch
 from ragkv.codec import read_header
 from ragkv.codec.transform import transform_blob, transform_key
 from ragkv.engine import EngineConfig, RagKV
-from ragkv.integrations._vllm_config import build_side, connector_options, engine_config
+from ragkv.integrations._vllm_config import (
+    DEFAULT_LOAD_TIMEOUT_S,
+    ConnectorOptions,
+    build_side,
+    connector_options,
+    engine_config,
+)
 from ragkv.integrations._vllm_core import RagkvSide
 from ragkv.retriever.chunker import ChunkerConfig
 from ragkv.retriever.embedder import HashingEmbedder
@@ -56,10 +62,14 @@ def test_a_setting_written_wrong_says_how_to_write_it(extra, match):
 
 
 def test_connector_options_default_to_a_load_within_the_step_on_every_cpu():
-    assert connector_options({}) == (False, None)
-    assert connector_options({"load_async": False, "fusion_threads": 4}) == (False, 4)
-    assert connector_options({"load_async": "off", "fusion_threads": "2"}) == (False, 2)
-    engine_config("m", {"load_async": True, "fusion_threads": 2})  # known settings, not part of the keys
+    assert connector_options({}) == ConnectorOptions(False, None, DEFAULT_LOAD_TIMEOUT_S)
+    assert connector_options({"load_async": False, "fusion_threads": 4}) == ConnectorOptions(False, 4)
+    assert connector_options({"load_async": "off", "fusion_threads": "2", "load_timeout_s": "2.5"}) == (
+        ConnectorOptions(False, 2, 2.5)
+    )
+    assert connector_options({"load_timeout_s": 0}).load_timeout_s == 0  # no limit
+    # known settings, not part of the keys
+    engine_config("m", {"load_async": True, "fusion_threads": 2, "load_timeout_s": 30})
 
 
 @pytest.mark.parametrize(
@@ -69,6 +79,10 @@ def test_connector_options_default_to_a_load_within_the_step_on_every_cpu():
         ({"fusion_threads": 0}, "fusion_threads takes an integer >= 1"),
         ({"fusion_threads": "two"}, "fusion_threads takes an integer >= 1"),
         ({"fusion_threads": True}, "fusion_threads takes an integer >= 1"),
+        ({"load_timeout_s": -1}, "load_timeout_s takes seconds >= 0"),
+        ({"load_timeout_s": "soon"}, "load_timeout_s takes seconds >= 0"),
+        ({"load_timeout_s": float("inf")}, "load_timeout_s takes seconds >= 0"),
+        ({"load_timeout_s": True}, "load_timeout_s takes seconds >= 0"),
     ],
 )
 def test_a_connector_option_written_wrong_says_how_to_write_it(extra, match):

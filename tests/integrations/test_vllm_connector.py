@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -707,6 +709,8 @@ def _worker_for_background_loads():
     worker._in_flight, worker._ended, worker._idle_step = {}, set(), False
     worker._failed_blocks, worker._failed_lock = set(), threading.Lock()
     worker._loader, worker._fusion_threads, worker._block_size = None, None, 4
+    worker._watch, worker._load_timeout = {}, 0.0
+    worker._side_obj = SimpleNamespace(say_once=lambda why: None)
     return worker
 
 
@@ -731,18 +735,18 @@ def test_a_background_load_is_reported_loaded_once_and_an_aborted_ones_blocks_wa
 
 @needs_vllm
 def test_a_failed_background_load_reports_its_blocks_no_later_than_its_end():
-    from ragkv.integrations.vllm import COUNTS, _Load
+    from ragkv.integrations.vllm import COUNTS, _Gate, _Load
 
     worker = _worker_for_background_loads()
 
-    def broken(load):
+    def broken(load, gate):
         raise RuntimeError("injected")
 
     worker._load = broken
     plan = ServePlan((_span(4, 12),), 12, 4, 12)
     load = _Load("r", list(range(20)), plan, [10, 11, 12, 13, 14], background=True)
     failed = COUNTS.failed_loads
-    worker._in_flight["r"] = worker._loader_pool().submit(worker._load_or_fail, load)
+    worker._in_flight["r"] = worker._loader_pool().submit(worker._load_or_fail, load, _Gate())
     worker._in_flight["r"].result(timeout=30)
     _, loaded = worker.get_finished(set())
     assert loaded == {"r"} and worker.get_block_ids_with_load_errors() == {11, 12}
@@ -750,10 +754,95 @@ def test_a_failed_background_load_reports_its_blocks_no_later_than_its_end():
     worker.shutdown()
 
 
+def _slow_side(release: threading.Event, num_layers: int = 2):
+    """A ragkv side whose fusion waits for ``release`` (a store that hangs), then returns real-shaped K/V."""
+    from ragkv.types import ChunkKV
+
+    def fused_kv(ids, plan):
+        release.wait(30)
+        shape = (num_layers, 1, plan.end - plan.start, 4)
+        return ChunkKV(torch.ones(shape), torch.ones(shape), torch.arange(plan.start, plan.end), "test")
+
+    return SimpleNamespace(fused_kv=fused_kv, say_once=lambda why: None, add_time=lambda step, since: None)
+
+
+@needs_vllm
+@pytest.mark.parametrize("background", [False, True])
+def test_a_load_past_its_timeout_is_given_up_and_never_writes(monkeypatch, background):
+    """A fusion that hangs past load_timeout_s: its blocks are reported failed and the step goes on;
+    when the fusion ends later, nothing is written into blocks vLLM has recomputed (or reused)."""
+    from ragkv.integrations import vllm as connector
+    from ragkv.integrations.vllm import COUNTS, _Gate, _Load
+
+    worker = _worker_for_background_loads()
+    release = threading.Event()
+    worker._side_obj = _slow_side(release)
+    worker._kv_caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 4, 4) for i in range(2)}
+    worker._isa, worker._kv_cache_dtype, worker._load_timeout = {}, "auto", 0.05
+    writes = []
+    monkeypatch.setattr(connector, "write_paged", lambda *a: writes.append(a))
+    plan = ServePlan((_span(4, 12),), 12, 4, 12)
+    load = _Load("r", list(range(20)), plan, [10, 11, 12, 13, 14], background=background)
+    given_up, failed = COUNTS.timed_out_loads, COUNTS.failed_loads
+    gate = _Gate()
+    job = worker._loader_pool().submit(worker._load_or_fail, load, gate)
+    if background:
+        worker._in_flight["r"] = job
+        worker._watch["r"] = (time.monotonic() + 0.05, gate, load)
+        assert worker.get_finished(set()) == (None, None)  # not overdue yet
+        time.sleep(0.1)
+        assert worker.get_finished(set()) == (None, {"r"})  # given up: reported ended, not left hanging
+        assert not worker._in_flight and not worker._watch
+    else:
+        worker._wait(job, gate, load)  # returns at the timeout, the fusion still running
+        assert not job.done()
+    assert worker.get_block_ids_with_load_errors() == {11, 12}
+    assert (COUNTS.timed_out_loads, COUNTS.failed_loads) == (given_up + 1, failed + 1)
+    release.set()
+    job.result(timeout=30)
+    assert writes == []  # its result came too late: never written
+    assert worker.get_block_ids_with_load_errors() == set()  # and its blocks not reported twice
+    worker.shutdown()
+
+
+@needs_vllm
+def test_a_load_within_its_timeout_writes_every_layer(monkeypatch):
+    from ragkv.integrations import vllm as connector
+    from ragkv.integrations.vllm import COUNTS, _Gate, _Load
+
+    worker = _worker_for_background_loads()
+    release = threading.Event()
+    release.set()
+    worker._side_obj = _slow_side(release)
+    worker._kv_caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 4, 4) for i in range(2)}
+    worker._isa, worker._kv_cache_dtype, worker._load_timeout = {}, "auto", 30.0
+    writes = []
+    monkeypatch.setattr(connector, "write_paged", lambda *a: writes.append(a))
+    plan = ServePlan((_span(4, 12),), 12, 4, 12)
+    load = _Load("r", list(range(20)), plan, [10, 11, 12, 13, 14])
+    given_up = COUNTS.timed_out_loads
+    gate = _Gate()
+    worker._wait(worker._loader_pool().submit(worker._load_or_fail, load, gate), gate, load)
+    assert len(writes) == 2 and worker.get_block_ids_with_load_errors() == set()
+    assert COUNTS.timed_out_loads == given_up and not gate.give_up()  # written: too late to give up
+    worker.shutdown()
+
+
+@needs_vllm
+def test_a_gate_lets_exactly_one_of_write_and_give_up_win():
+    from ragkv.integrations.vllm import _Gate
+
+    first = _Gate()
+    assert first.give_up() and not first.begin_write() and not first.fail()  # given up: never writes
+    second = _Gate()
+    assert second.begin_write() and not second.give_up()  # writing: the step waits for it
+    assert second.fail()  # a write that fails is reported (its blocks may be half written)
+    third = _Gate()
+    assert third.fail() and not third.give_up()  # failed and reported once
+
+
 @needs_vllm
 def test_the_scheduler_keeps_an_aborted_requests_blocks_while_its_load_runs():
-    from types import SimpleNamespace
-
     from ragkv.integrations.vllm import RagkvConnector, RagkvConnectorMetadata, _Load
 
     sched = RagkvConnector.__new__(RagkvConnector)  # only the scheduler's state
