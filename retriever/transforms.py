@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -105,6 +106,9 @@ class TransformSource:
         self.tenant = tenant
         self._transform: ChannelTransform | None = None
         self._looked = False  # the store was read (a miss is remembered too: no store read per chunk key)
+        # reloads one at a time: two threads reading at once (the vLLM connector's scheduler and its
+        # loader) could otherwise leave the older read in place after the newer
+        self._reload_lock = threading.Lock()
 
     @property
     def key(self) -> StorageKey:
@@ -122,10 +126,11 @@ class TransformSource:
         """Read the store's entry again (another process may have calibrated or replaced it since) and use it.
 
         For readers that never calibrate (the vLLM connector). Until the read returns, other threads
-        keep the transform read before.
+        keep the transform read before; reloads run one at a time, so the last to start wins.
         """
-        self._transform, self._looked = self._read(), True
-        return self._transform
+        with self._reload_lock:
+            self._transform, self._looked = self._read(), True
+            return self._transform
 
     def digest(self) -> str:
         """The current transform's digest, or :data:`UNCALIBRATED` (keys that always miss)."""

@@ -33,12 +33,14 @@ from ragkv.server.quotas import QuotaError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROUTERS", "Ingress", "ReplicaOptions", "app", "build_app", "run_app"]
+__all__ = ["ROUTERS", "Ingress", "ReplicaOptions", "app", "build_app", "router_config", "run_app"]
 
-# router name -> the class Serve loads (by import path, so the ingress process imports it itself)
-ROUTERS = {
+# router name -> the class Serve loads (by import path, so the ingress process imports it itself);
+# None: Serve's own default router (power of two choices), left to Serve to name: its class lives
+# in a private module whose path has moved between Ray releases
+ROUTERS: dict[str, str | None] = {
     "affinity": "ragkv.replicas.router.ChunkAffinityRouter",
-    "power_of_two": "ray.serve._private.request_router.pow_2_router.PowerOfTwoChoicesRequestRouter",
+    "power_of_two": None,
     "round_robin": "ragkv.replicas.router.RoundRobinRouter",
 }
 HINTED = ("/v1/chat/completions", "/v1/completions")  # the routes whose chunks are worth routing by
@@ -78,10 +80,11 @@ class Ingress:
     """The HTTP entry: forwards every request to an engine replica, chat and completions with their chunks.
 
     It also keeps what holds for the whole cluster (:mod:`ragkv.replicas.gate`): the tenants'
-    request-rate and concurrency quotas, one document change per tenant at a time, and ``/metrics``
-    (every replica's, labelled by replica). A replica that fails before its answer starts (it died,
-    or is being replaced) costs an idempotent request (a GET, a chat or completion) another try on
-    another replica; anything else gets a 503 that says to retry.
+    request-rate and concurrency quotas, one document change per tenant at a time, ``/metrics``
+    (every replica's, labelled by replica) and ``/health`` (every replica's, queues and decode
+    counters summed; one replica's own until the first reports arrive). A replica that fails before
+    its answer starts (it died, or is being replaced) costs an idempotent request (a GET, a chat or
+    completion) another try on another replica; anything else gets a 503 that says to retry.
     """
 
     def __init__(self, engine: Any, settings: Any, base_tenant: str, options: ReplicaOptions) -> None:
@@ -102,6 +105,8 @@ class Ingress:
         authorization = request.headers.get("authorization", "")
         if parts.method == "GET" and parts.path == "/metrics":
             return self._metrics(authorization)
+        if parts.method == "GET" and parts.path == "/health" and (health := self._board.health()) is not None:
+            return _json(health, 200 if health["status"] == "ok" else 503)  # else one replica's, until they report
         try:
             admission = self._gate.admit(parts.method, parts.path, authorization)
         except QuotaError as e:
@@ -127,9 +132,10 @@ class Ingress:
         response.raw_headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", [])]
         return response
 
-    def report_metrics(self, replica: str, text: str) -> None:
-        """Each replica sends its /metrics text here every stats period (the ingress renders them all)."""
-        self._board.report(replica, text)
+    def report_metrics(self, replica: str, text: str, health: dict[str, Any] | None = None) -> None:
+        """Each replica sends its /metrics text and /health body here every stats period (the
+        ingress answers both for the cluster)."""
+        self._board.report(replica, text, health)
 
     async def _start(self, parts: RequestParts, route: list[ChunkRef] | None) -> tuple[Any, dict[str, Any]]:
         """The replica's stream and its response start; an idempotent request is tried up to
@@ -174,6 +180,12 @@ def _error(
     from starlette.responses import JSONResponse
 
     return JSONResponse(error_body(message, kind), status_code=status, headers=headers)
+
+
+def _json(body: dict[str, Any], status: int) -> Any:
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(body, status_code=status)
 
 
 def _once(action: Callable[[], None]) -> Callable[[], None]:
@@ -241,17 +253,7 @@ def _parts(request: Any, body: bytes) -> RequestParts:
 def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any:
     """The Serve application (ingress bound to the engine deployment) for ``serve.run``."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
-    kwargs: dict[str, Any] = {}
-    if options.router == "affinity":
-        kwargs = {**_fields(options.affinity), "seed": options.seed}
-    router_fields: dict[str, Any] = {  # pydantic's fields, passed by name
-        "request_router_class": ROUTERS[options.router],
-        "request_router_kwargs": kwargs,
-        "request_routing_stats_period_s": options.stats_period_s,
-        "request_routing_stats_timeout_s": max(options.stats_period_s, 5.0),
-    }
     engine = serve.deployment(
         name="ragkv-engine",
         num_replicas=options.replicas,
@@ -259,7 +261,7 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
         health_check_period_s=options.health_period_s,
         health_check_timeout_s=options.health_timeout_s,
-        request_router_config=RequestRouterConfig(**router_fields),
+        request_router_config=router_config(options),
     )(EngineReplica).bind(engine_config, replica_settings(settings), options.holdings_limit, options.sync_s,
                           options.stats_period_s)  # fmt: skip
     ingress = serve.deployment(
@@ -269,6 +271,25 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
         ray_actor_options={"num_cpus": 0},  # it holds no model: it only forwards
     )(Ingress)
     return ingress.bind(engine, settings, str(engine_config.tenant), options)
+
+
+def router_config(options: ReplicaOptions) -> Any:
+    """Serve's ``RequestRouterConfig`` for ``options.router`` (Serve's own default class where
+    :data:`ROUTERS` names none)."""
+    from ray.serve.config import RequestRouterConfig
+
+    kwargs: dict[str, Any] = {}
+    if options.router == "affinity":
+        kwargs = {**_fields(options.affinity), "seed": options.seed}
+    fields: dict[str, Any] = {  # pydantic's fields, passed by name
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": options.stats_period_s,
+        "request_routing_stats_timeout_s": max(options.stats_period_s, 5.0),
+    }
+    router_class = ROUTERS[options.router]
+    if router_class is not None:
+        fields["request_router_class"] = router_class
+    return RequestRouterConfig(**fields)
 
 
 def replica_slots(settings: Any) -> int:

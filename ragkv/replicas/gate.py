@@ -10,7 +10,9 @@ One ingress sees every request, so it is where per-tenant limits hold across rep
   catalog and store.
 - :class:`MetricsBoard` holds the Prometheus text each replica last reported (every stats period)
   and renders them as one exposition, every sample labelled with its ``replica``: Prometheus then
-  sums over replicas (``sum without (replica) (...)``), as it does for any scaled-out service.
+  sums over replicas (``sum without (replica) (...)``), as it does for any scaled-out service. It
+  keeps each replica's ``/health`` body too, and answers the cluster's: every replica's, with the
+  queues and decode counters summed.
 
 Pure Python, no Ray: :mod:`ragkv.replicas.app` wires them into the Serve ingress.
 """
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ragkv.server.quotas import QuotaError, Quotas
 from ragkv.server.settings import ServerSettings
 
-__all__ = ["Admission", "ClusterGate", "MetricsBoard", "bearer_tenant"]
+__all__ = ["Admission", "ClusterGate", "MetricsBoard", "bearer_tenant", "sum_decode_counters"]
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 DOCUMENT_PATH = "/v1/documents"
@@ -115,17 +118,45 @@ class MetricsBoard:
             raise ValueError(f"max_age_s must be > 0 seconds, got {max_age_s}")
         self.max_age_s = max_age_s
         self._reports: dict[str, tuple[float, str]] = {}
+        self._health: dict[str, dict[str, Any]] = {}  # replica -> its last /health body (if it sent one)
 
-    def report(self, replica: str, text: str, now: float | None = None) -> None:
-        """Keep ``replica``'s exposition text (its whole ``/metrics`` body) as of ``now``."""
+    def report(
+        self, replica: str, text: str, health: Mapping[str, Any] | None = None, now: float | None = None
+    ) -> None:
+        """Keep ``replica``'s exposition text (its whole ``/metrics`` body), and its ``/health`` body
+        when given, as of ``now``."""
         self._reports[replica] = (time.monotonic() if now is None else now, text)
+        if health is not None:
+            self._health[replica] = dict(health)
 
     def replicas(self, now: float | None = None) -> list[str]:
         """The replicas whose last report is fresh, sorted; older ones are forgotten."""
         now = time.monotonic() if now is None else now
         for rid in [r for r, (at, _) in self._reports.items() if now - at > self.max_age_s]:
             del self._reports[rid]
+            self._health.pop(rid, None)
         return sorted(self._reports)
+
+    def health(self, now: float | None = None) -> dict[str, Any] | None:
+        """The cluster's ``/health`` from the fresh replicas' last reports (None: none reported one).
+
+        ``status`` is "ok" while any replica is (the ingress routes around the others); ``waiting``,
+        ``decoding`` and the ``decode`` counters are summed over replicas; ``replicas`` holds each
+        one's own body. Each is as of that replica's last report (at most a stats period old).
+        """
+        bodies = {rid: self._health[rid] for rid in self.replicas(now) if rid in self._health}
+        if not bodies:
+            return None
+        ok = [b for b in bodies.values() if b.get("status") == "ok"]
+        return {
+            "status": "ok" if ok else "unavailable",
+            "replicas_reporting": len(bodies),
+            "replicas_ok": len(ok),
+            "waiting": sum(int(b.get("waiting", 0)) for b in bodies.values()),
+            "decoding": sum(int(b.get("decoding", 0)) for b in bodies.values()),
+            "decode": sum_decode_counters([b["decode"] for b in bodies.values() if isinstance(b.get("decode"), dict)]),
+            "replicas": bodies,
+        }
 
     def render(self, now: float | None = None) -> str:
         """One exposition: every family once, its samples from each fresh replica with ``replica="ID"``,
@@ -150,6 +181,36 @@ class MetricsBoard:
             f"ragkv_replicas_reporting {len(live)}",
         ]
         return "\n".join(out) + "\n"
+
+
+_DECODE_TOTALS = (
+    "steps",
+    "carried_steps",
+    "tokens",
+    "prefill_pieces",
+    "prefill_s",
+    "decoding_pieces",
+    "forward_s",
+    "outside_s",
+)
+
+
+def sum_decode_counters(counters: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Several schedulers' decode counters (``/health``'s ``decode``) as one: totals summed, the
+    worst piece the largest, the per-step and per-token figures recomputed from the sums.
+
+    >>> both = sum_decode_counters([{"tokens": 10, "outside_s": 0.1}, {"tokens": 30, "outside_s": 0.2}])
+    >>> both["tokens"], both["outside_s"], both["outside_ms_per_token"]
+    (40, 0.3, 7.5)
+    """
+    out: dict[str, float] = {k: round(sum(c.get(k, 0) for c in counters), 6) for k in _DECODE_TOTALS}
+    pieces = out["decoding_pieces"]
+    weighted = sum(c.get("decoding_piece_ms", 0.0) * c.get("decoding_pieces", 0) for c in counters)
+    out["decoding_piece_ms"] = round(weighted / max(1, pieces), 3)
+    out["max_decoding_piece_ms"] = max((c.get("max_decoding_piece_ms", 0.0) for c in counters), default=0.0)
+    out["forward_ms_per_step"] = round(1000 * out["forward_s"] / max(1, out["steps"] - out["carried_steps"]), 3)
+    out["outside_ms_per_token"] = round(1000 * out["outside_s"] / max(1, out["tokens"]), 3)
+    return out
 
 
 def _parse(text: str) -> Iterable[tuple[str, str | None, str | None]]:

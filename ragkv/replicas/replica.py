@@ -145,10 +145,11 @@ class EngineReplica:
                     logger.warning("index sync failed for tenant %s", engine.config.tenant, exc_info=True)
 
     def _report_loop(self, period_s: float) -> None:
-        """Every ``period_s``: this replica's /metrics text to the ingress, which renders the cluster's."""
+        """Every ``period_s``: this replica's /metrics text and /health body to the ingress, which
+        answers the cluster's."""
         from ray import serve
 
-        from ragkv.server.app import metrics_text
+        from ragkv.server.app import health_body, metrics_text
 
         ingress = None
         while not self._stop.wait(period_s):
@@ -156,7 +157,8 @@ class EngineReplica:
                 if ingress is None:
                     app_name = serve.get_replica_context().app_name
                     ingress = serve.get_deployment_handle(INGRESS, app_name=app_name)
-                call = ingress.options(method_name="report_metrics").remote(self._replica_id, metrics_text(self.state))
+                text, health = metrics_text(self.state), health_body(self.state)
+                call = ingress.options(method_name="report_metrics").remote(self._replica_id, text, health)
                 call.result(timeout_s=max(period_s, 5.0))
             except Exception:  # the ingress is starting or being replaced: the next period tries again
                 logger.debug("metrics report failed", exc_info=True)

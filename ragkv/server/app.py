@@ -23,7 +23,14 @@ from ragkv.server.state import ApiError, ServerState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["METRICS_AUTH_MESSAGE", "create_app", "error_body", "metrics_authorized", "metrics_text"]
+__all__ = [
+    "METRICS_AUTH_MESSAGE",
+    "create_app",
+    "error_body",
+    "health_body",
+    "metrics_authorized",
+    "metrics_text",
+]
 
 STATIC = Path(__file__).parent / "static"
 _TIER_WORDS = {"closed": "reachable", "half-open": "unreachable (retrying)", "open": "unreachable"}
@@ -109,37 +116,45 @@ def metrics_text(state: ServerState) -> str:
     return state.metrics.render(state.scheduler.depth, state.tier_counts(), state.scheduler.steps)
 
 
+def health_body(state: ServerState) -> dict[str, Any]:
+    """``/health``'s body: ``status`` ("ok" or "unavailable"), the model, the scheduler's queue and
+    decode counters, and the store tiers' states (``ragkv serve --ray``'s ingress gathers each
+    replica's, :class:`ragkv.replicas.gate.MetricsBoard`)."""
+    waiting, decoding = state.scheduler.depth
+    # the store's circuit states ("closed" = in use) in plain words
+    tiers = {name: _TIER_WORDS.get(how, how) for name, how in state.base.tier_health().items()}
+    alive = state.scheduler.alive
+    body = {
+        "status": "ok" if alive else "unavailable",
+        "scheduler": "running" if alive else f"stopped: {state.scheduler.failure}",
+        # model, dtype (what every figure of this server is computed in) and why, decode weights
+        # ("model", or an opt-in quantized decode copy)
+        **state.base.model_info(),
+        "waiting": waiting,
+        "decoding": decoding,
+        "max_batch": state.settings.max_batch,
+        "step_tokens": state.settings.step_tokens,  # prefill piece size between decode steps (0: whole)
+        "step_ms": state.settings.step_ms,  # ... or its time, on a CPU (0: step_tokens)
+        "piece_tokens": state.scheduler.piece_tokens,  # a piece's size now while streams decode
+        "carry_steps": state.settings.carry_steps,  # decode steps may ride on full-prefill pieces
+        "decode": state.scheduler.counters.as_dict(),  # steps, tokens, ms per token outside the forward
+        "max_queue": state.settings.max_queue,
+        "tiers": tiers,
+    }
+    if state.base.device_tier is not None:  # decoded chunk caches on the GPU: entries, bytes, hits
+        body["device_tier"] = state.base.device_tier.stats()
+    if state.base.host_tier is not None:  # ... and behind it in pinned host memory
+        body["host_tier"] = state.base.host_tier.stats()
+    return body
+
+
 def _service(app: FastAPI, state: ServerState) -> None:
     """/health, /metrics and the web page at / (its scripts and licenses under /static)."""
 
     @app.get("/health")
     async def health() -> Any:
-        waiting, decoding = state.scheduler.depth
-        # the store's circuit states ("closed" = in use) in plain words
-        tiers = {name: _TIER_WORDS.get(how, how) for name, how in state.base.tier_health().items()}
-        alive = state.scheduler.alive
-        body = {
-            "status": "ok" if alive else "unavailable",
-            "scheduler": "running" if alive else f"stopped: {state.scheduler.failure}",
-            # model, dtype (what every figure of this server is computed in) and why, decode weights
-            # ("model", or an opt-in quantized decode copy)
-            **state.base.model_info(),
-            "waiting": waiting,
-            "decoding": decoding,
-            "max_batch": state.settings.max_batch,
-            "step_tokens": state.settings.step_tokens,  # prefill piece size between decode steps (0: whole)
-            "step_ms": state.settings.step_ms,  # ... or its time, on a CPU (0: step_tokens)
-            "piece_tokens": state.scheduler.piece_tokens,  # a piece's size now while streams decode
-            "carry_steps": state.settings.carry_steps,  # decode steps may ride on full-prefill pieces
-            "decode": state.scheduler.counters.as_dict(),  # steps, tokens, ms per token outside the forward
-            "max_queue": state.settings.max_queue,
-            "tiers": tiers,
-        }
-        if state.base.device_tier is not None:  # decoded chunk caches on the GPU: entries, bytes, hits
-            body["device_tier"] = state.base.device_tier.stats()
-        if state.base.host_tier is not None:  # ... and behind it in pinned host memory
-            body["host_tier"] = state.base.host_tier.stats()
-        return JSONResponse(body, status_code=200 if alive else 503)
+        body = health_body(state)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:

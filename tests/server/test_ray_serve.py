@@ -140,6 +140,9 @@ def test_replicas_serve_route_by_chunks_and_share_documents(served: str) -> None
             break
         time.sleep(0.5)
     assert "ragkv_replicas_reporting 2" in text, text[-500:]
+    health = client.get("/health").json()  # the cluster's: both replicas' bodies, counters summed
+    assert health["status"] == "ok" and set(health["replicas"]) == replicas, health
+    assert health["decode"]["tokens"] == sum(b["decode"]["tokens"] for b in health["replicas"].values())
     for rid in replicas:  # each replica answered the document lists above
         assert f'ragkv_requests_total{{replica="{rid}",endpoint="/v1/documents",status="200"}}' in text
     assert httpx.get(served + "/metrics").status_code == 401

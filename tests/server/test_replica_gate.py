@@ -117,6 +117,25 @@ def test_the_board_labels_each_replicas_samples_and_forgets_the_silent():
     assert later["ragkv_replicas_reporting"] == 1 and not any('replica="r1"' in k for k in later)
 
 
+def _health(status: str, waiting: int, tokens: int, outside_s: float) -> dict[str, Any]:
+    decode = {"steps": tokens, "carried_steps": 0, "tokens": tokens, "outside_s": outside_s, "forward_s": 1.0}
+    return {"status": status, "waiting": waiting, "decoding": 1, "decode": decode, "model": "m"}
+
+
+def test_the_board_answers_the_clusters_health_from_every_fresh_replica():
+    board = MetricsBoard(max_age_s=10)
+    assert board.health(now=0.0) is None  # nothing reported yet: the ingress forwards to one replica
+    board.report("r1", replica_metrics(1, 0.1), _health("ok", 2, 100, 0.5), now=0.0)
+    board.report("r2", replica_metrics(1, 0.1), _health("unavailable", 1, 300, 1.5), now=5.0)
+    both = board.health(now=6.0)
+    assert both is not None and both["status"] == "ok"  # one replica serves: the ingress routes there
+    assert (both["replicas_reporting"], both["replicas_ok"], both["waiting"], both["decoding"]) == (2, 1, 3, 2)
+    assert both["decode"]["tokens"] == 400 and both["decode"]["outside_ms_per_token"] == 5.0  # 2 s / 400
+    assert both["replicas"]["r2"]["status"] == "unavailable"  # each replica's own body
+    later = board.health(now=12.0)  # r1 silent for 12 s: dropped, and the one left is down
+    assert later is not None and later["status"] == "unavailable" and set(later["replicas"]) == {"r2"}
+
+
 # ---- the ingress, on stand-in engine handles ---------------------------------------------------
 
 
@@ -200,6 +219,21 @@ def call_ingress(engine: Engine, path: str = "/v1/chat/completions", **quota: An
     ingress = make_ingress(engine, **quota)
     status, body, _ = send(ingress, "POST", path)
     return status, body, ingress
+
+
+def test_the_ingress_answers_health_for_the_cluster_once_replicas_report():
+    ingress = make_ingress(Engine(SSE, []))
+    status, body, _ = send(ingress, "GET", "/health")
+    assert status == 200 and ingress._engine.calls == 1  # no report yet: one replica's, forwarded
+    ingress.report_metrics("r1", replica_metrics(1, 0.1), _health("ok", 0, 10, 0.1))
+    ingress.report_metrics("r2", replica_metrics(1, 0.1), _health("ok", 2, 30, 0.3))
+    status, body, _ = send(ingress, "GET", "/health")
+    health = json.loads(body)
+    assert status == 200 and ingress._engine.calls == 1  # answered by the ingress itself
+    assert health["replicas_reporting"] == 2 and health["decode"]["tokens"] == 40 and health["waiting"] == 2
+    ingress.report_metrics("r1", replica_metrics(1, 0.1), _health("unavailable", 0, 10, 0.1))
+    ingress.report_metrics("r2", replica_metrics(1, 0.1), _health("unavailable", 0, 30, 0.3))
+    assert send(ingress, "GET", "/health")[0] == 503  # no replica can serve
 
 
 def test_a_replica_that_fails_before_answering_costs_a_retry_not_an_error():
@@ -288,3 +322,18 @@ def test_an_upload_cancelled_while_it_waits_for_its_turn_leaves_the_holders_turn
         assert turn.locked()  # still the running upload's
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("router", ["affinity", "power_of_two", "round_robin"])
+def test_each_router_is_serves_own_default_or_a_public_class(router):
+    """The power-of-two baseline is Serve's default router, named by Serve (its class lives in a
+    private module); ragkv's routers are named by their import path."""
+    from ray.serve.config import RequestRouterConfig
+
+    from ragkv.replicas.app import ROUTERS, ReplicaOptions, router_config
+
+    config = router_config(ReplicaOptions(router=router, stats_period_s=1.0))
+    assert config.request_router_class == (ROUTERS[router] or RequestRouterConfig().request_router_class)
+    assert config.request_routing_stats_period_s == 1.0
+    assert bool(config.request_router_kwargs) == (router == "affinity")  # the affinity router's knobs
+    assert all("_private" not in path for path in ROUTERS.values() if path)
