@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -519,6 +520,85 @@ def test_a_load_while_vllm_steps_other_requests_answers_as_a_load_within_the_ste
         scheduler._async = False
     assert COUNTS.background_loads == background + 1  # it did load in the background
     assert got == within and got_cached == cached > 0
+
+
+def _hold_fusion(vllm_rig, monkeypatch) -> tuple[threading.Event, Any]:
+    """Make the connector's fusion wait for the returned event (a store that hangs); also returns
+    the worker's connector. Undone by ``monkeypatch``."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from ragkv.integrations import vllm as connector
+
+    _generate(vllm_rig["llm"], vllm_rig["ids"], max_tokens=1)  # the connector's side exists from here on
+    (side,) = connector._SIDES.values()
+    release, fused_kv = threading.Event(), side.fused_kv
+
+    def held(prompt_ids, plan):
+        release.wait(60)
+        return fused_kv(prompt_ids, plan)
+
+    monkeypatch.setattr(side, "fused_kv", held)
+    return release, get_kv_transfer_group()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_load_past_its_timeout_is_computed_by_vllm_and_its_fusion_never_writes(vllm_rig, monkeypatch):
+    from ragkv.integrations.vllm import COUNTS
+
+    llm, ids = vllm_rig["llm"], vllm_rig["ids"]
+    served, _ = _generate(llm, ids)
+    base, _ = _generate(llm, ids, ragkv=False)
+    release, worker = _hold_fusion(vllm_rig, monkeypatch)
+    monkeypatch.setattr(worker, "_load_timeout", 0.5)
+    timed_out, written = COUNTS.timed_out_loads, COUNTS.written_tokens
+    try:
+        got, _ = _generate(llm, ids)
+    finally:
+        release.set()
+    worker._loader_pool().submit(lambda: None).result(timeout=120)  # the given-up fusion has ended
+    assert COUNTS.timed_out_loads == timed_out + 1 and COUNTS.written_tokens == written  # never written
+    assert got == base  # vLLM computed the blocks itself
+    monkeypatch.undo()
+    again, cached = _generate(llm, ids)
+    assert cached > 0 and again == served  # the connector serves as before
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_request_aborted_while_its_background_load_runs_keeps_its_blocks_until_the_load_ends(
+    vllm_rig, monkeypatch
+):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ragkv.integrations.vllm import COUNTS
+
+    llm, ids = vllm_rig["llm"], vllm_rig["ids"]
+    served, _ = _generate(llm, ids, max_tokens=8)
+    core = llm.llm_engine.engine_core.engine_core
+    pool = core.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    release, worker = _hold_fusion(vllm_rig, monkeypatch)
+    monkeypatch.setattr(core.scheduler.connector, "_async", True)
+    written = COUNTS.written_tokens
+    try:
+        llm.llm_engine.add_request("aborted", TokensPrompt(prompt_token_ids=ids), SamplingParams(max_tokens=4))
+        llm.llm_engine.step()  # allocated; its load runs in the loader thread
+        assert pool.get_num_free_blocks() < free
+        llm.llm_engine.abort_request(["aborted"])
+        for _ in range(3):
+            llm.llm_engine.step()
+        assert pool.get_num_free_blocks() < free  # the load may still write into them: not freed
+    finally:
+        release.set()
+    deadline = time.monotonic() + 120
+    while pool.get_num_free_blocks() < free and time.monotonic() < deadline:
+        llm.llm_engine.step()
+    assert pool.get_num_free_blocks() == free and COUNTS.written_tokens > written  # written, then freed
+    assert not llm.llm_engine.has_unfinished_requests()
+    monkeypatch.undo()
+    assert _generate(llm, ids, max_tokens=8)[0] == served
 
 
 @needs_vllm
