@@ -566,9 +566,7 @@ def test_a_load_past_its_timeout_is_computed_by_vllm_and_its_fusion_never_writes
 
 @needs_vllm
 @pytest.mark.slow
-def test_a_request_aborted_while_its_background_load_runs_keeps_its_blocks_until_the_load_ends(
-    vllm_rig, monkeypatch
-):
+def test_a_request_aborted_while_its_background_load_runs_keeps_its_blocks_until_the_load_ends(vllm_rig, monkeypatch):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
