@@ -136,8 +136,8 @@ def _flag(name: str, value: Any) -> bool:
 
 
 # A load that takes longer is given up: its blocks are reported failed and vLLM computes them. The
-# slowest fusion measured (Qwen2.5 1.5B, fp32 on 2 CPU cores, a 1.6K-token context) takes ~15 s;
-# a minute never cuts a working load short, and a store that hangs stalls vLLM's steps no longer.
+# slowest fusion measured (Qwen2.5 1.5B, fp32 on 2 CPU cores, a 1.5K-token context) took 9-12 s;
+# a minute leaves five times that, and a store that hangs stalls vLLM's steps no longer than that.
 DEFAULT_LOAD_TIMEOUT_S = 60.0
 
 
