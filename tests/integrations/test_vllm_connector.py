@@ -844,21 +844,28 @@ def _slow_side(release: threading.Event, num_layers: int = 2):
     return SimpleNamespace(fused_kv=fused_kv, say_once=lambda why: None, add_time=lambda step, since: None)
 
 
+def _timed_worker(monkeypatch, release: threading.Event, timeout_s: float) -> tuple[Any, list[Any]]:
+    """A worker over two 4-slot cache layers whose fusion waits for ``release``, and the writes it makes."""
+    from ragkv.integrations import vllm as connector
+
+    worker = _worker_for_background_loads()
+    worker._side_obj = _slow_side(release)
+    worker._kv_caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 4, 4) for i in range(2)}
+    worker._isa, worker._kv_cache_dtype, worker._load_timeout = {}, "auto", timeout_s
+    writes: list[Any] = []
+    monkeypatch.setattr(connector, "write_paged", lambda *a: writes.append(a))
+    return worker, writes
+
+
 @needs_vllm
 @pytest.mark.parametrize("background", [False, True])
 def test_a_load_past_its_timeout_is_given_up_and_never_writes(monkeypatch, background):
     """A fusion that hangs past load_timeout_s: its blocks are reported failed and the step goes on;
     when the fusion ends later, nothing is written into blocks vLLM has recomputed (or reused)."""
-    from ragkv.integrations import vllm as connector
     from ragkv.integrations.vllm import COUNTS, _Gate, _Load
 
-    worker = _worker_for_background_loads()
     release = threading.Event()
-    worker._side_obj = _slow_side(release)
-    worker._kv_caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 4, 4) for i in range(2)}
-    worker._isa, worker._kv_cache_dtype, worker._load_timeout = {}, "auto", 0.05
-    writes = []
-    monkeypatch.setattr(connector, "write_paged", lambda *a: writes.append(a))
+    worker, writes = _timed_worker(monkeypatch, release, 0.05)
     plan = ServePlan((_span(4, 12),), 12, 4, 12)
     load = _Load("r", list(range(20)), plan, [10, 11, 12, 13, 14], background=background)
     given_up, failed = COUNTS.timed_out_loads, COUNTS.failed_loads
@@ -885,17 +892,11 @@ def test_a_load_past_its_timeout_is_given_up_and_never_writes(monkeypatch, backg
 
 @needs_vllm
 def test_a_load_within_its_timeout_writes_every_layer(monkeypatch):
-    from ragkv.integrations import vllm as connector
     from ragkv.integrations.vllm import COUNTS, _Gate, _Load
 
-    worker = _worker_for_background_loads()
     release = threading.Event()
     release.set()
-    worker._side_obj = _slow_side(release)
-    worker._kv_caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 4, 4) for i in range(2)}
-    worker._isa, worker._kv_cache_dtype, worker._load_timeout = {}, "auto", 30.0
-    writes = []
-    monkeypatch.setattr(connector, "write_paged", lambda *a: writes.append(a))
+    worker, writes = _timed_worker(monkeypatch, release, 30.0)
     plan = ServePlan((_span(4, 12),), 12, 4, 12)
     load = _Load("r", list(range(20)), plan, [10, 11, 12, 13, 14])
     given_up = COUNTS.timed_out_loads
