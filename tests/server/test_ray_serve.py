@@ -86,6 +86,9 @@ def test_replicas_serve_route_by_chunks_and_share_documents(served: str) -> None
     client = httpx.Client(base_url=served, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
     assert httpx.get(served + "/v1/models").status_code == 401  # keys hold through the ingress
     assert client.get("/health").json()["status"] == "ok"
+    # a forwarded request starts the ingress's handle to the replicas, and its router with it, which
+    # then takes in the replicas' holdings (/health no longer does: the ingress answers it itself)
+    assert client.get("/v1/models").status_code == 200
 
     # an upload lands on one replica; every replica lists it (shared catalog)
     r = client.post("/v1/documents", json={"source": "mem:apples", "text": APPLES})
