@@ -101,6 +101,9 @@ class _Gate:
     """
 
     __slots__ = ("_lock", "_state")
+    # state -> the states it may be reached from: a write that fails is reported (its blocks may be
+    # half written); a load given up, or one that failed, is over
+    _FROM = {"writing": ("fusing",), "given up": ("fusing",), "failed": ("fusing", "writing")}
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -120,7 +123,7 @@ class _Gate:
 
     def _move(self, to: str) -> bool:
         with self._lock:
-            if self._state not in ("fusing", "writing") or (self._state == "writing" and to != "failed"):
+            if self._state not in self._FROM[to]:
                 return False
             self._state = to
             return True
@@ -500,12 +503,10 @@ class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._idle_step:
             wait(list(self._in_flight.values()), timeout=0.02, return_when=FIRST_COMPLETED)
         now = time.monotonic()
-        given_up = {
-            r
-            for r, (deadline, gate, load) in self._watch.items()
-            if now > deadline and not self._in_flight[r].done() and self._give_up(gate, load)
-        }
-        done = {r for r, f in self._in_flight.items() if f.done()} | given_up
+        done = {r for r, f in self._in_flight.items() if f.done()}
+        for r, (deadline, gate, load) in self._watch.items():
+            if r not in done and now > deadline and self._give_up(gate, load):
+                done.add(r)
         for r in done:
             del self._in_flight[r]
             self._watch.pop(r, None)
