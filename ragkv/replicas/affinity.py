@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NewType
 
@@ -32,6 +34,7 @@ __all__ = [
     "Holdings",
     "KeyTag",
     "Ranking",
+    "RecentRoutes",
     "ReplicaView",
     "key_tag",
     "power_of_two",
@@ -107,6 +110,10 @@ class AffinityConfig:
     load_cap: int = 8  # queue length at which the load term stops growing
     token_cap: int = 16384  # in-flight chunk tokens at which the load term stops growing
     min_share: float = 0.0  # a best matched share at or below this: nothing held, power of two decides
+    # Seconds a chunk the router sent to a replica counts as held there (RecentRoutes): a replica's
+    # summary shows a chunk only once its request has run and the next stats period (2 s by default)
+    # has passed. Without it the requests for the same chunks in that window scatter. 0 = off.
+    recent_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.load_weight < 0:
@@ -117,6 +124,66 @@ class AffinityConfig:
             raise ValueError(f"token_cap must be >= 1 (tokens), got {self.token_cap}")
         if not 0 <= self.min_share < 1:
             raise ValueError(f"min_share must be in [0, 1), got {self.min_share}")
+        if self.recent_s < 0:
+            raise ValueError(f"recent_s must be >= 0 (seconds; 0 = off), got {self.recent_s}")
+
+
+class RecentRoutes:
+    """The chunks the router sent to each replica in the last ``ttl_s`` seconds, counted as held there.
+
+    A replica's holdings summary lags: a chunk enters its memory tier when the request that needs it
+    runs, and the summary is remade every routing-stats period. Requests for the same chunks routed
+    in between would see no holder and scatter (power of two), each paying a load from the store.
+    The router's own record of where it sent them closes that window; a route that never landed (a
+    failed request, a replica gone) costs a miss, never a wrong answer. At most ``limit`` tags per
+    replica, oldest dropped first.
+
+    >>> now = [0.0]
+    >>> recent = RecentRoutes(10.0, clock=lambda: now[0])
+    >>> recent.add("r1", [ChunkRef((KeyTag("a" * 16),), 100)])
+    >>> sorted(recent.tags("r1")), sorted(recent.tags("r2"))
+    (['aaaaaaaaaaaaaaaa'], [])
+    >>> now[0] = 10.5
+    >>> sorted(recent.tags("r1"))
+    []
+    """
+
+    def __init__(self, ttl_s: float, limit: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+        if ttl_s < 0 or limit < 1:
+            raise ValueError(f"ttl_s must be >= 0 and limit >= 1, got {ttl_s} and {limit}")
+        self.ttl_s, self.limit, self._clock = ttl_s, limit, clock
+        self._routed: dict[str, OrderedDict[KeyTag, float]] = {}  # replica -> tag -> when routed, oldest first
+
+    def add(self, replica: str, chunks: Sequence[ChunkRef]) -> None:
+        """``chunks`` were just sent to ``replica``."""
+        if self.ttl_s <= 0:
+            return
+        now = self._clock()
+        routed = self._routed.setdefault(replica, OrderedDict())
+        for chunk in chunks:
+            for tag in chunk.tags:
+                routed.pop(tag, None)  # re-added: it becomes the newest
+                routed[tag] = now
+        while len(routed) > self.limit:
+            routed.popitem(last=False)
+
+    def tags(self, replica: str) -> frozenset[KeyTag]:
+        """The tags sent to ``replica`` within the last ``ttl_s`` seconds (older ones are dropped)."""
+        routed = self._routed.get(replica)
+        if not routed:
+            return frozenset()
+        cutoff = self._clock() - self.ttl_s
+        while routed and next(iter(routed.values())) <= cutoff:
+            routed.popitem(last=False)
+        return frozenset(routed)
+
+    def replicas(self) -> list[str]:
+        """The replicas anything was sent to (and not forgotten)."""
+        return list(self._routed)
+
+    def forget(self, replica: str) -> None:
+        """Drop everything sent to ``replica`` (it is gone)."""
+        self._routed.pop(replica, None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 They run wherever a handle to the engine deployment lives (the ingress). ``ChunkAffinityRouter``
 reads the request's chunks from the ``route`` keyword the ingress passes (``ChunkRef``s) and each
 replica's holdings from its routing stats (``record_routing_stats``, refreshed every
-``request_routing_stats_period_s``), and ranks replicas with :func:`ragkv.replicas.affinity.rank_replicas`.
+``request_routing_stats_period_s``) and from the chunks it sent there itself lately
+(:class:`~ragkv.replicas.affinity.RecentRoutes`), and ranks replicas with :func:`ragkv.replicas.affinity.rank_replicas`.
 Serve then sends the request to the first ranked replica that accepts it (a full one is skipped).
 
 No ``FIFOMixin`` here: with it, the replica chosen for one request may be handed to the oldest
@@ -21,7 +22,15 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from ragkv.replicas.affinity import AffinityConfig, ChunkRef, Holdings, ReplicaView, power_of_two, rank_replicas
+from ragkv.replicas.affinity import (
+    AffinityConfig,
+    ChunkRef,
+    Holdings,
+    RecentRoutes,
+    ReplicaView,
+    power_of_two,
+    rank_replicas,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +52,7 @@ class ChunkAffinityRouter(RequestRouter):
         self._tokens: Counter[str] = Counter()  # ... and their chunk tokens
         self._routed: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, chunk tokens)
         self.decisions: Counter[str] = Counter()  # "affinity" / "power_of_two" / "error": how requests were routed
+        self._recent = RecentRoutes(self._config.recent_s)  # chunks sent lately, held before summaries show them
 
     async def choose_replicas(
         self,
@@ -51,6 +61,8 @@ class ChunkAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         """Replicas ranked best first, one per rank (Serve tries the next rank when one is full)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        for gone in set(self._recent.replicas()) - set(by_id):
+            self._recent.forget(gone)
         try:
             chunks = _route_of(pending_request)
             views = {rid: self._view(r, bool(chunks)) for rid, r in by_id.items()}
@@ -68,7 +80,10 @@ class ChunkAffinityRouter(RequestRouter):
         rid = replica.replica_id.unique_id
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         queue = max(self._in_flight[rid], cached or 0)
-        holdings = Holdings.from_stats(replica.routing_stats.get(HOLDINGS_STAT)) if with_holdings else Holdings()
+        holdings = Holdings()
+        if with_holdings:
+            reported = Holdings.from_stats(replica.routing_stats.get(HOLDINGS_STAT))
+            holdings = Holdings(reported.tags | self._recent.tags(rid))
         return ReplicaView(holdings, queue, max(self._tokens[rid], 0))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -76,10 +91,12 @@ class ChunkAffinityRouter(RequestRouter):
         rid = replica_id.unique_id
         self._in_flight[rid] += 1
         try:
-            tokens = sum(max(c.tokens, 0) for c in _route_of(pending_request))
+            chunks = _route_of(pending_request)
+            tokens = sum(max(c.tokens, 0) for c in chunks)
             request_id = pending_request.metadata.internal_request_id
         except Exception:  # no route, or one the router could not read: nothing to weigh
             return
+        self._recent.add(rid, chunks)
         if tokens and request_id:
             self._tokens[rid] += tokens
             self._routed[request_id] = (rid, tokens)

@@ -10,6 +10,7 @@ from ragkv.replicas.affinity import (
     AffinityConfig,
     ChunkRef,
     Holdings,
+    RecentRoutes,
     ReplicaView,
     key_tag,
     power_of_two,
@@ -115,3 +116,28 @@ def test_bad_settings_say_what_to_pass():
         AffinityConfig(load_cap=0)
     with pytest.raises(ValueError, match="load_weight"):
         AffinityConfig(load_weight=-1)
+
+
+def test_recent_routes_count_as_held_until_they_expire_and_stay_bounded():
+    one = [ChunkRef((key_tag(f"ns:{n}:int8"),), 100) for n in "wxyz"]  # one tag each
+    w, x, y, z = one
+    now = [100.0]
+    recent = RecentRoutes(10.0, limit=3, clock=lambda: now[0])
+    recent.add("r1", [w, x])
+    assert recent.tags("r1") == frozenset(w.tags + x.tags) and recent.tags("r2") == frozenset()
+    now[0] = 105.0
+    recent.add("r1", [w])  # sent again: the newest now, so it outlives x
+    now[0] = 110.0
+    assert recent.tags("r1") == frozenset(w.tags)
+    now[0] = 115.0
+    assert recent.tags("r1") == frozenset()
+    recent.add("r1", one)  # over the limit: the oldest goes first
+    assert recent.tags("r1") == frozenset(x.tags + y.tags + z.tags)
+    assert recent.replicas() == ["r1"]
+    recent.forget("r1")
+    assert recent.replicas() == []
+    off = RecentRoutes(0.0, clock=lambda: now[0])  # recent_s=0: off
+    off.add("r1", [w])
+    assert off.tags("r1") == frozenset()
+    with pytest.raises(ValueError, match="recent_s"):
+        AffinityConfig(recent_s=-1)

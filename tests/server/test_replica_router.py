@@ -95,3 +95,23 @@ def test_the_router_counts_in_flight_chunk_tokens_until_each_request_completes()
     router.on_request_completed(ReplicaID("a", DEPLOYMENT), "q1")  # a second completion changes nothing
     router.on_request_completed(ReplicaID("a", DEPLOYMENT), "q2")
     assert router._view(replica("a"), False).tokens == 0 and router._routed == {}
+
+
+def test_a_chunk_just_routed_counts_as_held_there_before_any_summary_shows_it():
+    router = make(ChunkAffinityRouter)
+    replicas = [replica("a"), replica("b"), replica("c")]
+
+    async def route_once() -> list[list[str]]:
+        meta = RequestMetadata("r1", "r1", call_method="forward")
+        pending = PendingRequest(args=[], kwargs={"route": [CHUNK]}, metadata=meta)
+        ranks = await router.choose_replicas(replicas, pending)
+        router.on_request_routed(pending, ranks[0][0].replica_id, None)  # Serve sends it to the first
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    first = asyncio.run(route_once())  # nothing held anywhere: a power-of-two pair
+    assert len(first) == 1 and len(first[0]) == 2
+    sent_to = first[0][0]
+    again = choose(router, replicas, [CHUNK])  # no summary shows it yet: the router's own record does
+    assert again[0] == [sent_to] and router.decisions["affinity"] == 1
+    gone = [r for r in replicas if r.replica_id.unique_id != sent_to]
+    assert len(choose(router, gone, [CHUNK])[0]) == 2  # that replica left: its record goes with it
