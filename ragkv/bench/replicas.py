@@ -24,7 +24,15 @@ from typing import Any
 from ragkv.bench.serve import percentile
 from ragkv.bench.table import Column, format_table
 
-__all__ = ["COLUMNS", "ReplicaBenchConfig", "corpus", "format_replica_table", "run_replica_bench", "zipf_draws"]
+__all__ = [
+    "COLUMNS",
+    "ReplicaBenchConfig",
+    "best_hit_rate",
+    "corpus",
+    "format_replica_table",
+    "run_replica_bench",
+    "zipf_draws",
+]
 
 COLUMNS = (
     Column("router"),
@@ -150,6 +158,10 @@ def run_replica_bench(
         store = (f"memory://?max_bytes={memory}", *[u for u in engine_config.store if not u.startswith("memory")])
         measured = replace(engine_config, store=store)
         draws = zipf_draws(config.docs, config.requests, config.zipf, config.seed)
+        routes = _routes([docs[i][2] for i in draws], config)
+        best = best_hit_rate(routes)
+        echo(f"workload: {sum(map(len, routes))} chunk uses of {len({c for r in routes for c in r})} distinct chunks; "
+             f"a hit rate above {best:.2f} is impossible (each distinct chunk's first use is a miss)")  # fmt: skip
         rows = []
         for router in config.routers:
             options = replace(options, router=router)
@@ -159,7 +171,7 @@ def run_replica_bench(
             before = _replica_stats(config.replicas)
             results, wall = asyncio.run(_workload(url, [docs[i][2] for i in draws], config))
             after = _replica_stats(config.replicas)
-            rows.append(_row(router, results, wall, before, after, config.replicas))
+            rows.append(_row(router, results, wall, before, after, config.replicas) | {"best_hit_rate": best})
         if config.kill_after:
             serve.run(
                 build_app(measured, settings, replace(options, router="affinity")), name="ragkv", route_prefix="/"
@@ -175,6 +187,34 @@ def run_replica_bench(
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def best_hit_rate(routes: Sequence[Sequence[Any]]) -> float:
+    """The fast-tier hit rate no router can pass on ``routes`` (each request's chunks): every distinct
+    chunk's first use is a miss wherever it goes, and each later use could at best be a hit.
+
+    >>> round(best_hit_rate([["a", "b"], ["a"], ["a", "c"]]), 2)
+    0.4
+    """
+    uses = sum(len(r) for r in routes)
+    return 1 - len({c for r in routes for c in r}) / uses if uses else 0.0
+
+
+def _routes(questions: Sequence[str], config: ReplicaBenchConfig) -> list[list[tuple[str, ...]]]:
+    """Each question's chunks (their storage-key tags), as the ingress's routing hint finds them:
+    a retrieval on one replica, which loads nothing into its tiers."""
+    from ray import serve
+
+    from ragkv.replicas.replica import RequestParts
+
+    handle = serve.get_deployment_handle("ragkv-engine", app_name="ragkv").options(method_name="hint")
+    routes = []
+    for question in questions:
+        body = {"messages": [{"role": "user", "content": question}], "ragkv": {"retrieve": True, "top_k": config.top_k}}
+        parts = RequestParts("POST", "/v1/chat/completions", b"", ((b"content-type", b"application/json"),),
+                             json.dumps(body).encode())  # fmt: skip
+        routes.append([tuple(c.tags) for c in handle.remote(parts).result(timeout_s=60)])
+    return routes
 
 
 def _index(url: str, docs: Sequence[tuple[str, str, str]]) -> None:
@@ -321,4 +361,7 @@ def format_replica_table(rows: Sequence[dict[str, Any]]) -> str:
             out.append(f"store bytes read, affinity / round-robin: {aff['store_mb'] / rr['store_mb']:.2f}x")
         if p2 and p2["ttft_p95"]:
             out.append(f"TTFT p95, affinity / power of two: {aff['ttft_p95'] / p2['ttft_p95']:.2f}x")
+        if aff.get("best_hit_rate"):
+            out.append(f"best possible fast-tier hit rate on this workload: {aff['best_hit_rate']:.2f} "
+                       f"(affinity reaches {aff['fast_hit_rate'] / aff['best_hit_rate']:.2f} of it)")  # fmt: skip
     return "\n".join(out)

@@ -89,7 +89,9 @@ def bench_vllm(
         raise typer.BadParameter(str(e)) from e
     rows, summary = run_vllm_bench(cfg, echo=lambda line: typer.echo(line, err=True))
     # the CPU's flags go beside every figure (the JSON too): vLLM's CPU kernels differ by far with AVX-512/bf16
-    summary["machine"] = machine_note(model or "smollm2-135m", summary["ragkv_dtype"], f"vLLM in {summary['vllm_dtype']}")
+    summary["machine"] = machine_note(
+        model or "smollm2-135m", summary["ragkv_dtype"], f"vLLM in {summary['vllm_dtype']}"
+    )
     typer.echo(summary["machine"])
     typer.echo(format_table(rows, [Column(k) for k in rows[0] if k not in ANSWER_COLUMNS]))
     for line in format_vllm_summary(summary):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import random
 
 import pytest
@@ -141,3 +143,20 @@ def test_recent_routes_count_as_held_until_they_expire_and_stay_bounded():
     assert off.tags("r1") == frozenset()
     with pytest.raises(ValueError, match="recent_s"):
         AffinityConfig(recent_s=-1)
+
+
+@pytest.mark.parametrize("name", ["ragkv.replicas.affinity", "ragkv.bench.replicas"])
+def test_doctests(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_bench_table_says_how_close_affinity_came_to_the_best_possible_hit_rate():
+    from ragkv.bench.replicas import format_replica_table
+
+    base = {"requests": 4, "store_mb": 1.0, "ttft_p50": 1.0, "ttft_p95": 2.0, "req_s": 1.0, "load": "2/2",
+            "max_over_mean": 1.0, "errors": 0, "errors_after_kill": "-", "best_hit_rate": 0.8}  # fmt: skip
+    rows = [base | {"router": "affinity", "fast_hit_rate": 0.6}, base | {"router": "round_robin", "fast_hit_rate": 0.3}]
+    text = format_replica_table(rows)
+    assert "affinity / round-robin: 2.00x" in text
+    assert "best possible fast-tier hit rate on this workload: 0.80 (affinity reaches 0.75 of it)" in text
