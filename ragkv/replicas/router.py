@@ -61,7 +61,8 @@ class ChunkAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         """Replicas ranked best first, one per rank (Serve tries the next rank when one is full)."""
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for gone in set(self._recent.replicas()) - set(by_id):
+        live = set(by_id) | {r.unique_id for r in self.curr_replicas}  # candidates can be a subset (a retry)
+        for gone in set(self._recent.replicas()) - live:
             self._recent.forget(gone)
         try:
             chunks = _route_of(pending_request)
