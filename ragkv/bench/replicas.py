@@ -205,9 +205,9 @@ def _routes(questions: Sequence[str], config: ReplicaBenchConfig) -> list[list[t
     a retrieval on one replica, which loads nothing into its tiers."""
     from ray import serve
 
-    from ragkv.replicas.replica import RequestParts
+    from ragkv.replicas.replica import ENGINE, RequestParts
 
-    handle = serve.get_deployment_handle("ragkv-engine", app_name="ragkv").options(method_name="hint")
+    handle = serve.get_deployment_handle(ENGINE, app_name="ragkv").options(method_name="hint")
     routes = []
     for question in questions:
         body = {"messages": [{"role": "user", "content": question}], "ragkv": {"retrieve": True, "top_k": config.top_k}}
@@ -232,7 +232,9 @@ def _replica_stats(replicas: int, tries: int = 60) -> dict[str, dict[str, Any]]:
     once (the deployment's router spreads unrouted calls over all of them)."""
     from ray import serve
 
-    engine = serve.get_deployment_handle("ragkv-engine", app_name="ragkv")
+    from ragkv.replicas.replica import ENGINE
+
+    engine = serve.get_deployment_handle(ENGINE, app_name="ragkv")
     seen: dict[str, dict[str, Any]] = {}
     for _ in range(tries):
         found = engine.options(method_name="stats").remote().result()

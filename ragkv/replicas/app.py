@@ -27,7 +27,7 @@ from starlette.responses import StreamingResponse
 
 from ragkv.replicas.affinity import AffinityConfig, ChunkRef
 from ragkv.replicas.gate import Admission, ClusterGate, MetricsBoard
-from ragkv.replicas.replica import INGRESS, EngineReplica, RequestParts
+from ragkv.replicas.replica import ENGINE, INGRESS, EngineReplica, RequestParts
 from ragkv.server.app import METRICS_AUTH_MESSAGE, error_body, metrics_authorized
 from ragkv.server.quotas import QuotaError
 
@@ -255,7 +255,7 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
     from ray import serve
 
     engine = serve.deployment(
-        name="ragkv-engine",
+        name=ENGINE,
         num_replicas=options.replicas,
         max_ongoing_requests=replica_slots(settings),  # past it the ingress answers 429, as ragkv serve does
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},

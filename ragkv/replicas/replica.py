@@ -31,10 +31,11 @@ from ragkv.types import tenant_namespace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["INGRESS", "REPLICA_HEADER", "EngineReplica", "RequestParts", "request_chunks"]
+__all__ = ["ENGINE", "INGRESS", "REPLICA_HEADER", "EngineReplica", "RequestParts", "request_chunks"]
 
 REPLICA_HEADER = "x-ragkv-replica"  # names the replica that answered (for logs, tests and the bench)
 INGRESS = "ragkv-ingress"  # the ingress deployment's name (replicas send it their metrics)
+ENGINE = "ragkv-engine"  # the engine replicas' deployment name (the bench calls them through it)
 
 
 @dataclass(frozen=True, slots=True)

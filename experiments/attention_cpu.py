@@ -1,0 +1,152 @@
+"""Fusion's attention on a CPU: torch's SDPA against three ways around it, per call and in a whole fusion.
+
+A fused prefill's recomputed tokens sit at scattered positions, so each layer's attention takes an
+exact causal mask over the whole context. Per call (ms, bf16 where the CPU has native bf16 matmuls,
+else fp32; queries at sorted random positions over ``--keys`` keys), for SmolLM2-135M's heads
+(9 query, 3 KV, 64 dims) and Qwen2.5 0.5B's (14, 2, 64):
+
+- ``sdpa``: what runs today (transformers' SDPA path: K/V repeated per query head, additive mask);
+- ``key_cut``: the queries in 4 blocks, each over the keys up to its last position only;
+- ``manual``: two bf16 matrix products with an fp32 softmax between them;
+- ``grouped``: the query heads of a KV head stacked as rows of one SDPA call (exact).
+
+With ``--fusion`` it also times whole fusions of the default model on the own QA set's first
+question with ``key_cut`` patched into transformers' SDPA, against the plain path.
+
+    python experiments/attention_cpu.py --fusion
+
+Run it on a quiet machine. docs/benchmarks.md ("vLLM connector", on a CPU with AVX-512 and bf16)
+quotes one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ragkv.model.placement import cpu_has_native_bf16
+
+BLOCKS = 4
+
+
+def timed(f: Callable[[], Any], n: int = 30) -> float:
+    """Mean ms of ``f`` over ``n`` calls, after one warm-up."""
+    f()
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    return (time.perf_counter() - t) / n * 1000
+
+
+def per_call(hq: int, hkv: int, d: int, q: int, kv: int, dt: torch.dtype) -> dict[str, float]:
+    """ms per call of each variant for ``q`` queries over ``kv`` keys (and the largest difference to ``sdpa``)."""
+    g = hq // hkv
+    gen = torch.Generator().manual_seed(0)
+    Q, K, V = (torch.randn(1, h, n, d, generator=gen).to(dt) for h, n in ((hq, q), (hkv, kv), (hkv, kv)))
+    pos = torch.sort(torch.randperm(kv, generator=gen)[:q]).values
+    blocked = torch.arange(kv)[None, :] > pos[:, None]
+    mask = torch.zeros(1, 1, q, kv, dtype=dt).masked_fill_(blocked, torch.finfo(dt).min)
+    mask_f = torch.zeros(1, 1, 1, q, kv).masked_fill_(blocked, float("-inf"))
+    mask_g = mask.repeat(1, 1, g, 1)
+    edges = [round(i * q / BLOCKS) for i in range(BLOCKS + 1)]
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(Q, K.repeat_interleave(g, 1), V.repeat_interleave(g, 1), attn_mask=mask)
+
+    def key_cut() -> torch.Tensor:
+        kr, vr = K.repeat_interleave(g, 1), V.repeat_interleave(g, 1)
+        outs = []
+        for s, e in zip(edges, edges[1:], strict=False):
+            m = int(pos[e - 1]) + 1
+            outs.append(
+                F.scaled_dot_product_attention(Q[:, :, s:e], kr[:, :, :m], vr[:, :, :m], attn_mask=mask[:, :, s:e, :m])
+            )
+        return torch.cat(outs, dim=2)
+
+    def manual() -> torch.Tensor:
+        s = torch.matmul(Q.reshape(1, hkv, g * q, d), K.transpose(-1, -2)).view(1, hkv, g, q, kv).float()
+        s.mul_(d**-0.5).add_(mask_f)
+        p = torch.softmax(s, -1).to(dt).view(1, hkv, g * q, kv)
+        return torch.matmul(p, V).view(1, hq, q, d)
+
+    def grouped() -> torch.Tensor:
+        return F.scaled_dot_product_attention(Q.reshape(1, hkv, g * q, d), K, V, attn_mask=mask_g).view(1, hq, q, d)
+
+    ref = sdpa().float()
+    out: dict[str, float] = {}
+    for name, f in (("sdpa", sdpa), ("key_cut", key_cut), ("manual", manual), ("grouped", grouped)):
+        out[name] = round(timed(f), 2)
+        if name != "sdpa":
+            out[f"{name}_max_diff"] = round((f().float() - ref).abs().max().item(), 4)
+    return out
+
+
+def whole_fusion(rounds: int) -> None:
+    """ms of a whole default-model fusion with ``key_cut`` patched into transformers' SDPA, and without."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ragkv.bench.qa_data import build_prompt, load_qa_set
+    from ragkv.fusion import FusionConfig, FusionInput, fuse
+    from ragkv.model import load_model
+
+    plain = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    cut = [False]
+
+    def patched(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a: Any, **kw: Any
+    ) -> Any:
+        q = query.shape[2]
+        if not cut[0] or mask is None or q < 64:
+            return plain(module, query, key, value, mask, *a, **kw)
+        allowed = (mask[0, 0] == 0).sum(-1).tolist()  # keys each query row sees (rows sorted by position)
+        edges = [round(i * q / BLOCKS) for i in range(BLOCKS + 1)]
+        outs = []
+        for s, e in zip(edges, edges[1:], strict=False):
+            m = max(allowed[s:e])
+            o, _ = plain(module, query[:, :, s:e], key[:, :, :m], value[:, :, :m], mask[:, :, s:e, :m], *a, **kw)
+            outs.append(o)
+        return torch.cat(outs, dim=1), None
+
+    ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = patched
+    try:
+        a = load_model("smollm2-135m", device="cpu", dtype="auto")
+        qa = load_qa_set(None)
+        p = build_prompt(qa, qa.questions[0], lambda t: len(a.encode(t)))
+        prefix, chunks, suffix = a.chat_segments(p.get("system"), p["chunks"], p["question"])
+        pre = a.prefill_kv(prefix)
+        cached = [a.prefill_kv(c, past=[pre]) for c in chunks]
+        times: dict[str, list[int]] = {"plain": [], "key_cut": []}
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for name in times:
+                    cut[0] = name == "key_cut"
+                    t = time.perf_counter()
+                    fuse(a, FusionInput(pre, cached, chunks, suffix), FusionConfig(), prefill_suffix=True)
+                    times[name].append(round((time.perf_counter() - t) * 1000))
+        print(f"whole fusion, ms per round ({a.dtype}): {times}")
+    finally:
+        ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = plain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--keys", type=int, default=1535)
+    ap.add_argument("--fusion", action="store_true", help="also time whole fusions with key_cut patched in")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    dt = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    print(f"{torch.get_num_threads()} threads, {dt}, {args.keys} keys; ms per call")
+    for hq, hkv, d in ((9, 3, 64), (14, 2, 64)):
+        for q in (20, 100, 300, 600):
+            print(f"heads {hq}/{hkv}x{d}, {q} queries:", per_call(hq, hkv, d, q, args.keys, dt))
+    if args.fusion:
+        whole_fusion(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
