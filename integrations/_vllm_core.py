@@ -1,7 +1,7 @@
 """What the vLLM connector does on ragkv's side, with no vLLM import (so CI tests it without vLLM).
 
 vLLM hands a connector token ids, never text, and its API can only say "the first N prompt tokens
-are computed", in whole blocks. So chunks are found in the ids themselves: a chunk's store key is
+are computed". So chunks are found in the ids themselves: a chunk's store key is
 over the ids of its text as laid out and tokenized on its own (``layout.chunk_text``: the stripped
 text and a blank line), and a prompt tokenizes the text identically except at its end (SmolLM2's
 tokenizer writes the blank line as one token alone, as two before a word). A chunk is therefore
@@ -11,7 +11,7 @@ slice is the cache of exactly the ids the prompt holds. Matching on ids (not on 
 with :mod:`ragkv.matching`) is exact by construction: the ids fused are the ids vLLM sees.
 
 The steps: :class:`ChunkTokenIndex` finds chunk spans; :func:`choose_span` picks how many leading
-tokens to report (every chunk up to the first one the store cannot serve, cut to whole blocks);
+tokens to report (every chunk up to the first one the store cannot serve, to its last token);
 :class:`RagkvSide` checks entries (a missing, damaged or foreign one is a miss), fuses the context
 with ragkv's own model copy, and returns the K/V of the reported tokens for vLLM's paged cache.
 """
@@ -71,7 +71,7 @@ class ServePlan:
     spans: tuple[ChunkSpan, ...]  # the chunks fused, in prompt order
     context_end: int  # prompt ids 0..context_end are fused (the last chunk's end)
     start: int  # first token written into vLLM's cache (vLLM's own prefix hit, whole blocks)
-    end: int  # tokens reported computed: whole blocks, <= context_end, < prompt length
+    end: int  # tokens reported computed: context_end, or one less where the prompt ends there
     transform: str = ""  # digest of the channel transform the keys were made with ("": none)
 
     @property
@@ -146,17 +146,20 @@ def choose_span(
     block_size: int,
     servable: Callable[[KnownChunk], bool],
 ) -> ServePlan | None:
-    """The leading tokens ragkv serves: every chunk up to the first unservable one, cut to whole blocks.
+    """The leading tokens ragkv serves: every chunk up to the first unservable one, to its last token.
 
     The text before and between chunks is fused too (computed exactly by ragkv's model), so the
     span ends at the last servable chunk. It stays below the prompt's length (vLLM computes at least
-    one token to sample from) and starts at vLLM's own prefix hit ``num_computed``. None: nothing
-    beyond vLLM's hit to serve.
+    one token to sample from) and starts at vLLM's own prefix hit ``num_computed`` (whole blocks).
+    vLLM 0.32's scheduler takes a count that ends inside a block (it computes the rest of that
+    block), so the last partial block is served too: cut to whole blocks, vLLM would prefill up to
+    ``block_size - 1`` more tokens. None: less than a block beyond vLLM's hit to serve (a fusion of
+    the whole context would cost more than vLLM computing those tokens).
 
     >>> chunk = KnownChunk(tuple(range(300)), 300)
     >>> plan = choose_span([ChunkSpan(10, 310, chunk)], 330, 128, 128, lambda c: True)
     >>> (plan.start, plan.end, plan.context_end)
-    (128, 256, 310)
+    (128, 310, 310)
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
@@ -168,9 +171,9 @@ def choose_span(
     if not kept:
         return None
     context_end = kept[-1].end
-    end = min(context_end, prompt_len - 1) // block_size * block_size
+    end = min(context_end, prompt_len - 1)
     start = num_computed // block_size * block_size
-    if end <= start:
+    if end - start < block_size:
         return None
     return ServePlan(tuple(kept), context_end, start, end)
 

@@ -7,6 +7,10 @@ questions about documents drawn Zipf-distributed, in a seeded random order, stre
 concurrency. Per router: the fast-tier hit rate (memory-tier hits / lookups over all replicas),
 store bytes read (bytes the lower tiers returned), TTFT p50/p95 at the client, requests per second,
 and each replica's share of the requests.
+
+Requests come either at a fixed concurrency (a closed loop: each router runs at the rate it
+sustains) or, with ``rate``, as Poisson arrivals at that many per second, the same seeded times
+for every router (an open loop: latencies compared at the same request rate).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ragkv.bench.table import Column, format_table
 __all__ = [
     "COLUMNS",
     "ReplicaBenchConfig",
+    "arrival_times",
     "best_hit_rate",
     "corpus",
     "format_replica_table",
@@ -95,6 +100,7 @@ class ReplicaBenchConfig:
     top_k: int = 2
     seed: int = 0
     kill_after: int = 0  # > 0: one more affinity run, whose busiest replica is killed after this many answers
+    rate: float = 0.0  # > 0: Poisson arrivals at this many requests per second (concurrency unused); 0: closed loop
 
     def __post_init__(self) -> None:
         for name in ("replicas", "docs", "requests", "concurrency", "max_tokens", "top_k"):
@@ -104,6 +110,8 @@ class ReplicaBenchConfig:
             raise ValueError(f"kill_after must be in [0, requests), got {self.kill_after}")
         if not 0 < self.memory_share < 1:
             raise ValueError(f"memory_share must be in (0, 1) (the corpus must not fit), got {self.memory_share}")
+        if not self.rate >= 0:
+            raise ValueError(f"rate must be >= 0 requests/s (0: a closed loop at the concurrency), got {self.rate}")
 
 
 def corpus(n: int, seed: int) -> list[tuple[str, str, str]]:
@@ -131,10 +139,33 @@ def zipf_draws(n_docs: int, n: int, s: float, seed: int) -> list[int]:
     return rng.choices(range(n_docs), weights=weights, k=n)
 
 
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """``n`` Poisson arrival times (seconds from the start) at ``rate`` per second, seeded; the first at 0.
+
+    >>> times = arrival_times(2000, 4.0, 0)
+    >>> times[0], all(a <= b for a, b in zip(times, times[1:])), round(len(times) / times[-1])
+    (0.0, True, 4)
+    """
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def run_replica_bench(
-    engine_config: Any, settings: Any, config: ReplicaBenchConfig, echo: Callable[[str], None] = print
+    engine_config: Any,
+    settings: Any,
+    config: ReplicaBenchConfig,
+    echo: Callable[[str], None] = print,
+    on_indexed: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Index the corpus once, then one row per router (see the module docstring)."""
+    """Index the corpus once, then one row per router (see the module docstring).
+
+    ``on_indexed`` runs once the corpus is indexed, before any measured run (the bench's limited
+    link starts there, so indexing is not slowed by it).
+    """
     import ray
     from ray import serve
 
@@ -152,9 +183,12 @@ def run_replica_bench(
         serve.run(build_app(engine_config, settings, options), name="ragkv", route_prefix="/")
         echo(f"{config.replicas} replicas up in {time.perf_counter() - t0:.0f} s; indexing {len(docs)} documents")
         _index(url, docs)
+        time.sleep(2 * options.sync_s)  # every replica's index sync has run: the routing hints see the corpus
         corpus_bytes = _lower_tier_bytes_in(_replica_stats(config.replicas))
         memory = max(1 << 20, int(corpus_bytes * config.memory_share))
         echo(f"corpus: {corpus_bytes / 1e6:.1f} MB stored; each replica's memory tier: {memory / 1e6:.1f} MB")
+        if on_indexed is not None:
+            on_indexed()
         store = (f"memory://?max_bytes={memory}", *[u for u in engine_config.store if not u.startswith("memory")])
         measured = replace(engine_config, store=store)
         draws = zipf_draws(config.docs, config.requests, config.zipf, config.seed)
@@ -171,7 +205,8 @@ def run_replica_bench(
             before = _replica_stats(config.replicas)
             results, wall = asyncio.run(_workload(url, [docs[i][2] for i in draws], config))
             after = _replica_stats(config.replicas)
-            rows.append(_row(router, results, wall, before, after, config.replicas) | {"best_hit_rate": best})
+            row = _row(router, results, wall, before, after, config.replicas)
+            rows.append(row | {"best_hit_rate": best, "rate": config.rate})
         if config.kill_after:
             serve.run(
                 build_app(measured, settings, replace(options, router="affinity")), name="ragkv", route_prefix="/"
@@ -182,7 +217,8 @@ def run_replica_bench(
                 _workload(url, [docs[i][2] for i in draws], config, kill_after=config.kill_after)
             )
             after = _replica_stats(config.replicas - 1)  # the killed one is restarted with empty counters, if up
-            rows.append(_row("affinity, 1 killed", results, wall, before, after, config.replicas))
+            row = _row("affinity, 1 killed", results, wall, before, after, config.replicas)
+            rows.append(row | {"rate": config.rate})
         return rows
     finally:
         serve.shutdown()
@@ -259,31 +295,46 @@ def _lower_tier_bytes_in(stats: dict[str, dict[str, Any]]) -> int:
 async def _workload(
     url: str, questions: Sequence[str], config: ReplicaBenchConfig, kill_after: int = 0
 ) -> tuple[list[dict[str, Any]], float]:
-    """Every question at ``config.concurrency``; with ``kill_after``, the replica that answered most so
-    far is killed (Ray kills its actor; Serve starts another) once that many have answered."""
+    """Every question, at ``config.concurrency`` or (with ``config.rate``) at seeded Poisson arrival
+    times; with ``kill_after``, the replica that answered most so far is killed (Ray kills its actor;
+    Serve starts another) once that many have answered."""
     import httpx
 
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for q in questions:
-        queue.put_nowait(q)
     results: list[dict[str, Any]] = []
     killed: list[str] = []
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def ask(client: httpx.AsyncClient, question: str) -> None:
+        started_after_kill = bool(killed)  # those in flight at the kill may fail; these should not
+        result = await _one(client, question, config)
+        result["after_kill"] = started_after_kill
+        results.append(result)
+        if kill_after and len(results) == kill_after and not killed:
+            busiest = Counter(r["replica"] for r in results if "replica" in r).most_common(1)
+            if busiest:
+                killed.append(busiest[0][0])
+                await asyncio.to_thread(_kill_replica, busiest[0][0])
+
+    async def worker(client: httpx.AsyncClient, queue: asyncio.Queue[str]) -> None:
         while not queue.empty():
-            started_after_kill = bool(killed)  # those in flight at the kill may fail; these should not
-            result = await _one(client, queue.get_nowait(), config)
-            result["after_kill"] = started_after_kill
-            results.append(result)
-            if kill_after and len(results) == kill_after and not killed:
-                busiest = Counter(r["replica"] for r in results if "replica" in r).most_common(1)
-                if busiest:
-                    killed.append(busiest[0][0])
-                    await asyncio.to_thread(_kill_replica, busiest[0][0])
+            await ask(client, queue.get_nowait())
+
+    async def arrivals(client: httpx.AsyncClient) -> None:
+        tasks = []
+        for at, question in zip(arrival_times(len(questions), config.rate, config.seed), questions, strict=True):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(ask(client, question)))
+        await asyncio.gather(*tasks)
 
     start = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-        await asyncio.gather(*(worker(client) for _ in range(config.concurrency)))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        if config.rate > 0:
+            await arrivals(client)
+        else:
+            queue: asyncio.Queue[str] = asyncio.Queue()
+            for q in questions:
+                queue.put_nowait(q)
+            await asyncio.gather(*(worker(client, queue) for _ in range(config.concurrency)))
     return results, time.perf_counter() - start
 
 

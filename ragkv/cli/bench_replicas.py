@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated
 
 import typer
@@ -43,20 +44,56 @@ def bench_replicas(
             min=0,
         ),
     ] = 0,
+    rate: Annotated[
+        float,
+        typer.Option(
+            "--rate",
+            help="Poisson arrivals at this many requests/s, the same times for every router [0: --concurrency].",
+            min=0.0,
+        ),
+    ] = 0.0,
+    link_mbit: Annotated[
+        float | None,
+        typer.Option(
+            "--link-mbit",
+            help="Reach the store over a link of this many Mbit/s: runs in a network namespace with its own "
+            "Redis and a SQLite catalog (tbf on loopback; needs root) [none: the services' Redis, PostgreSQL].",
+            min=0.1,
+        ),
+    ] = None,
     model: Model = None,
     out: JsonOut = None,
 ) -> None:
     """Fast-tier hit rate, store bytes read, TTFT and req/s of N Ray Serve replicas, by router, in one run.
 
-    Needs ragkv[ray,postgres] and Redis and PostgreSQL (bash .ci/services.sh starts both on loopback).
+    Needs ragkv[ray,postgres] and Redis and PostgreSQL (bash .ci/services.sh starts both on loopback);
+    with --link-mbit, root (and redis-server, tc, unshare) instead of the running services.
     """
     import tempfile
     from dataclasses import replace
     from pathlib import Path
 
+    from ragkv.bench import netns
     from ragkv.bench.replicas import ReplicaBenchConfig, format_replica_table, run_replica_bench
     from ragkv.server.settings import ServerSettings
 
+    if link_mbit is not None and (redis or postgres):
+        raise typer.BadParameter(
+            "--link-mbit runs its own Redis and a SQLite catalog inside a network namespace (the services on "
+            "the host's loopback are outside it): drop --redis/--postgres, or drop --link-mbit"
+        )
+    if link_mbit is not None and not netns.inside():
+        try:
+            code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
+        except RuntimeError as e:  # no namespace here: say why, in one line
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        raise typer.Exit(code)
+    data_dir = Path(tempfile.mkdtemp(prefix="ragkv-bench-replicas-"))
+    redis_proc = None
+    if link_mbit is not None:  # inside the namespace: its own Redis (through the limited loopback), SQLite catalog
+        redis_proc = netns.start_redis(data_dir)
+        redis, postgres = "redis://127.0.0.1:6399/0", f"sqlite:///{data_dir / 'catalog.db'}"
     redis = redis or os.environ.get("RAGKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
     postgres = postgres or os.environ.get(
         "RAGKV_TEST_POSTGRES_URL", "postgresql+psycopg://ragkv:ragkv@127.0.0.1:5432/ragkv_test"
@@ -73,15 +110,29 @@ def bench_replicas(
             max_tokens=max_tokens,
             seed=seed,
             kill_after=kill_after,
+            rate=rate,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     # a fresh key prefix and data dir: the run starts from an empty store, whatever ran before
     prefix = f"ragkv-bench-{os.getpid()}-{seed}:"
-    data_dir = Path(tempfile.mkdtemp(prefix="ragkv-bench-replicas-"))
     cfg = replace(engine_config(model=model), data_dir=data_dir, store=(f"{redis}?prefix={prefix}",), catalog=postgres)
     settings = ServerSettings(port=port, max_tokens_limit=max(64, max_tokens))
-    rows = run_replica_bench(cfg, settings, config, echo=lambda line: typer.echo(line, err=True))
+
+    def limit_link() -> None:
+        if link_mbit is not None:
+            netns.set_rate(link_mbit)
+            typer.echo(f"the store's link: {link_mbit:g} Mbit/s from here on (tbf on loopback)", err=True)
+
+    try:
+        rows = run_replica_bench(
+            cfg, settings, config, echo=lambda line: typer.echo(line, err=True), on_indexed=limit_link
+        )
+    finally:
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(timeout=30)
+    rows = [row | {"link_mbit": link_mbit} for row in rows]
     typer.echo(format_replica_table(rows))
     typer.echo("(timings from one machine; replicas share its cores)", err=True)
     _write_rows(rows, out)

@@ -1,6 +1,6 @@
 """The vLLM KV connector: its decisions without vLLM (CI), and the connector inside vLLM (its own venv).
 
-The first part runs everywhere: chunk spans found in token ids, the block-aligned span, slot
+The first part runs everywhere: chunk spans found in token ids, the span reported, slot
 mapping, and ragkv's side of the connector on the tiny model (misses on bad entries, fused K/V
 against a plain prefill). The second part needs vLLM, which lives in its own virtual environment
 (its pins clash with the main one's); it is skipped elsewhere. ``make test-vllm`` (CI runs it)
@@ -82,26 +82,29 @@ def _span(start: int, end: int) -> ChunkSpan:
     return ChunkSpan(start, end, KnownChunk(tuple(range(start, end)), end - start))
 
 
-def test_span_is_whole_blocks_below_the_prompt_end():
+def test_span_ends_at_the_last_chunk_below_the_prompt_end():
+    # the last partial block is served too: vLLM computes the rest of it
     plan = choose_span([_span(5, 40), _span(45, 70)], 80, 0, 16, lambda c: True)
     assert plan is not None
-    assert (plan.start, plan.end, plan.context_end, plan.new_tokens) == (0, 64, 70, 64)
+    assert (plan.start, plan.end, plan.context_end, plan.new_tokens) == (0, 70, 70, 70)
     # a prompt ending right after the chunk: vLLM keeps at least one token to compute
     plan = choose_span([_span(0, 64)], 64, 0, 16, lambda c: True)
-    assert plan is not None and plan.end == 48
+    assert plan is not None and plan.end == 63
 
 
 def test_span_stops_at_the_first_chunk_the_store_cannot_serve():
     bad = _span(45, 70)
     plan = choose_span([_span(5, 40), bad, _span(72, 100)], 120, 0, 16, lambda c: c is not bad.chunk)
-    assert plan is not None and (plan.end, plan.context_end, len(plan.spans)) == (32, 40, 1)
+    assert plan is not None and (plan.end, plan.context_end, len(plan.spans)) == (40, 40, 1)
     assert choose_span([bad], 120, 0, 16, lambda c: c is not bad.chunk) is None
 
 
 def test_span_starts_at_vllms_own_hit_and_is_none_when_the_hit_covers_it():
     plan = choose_span([_span(5, 70)], 80, 32, 16, lambda c: True)
-    assert plan is not None and (plan.start, plan.new_tokens) == (32, 32)
+    assert plan is not None and (plan.start, plan.new_tokens) == (32, 38)
+    # less than a block beyond vLLM's own hit: not worth a fusion of the whole context
     assert choose_span([_span(5, 70)], 80, 64, 16, lambda c: True) is None
+    assert choose_span([_span(5, 70)], 80, 48, 16, lambda c: True) is not None
     assert choose_span([], 80, 0, 16, lambda c: True) is None
 
 
@@ -139,7 +142,7 @@ def test_rag_prompt_is_planned_through_its_last_chunk(llama_adapter):
     ids = _prompt(llama_adapter, _chunk(llama_adapter, CHUNK_A), GAP, _chunk(llama_adapter, CHUNK_B))
     plan = side.plan(ids, 0, 16)
     assert plan is not None and len(plan.spans) == 2
-    assert plan.end == plan.context_end // 16 * 16 and plan.end > 0
+    assert plan.end == plan.context_end and plan.end > 0
     assert side.plan(llama_adapter.encode("Nothing ragkv indexed is in here, only a question?"), 0, 16) is None
 
 
@@ -496,8 +499,7 @@ def test_connector_serves_a_rag_prompt_and_vllm_skips_those_tokens(vllm_rig):
     ):
         assert COUNTS.hooks.get(hook, 0) > 0, hook
     assert base_cached == 0
-    block = llm.llm_engine.vllm_config.cache_config.block_size
-    assert cached > 0 and cached % block == 0 and cached == COUNTS.served_tokens - served_before
+    assert cached > 0 and cached == COUNTS.served_tokens - served_before  # through the last chunk, not whole blocks
     assert cached >= len(ids) // 2  # most of the prompt came from ragkv
     # token agreement, not golden text: KV from two kernels (and fusion) differs slightly
     agree = next((i for i, (a, b) in enumerate(zip(base, got, strict=False)) if a != b), min(len(base), len(got)))
