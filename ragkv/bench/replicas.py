@@ -27,6 +27,7 @@ from typing import Any
 
 from ragkv.bench.serve import percentile
 from ragkv.bench.table import Column, format_table
+from ragkv.replicas.affinity import AffinityConfig
 
 __all__ = [
     "COLUMNS",
@@ -101,6 +102,7 @@ class ReplicaBenchConfig:
     seed: int = 0
     kill_after: int = 0  # > 0: one more affinity run, whose busiest replica is killed after this many answers
     rate: float = 0.0  # > 0: Poisson arrivals at this many requests per second (concurrency unused); 0: closed loop
+    affinity: AffinityConfig | None = None  # the affinity router's weights (None: its defaults)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "docs", "requests", "concurrency", "max_tokens", "top_k"):
@@ -179,6 +181,8 @@ def run_replica_bench(
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": settings.port})
         options = ReplicaOptions(replicas=config.replicas, seed=config.seed, stats_period_s=1.0)
+        if config.affinity is not None:
+            options = replace(options, affinity=config.affinity)
         t0 = time.perf_counter()
         serve.run(build_app(engine_config, settings, options), name="ragkv", route_prefix="/")
         echo(f"{config.replicas} replicas up in {time.perf_counter() - t0:.0f} s; indexing {len(docs)} documents")

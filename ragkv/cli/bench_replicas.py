@@ -61,6 +61,14 @@ def bench_replicas(
             min=0.1,
         ),
     ] = None,
+    load_weight: Annotated[
+        float | None,
+        typer.Option("--load-weight", help="Affinity router: score lost at a full load term [its default].", min=0.0),
+    ] = None,
+    load_cap: Annotated[
+        int | None,
+        typer.Option("--load-cap", help="Affinity router: queue length of a full load term [its default].", min=1),
+    ] = None,
     model: Model = None,
     out: JsonOut = None,
 ) -> None:
@@ -75,6 +83,7 @@ def bench_replicas(
 
     from ragkv.bench import netns
     from ragkv.bench.replicas import ReplicaBenchConfig, format_replica_table, run_replica_bench
+    from ragkv.replicas.affinity import AffinityConfig
     from ragkv.server.settings import ServerSettings
 
     if link_mbit is not None and (redis or postgres):
@@ -111,6 +120,10 @@ def bench_replicas(
             seed=seed,
             kill_after=kill_after,
             rate=rate,
+            affinity=replace(
+                AffinityConfig(),
+                **{k: v for k, v in (("load_weight", load_weight), ("load_cap", load_cap)) if v is not None},
+            ),
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
