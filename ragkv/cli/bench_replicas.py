@@ -69,6 +69,10 @@ def bench_replicas(
         int | None,
         typer.Option("--load-cap", help="Affinity router: queue length of a full load term [its default].", min=1),
     ] = None,
+    balance: Annotated[
+        float | None,
+        typer.Option("--balance", help="Affinity router: bounded-load factor (0: off) [its default]."),
+    ] = None,
     model: Model = None,
     out: JsonOut = None,
 ) -> None:
@@ -122,7 +126,11 @@ def bench_replicas(
             rate=rate,
             affinity=replace(
                 AffinityConfig(),
-                **{k: v for k, v in (("load_weight", load_weight), ("load_cap", load_cap)) if v is not None},
+                **{
+                    k: v
+                    for k, v in (("load_weight", load_weight), ("load_cap", load_cap), ("balance", balance))
+                    if v is not None
+                },
             ),
         )
     except ValueError as e:

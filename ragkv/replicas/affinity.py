@@ -14,6 +14,13 @@ them::
 of the requests this router sent there and that have not completed (a few long prompts load a
 replica as much as many short ones).
 
+The score alone lets a replica that holds the popular chunks take nearly every request (a full
+match outweighs any load term below the cap) while another, holding nothing, is never chosen and
+never comes to hold anything. So the ranking also bounds each replica's load, as consistent
+hashing with bounded loads does (Mirrokni, Thorup and Zadimoghaddam, 2018): with ``T`` requests in
+flight over ``n`` replicas, a replica may take the new one only while its queue stays within
+``ceil(balance * (T + 1) / n)``; replicas past that bound rank after every other, by score.
+
 Nothing here decides what an answer is: a replica that no longer holds a chunk its summary claims
 loads it from the shared store (a miss), so a stale or wrong summary costs time, never correctness.
 """
@@ -21,6 +28,7 @@ loads it from the shared store (a miss), so a stale or wrong summary costs time,
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections import OrderedDict
@@ -37,6 +45,7 @@ __all__ = [
     "RecentRoutes",
     "ReplicaView",
     "key_tag",
+    "load_bound",
     "power_of_two",
     "rank_replicas",
     "score",
@@ -114,6 +123,10 @@ class AffinityConfig:
     # summary shows a chunk only once its request has run and the next stats period (2 s by default)
     # has passed. Without it the requests for the same chunks in that window scatter. 0 = off.
     recent_s: float = 10.0
+    # Bounded loads (the module docstring): a replica whose queue would pass balance * the mean
+    # (rounded up) ranks after all others. 0 = off (score only). 2: on the bench's workload 1.25
+    # cost hits (0.74 against 0.83) for no gain in p95, 2 kept them (docs/benchmarks.md, "Replicas").
+    balance: float = 2.0
 
     def __post_init__(self) -> None:
         if self.load_weight < 0:
@@ -126,6 +139,8 @@ class AffinityConfig:
             raise ValueError(f"min_share must be in [0, 1), got {self.min_share}")
         if self.recent_s < 0:
             raise ValueError(f"recent_s must be >= 0 (seconds; 0 = off), got {self.recent_s}")
+        if self.balance != 0 and self.balance < 1:
+            raise ValueError(f"balance must be >= 1 (a replica's queue bound, in means) or 0 (off), got {self.balance}")
 
 
 class RecentRoutes:
@@ -235,7 +250,9 @@ def rank_replicas(
 ) -> Ranking:
     """Every replica ranked by :func:`score`, or a power-of-two pair when none holds any chunk.
 
-    Ties go to the shorter queue, then to a random draw (so equal replicas share the work).
+    Ties go to the shorter queue, then to a random draw (so equal replicas share the work). With
+    ``config.balance``, replicas whose queue is past the bounded-load bound (:func:`load_bound`)
+    rank after all others.
     """
     ids = list(replicas)
     total = sum(max(c.tokens, 0) for c in chunks)
@@ -251,4 +268,18 @@ def rank_replicas(
         return -score(held[r], total, view.queue, config, view.tokens), view.queue, draw[r]
 
     order = sorted(ids, key=key)
+    if config.balance:
+        bound = load_bound([replicas[r].queue for r in ids], config.balance)
+        within = [r for r in order if replicas[r].queue + 1 <= bound]
+        order = within + [r for r in order if r not in within]
     return Ranking(tuple(order), "affinity")
+
+
+def load_bound(queues: Sequence[int], balance: float) -> int:
+    """The most requests a replica may hold, the new one included: ``ceil(balance * (T + 1) / n)``
+    with ``T`` the requests in flight over the ``n`` replicas (bounded loads).
+
+    >>> load_bound([0, 0, 0], 1.25), load_bound([1, 0, 0], 1.25), load_bound([2, 1, 0], 1.25)
+    (1, 1, 2)
+    """
+    return math.ceil(balance * (sum(max(q, 0) for q in queues) + 1) / max(1, len(queues)))

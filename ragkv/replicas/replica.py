@@ -120,12 +120,20 @@ class EngineReplica:
         return {HOLDINGS_STAT: fast_holdings(self.state, self._holdings_limit).as_stats()}
 
     def stats(self) -> dict[str, Any]:
-        """This replica's id and its store tiers' counters (``ragkv bench replicas`` reads them)."""
+        """This replica's id, the Ray node (machine) it runs on, and its store tiers' counters
+        (``ragkv bench replicas`` and the tests read them)."""
         from dataclasses import asdict
+
+        import ray
 
         base = self.state.base
         tiers = {t.name: {"in_process": t.in_process, **asdict(t.stats())} for t in base.store.tiers}
-        return {"replica": self._replica_id, "tiers": tiers, "decode": self.state.scheduler.counters.as_dict()}
+        return {
+            "replica": self._replica_id,
+            "node": ray.get_runtime_context().get_node_id(),
+            "tiers": tiers,
+            "decode": self.state.scheduler.counters.as_dict(),
+        }
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose scheduler stopped is restarted (and routed around)."""

@@ -15,6 +15,7 @@ from ragkv.replicas.affinity import (
     RecentRoutes,
     ReplicaView,
     key_tag,
+    load_bound,
     power_of_two,
     rank_replicas,
     score,
@@ -66,9 +67,43 @@ def test_load_outweighs_a_small_match():
 
 
 def test_load_does_not_outweigh_a_full_match():
-    cfg = AffinityConfig(load_weight=0.5, load_cap=4)
+    cfg = AffinityConfig(load_weight=0.5, load_cap=4, balance=0)  # the score alone
     views = {"holder": ReplicaView(held(A, B, C), queue=100), "idle": ReplicaView()}  # 1 - 0.5 > 0
     assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order == ("holder", "idle")
+
+
+def test_bounded_loads_rank_a_holder_past_the_bound_last():
+    cfg = AffinityConfig(load_weight=0.5, load_cap=4, balance=1.25)
+    # 3 in flight over 3 replicas: each may hold ceil(1.25 * 4 / 3) = 2, the new request included
+    views = {"holder": ReplicaView(held(A, B, C), queue=2), "idle": ReplicaView(), "other": ReplicaView(queue=1)}
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order[-1] == "holder"
+    # within the bound the match wins
+    views = {"holder": ReplicaView(held(A, B, C), queue=1), "idle": ReplicaView(queue=1), "other": ReplicaView(queue=1)}
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order[0] == "holder"
+    with pytest.raises(ValueError, match="balance"):
+        AffinityConfig(balance=0.5)
+
+
+def test_bounded_loads_keep_every_replica_in_use_when_one_holds_everything():
+    """The failure the bound exists for: every request matches one replica fully; the score alone
+    sends them all there while they pile up, the bound spreads them (checked against the bound's
+    definition, request by request)."""
+    rng = random.Random(0)
+    for balance, spread in ((0.0, False), (1.25, True), (2.0, True)):
+        cfg = AffinityConfig(balance=balance)
+        queues = {"holder": 0, "r2": 0, "r3": 0}
+        routed = dict.fromkeys(queues, 0)
+        for _ in range(200):
+            views = {r: ReplicaView(held(A, B, C) if r == "holder" else Holdings(), queue=q) for r, q in queues.items()}
+            first = rank_replicas([A, B, C], views, cfg, rng).order[0]
+            if balance:
+                assert queues[first] + 1 <= load_bound(list(queues.values()), balance)
+            queues[first] += 1
+            routed[first] += 1
+            for r in queues:  # each replica finishes one of its requests now and then
+                if queues[r] and rng.random() < 0.4:
+                    queues[r] -= 1
+        assert (min(routed.values()) > 0) is spread, routed
 
 
 def test_nothing_held_falls_back_to_power_of_two():
