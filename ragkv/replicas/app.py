@@ -43,6 +43,7 @@ ROUTERS: dict[str, str | None] = {
     "power_of_two": None,
     "round_robin": "ragkv.replicas.router.RoundRobinRouter",
 }
+HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives the head node only
 HINTED = ("/v1/chat/completions", "/v1/completions")  # the routes whose chunks are worth routing by
 
 
@@ -268,7 +269,10 @@ def build_app(engine_config: Any, settings: Any, options: ReplicaOptions) -> Any
         name=INGRESS,
         num_replicas=1,
         max_ongoing_requests=settings.max_connections,
-        ray_actor_options={"num_cpus": 0},  # it holds no model: it only forwards
+        # it holds no model, it only forwards; on the head node, with Serve's controller and (in
+        # docs/deployment.md's recipe) the proxy clients reach: placed on another node, the loss of
+        # that node would fail every request until Serve restarted it (tests/server/test_ray_two_nodes.py)
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}},
     )(Ingress)
     return ingress.bind(engine, settings, str(engine_config.tenant), options)
 
