@@ -90,6 +90,28 @@ def bench_replicas(
     from ragkv.replicas.affinity import AffinityConfig
     from ragkv.server.settings import ServerSettings
 
+    defaults = AffinityConfig()
+    try:
+        config = ReplicaBenchConfig(
+            replicas=replicas,
+            routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
+            docs=docs,
+            requests=requests,
+            concurrency=concurrency,
+            zipf=zipf,
+            memory_share=memory_share,
+            max_tokens=max_tokens,
+            seed=seed,
+            kill_after=kill_after,
+            rate=rate,
+            affinity=AffinityConfig(
+                load_weight=defaults.load_weight if load_weight is None else load_weight,
+                load_cap=defaults.load_cap if load_cap is None else load_cap,
+                balance=defaults.balance if balance is None else balance,
+            ),
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     if link_mbit is not None and (redis or postgres):
         raise typer.BadParameter(
             "--link-mbit runs its own Redis and a SQLite catalog inside a network namespace (the services on "
@@ -111,30 +133,6 @@ def bench_replicas(
     postgres = postgres or os.environ.get(
         "RAGKV_TEST_POSTGRES_URL", "postgresql+psycopg://ragkv:ragkv@127.0.0.1:5432/ragkv_test"
     )
-    try:
-        config = ReplicaBenchConfig(
-            replicas=replicas,
-            routers=tuple(r.strip() for r in routers.split(",") if r.strip()),
-            docs=docs,
-            requests=requests,
-            concurrency=concurrency,
-            zipf=zipf,
-            memory_share=memory_share,
-            max_tokens=max_tokens,
-            seed=seed,
-            kill_after=kill_after,
-            rate=rate,
-            affinity=replace(
-                AffinityConfig(),
-                **{
-                    k: v
-                    for k, v in (("load_weight", load_weight), ("load_cap", load_cap), ("balance", balance))
-                    if v is not None
-                },
-            ),
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
     # a fresh key prefix and data dir: the run starts from an empty store, whatever ran before
     prefix = f"ragkv-bench-{os.getpid()}-{seed}:"
     cfg = replace(engine_config(model=model), data_dir=data_dir, store=(f"{redis}?prefix={prefix}",), catalog=postgres)

@@ -55,3 +55,9 @@ def test_a_limited_link_refuses_outside_services_before_starting_anything():
     )
     assert result.exit_code == 2
     assert "--link-mbit runs its own Redis" in result.output
+
+
+def test_a_bad_router_setting_is_refused_in_one_line_before_anything_starts():
+    result = CliRunner().invoke(app, ["bench", "replicas", "--balance", "0.5"])
+    assert result.exit_code == 2
+    assert "balance must be >= 1" in result.output
