@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ragkv.bench.goodput import poisson_arrivals
 from ragkv.bench.serve import percentile
 from ragkv.bench.table import Column, format_table
 from ragkv.replicas.affinity import AffinityConfig
@@ -32,7 +33,6 @@ from ragkv.replicas.affinity import AffinityConfig
 __all__ = [
     "COLUMNS",
     "ReplicaBenchConfig",
-    "arrival_times",
     "best_hit_rate",
     "corpus",
     "format_replica_table",
@@ -139,21 +139,6 @@ def zipf_draws(n_docs: int, n: int, s: float, seed: int) -> list[int]:
     rng = random.Random(seed)
     weights = [1 / (i + 1) ** s for i in range(n_docs)]
     return rng.choices(range(n_docs), weights=weights, k=n)
-
-
-def arrival_times(n: int, rate: float, seed: int) -> list[float]:
-    """``n`` Poisson arrival times (seconds from the start) at ``rate`` per second, seeded; the first at 0.
-
-    >>> times = arrival_times(2000, 4.0, 0)
-    >>> times[0], all(a <= b for a, b in zip(times, times[1:])), round(len(times) / times[-1])
-    (0.0, True, 4)
-    """
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 def run_replica_bench(
@@ -324,7 +309,7 @@ async def _workload(
 
     async def arrivals(client: httpx.AsyncClient) -> None:
         tasks = []
-        for at, question in zip(arrival_times(len(questions), config.rate, config.seed), questions, strict=True):
+        for at, question in zip(poisson_arrivals(len(questions), config.rate, config.seed), questions, strict=True):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             tasks.append(asyncio.create_task(ask(client, question)))
         await asyncio.gather(*tasks)

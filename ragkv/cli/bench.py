@@ -409,6 +409,21 @@ def bench_store(
     _write_rows(rows, out)
 
 
+def rerun_in_namespace() -> None:
+    """Outside the rate-limited network namespace, run this very command again inside one and exit
+    with its code (no namespace here: say why, in one line, exit 2); inside it, return."""
+    from ragkv.bench import netns
+
+    if netns.inside():
+        return
+    try:
+        code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
 @bench_app.command("stream")
 def bench_stream(
     model: Model = None,
@@ -430,15 +445,7 @@ def bench_stream(
 
     Runs in a network namespace it creates (unshare -n, tbf on loopback; needs root).
     """
-    from ragkv.bench import netns
-
-    if not netns.inside():
-        try:
-            code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
-        except RuntimeError as e:  # no namespace here: say why, in one line
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        raise typer.Exit(code)
+    rerun_in_namespace()
     from ragkv.bench.stream import SCENARIOS, format_table, plot_rows, run_stream_bench, summary
 
     wanted = [int(x) for x in levels.split(",") if x.strip()]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Annotated
 
 import typer
 
-from ragkv.cli.bench import JsonOut, _write_rows, bench_app
+from ragkv.cli.bench import JsonOut, _write_rows, bench_app, rerun_in_namespace
 from ragkv.cli.options import Model, engine_config
 
 __all__: list[str] = []
@@ -117,13 +116,8 @@ def bench_replicas(
             "--link-mbit runs its own Redis and a SQLite catalog inside a network namespace (the services on "
             "the host's loopback are outside it): drop --redis/--postgres, or drop --link-mbit"
         )
-    if link_mbit is not None and not netns.inside():
-        try:
-            code = netns.reexec_inside(["-m", "ragkv.cli", *sys.argv[1:]])
-        except RuntimeError as e:  # no namespace here: say why, in one line
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        raise typer.Exit(code)
+    if link_mbit is not None:
+        rerun_in_namespace()  # from here on, inside it
     data_dir = Path(tempfile.mkdtemp(prefix="ragkv-bench-replicas-"))
     redis_proc = None
     if link_mbit is not None:  # inside the namespace: its own Redis (through the limited loopback), SQLite catalog

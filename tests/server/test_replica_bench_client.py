@@ -12,16 +12,17 @@ import statistics
 import pytest
 from typer.testing import CliRunner
 
-from ragkv.bench.replicas import ReplicaBenchConfig, _workload, arrival_times
+from ragkv.bench.goodput import poisson_arrivals
+from ragkv.bench.replicas import ReplicaBenchConfig, _workload
 from ragkv.cli import app
 
 QUESTIONS = ["What grows on trees?", "What floats on water?", "Who picks apples?", "Where do boats go?"] * 2
 
 
 def test_arrival_times_are_seeded_poisson_at_the_rate():
-    times = arrival_times(4000, 5.0, seed=3)
-    assert times == arrival_times(4000, 5.0, seed=3)  # every router gets the same times
-    assert times != arrival_times(4000, 5.0, seed=4)
+    times = poisson_arrivals(4000, 5.0, seed=3)
+    assert times == poisson_arrivals(4000, 5.0, seed=3)  # every router gets the same times
+    assert times != poisson_arrivals(4000, 5.0, seed=4)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert times[0] == 0.0 and min(gaps) >= 0
     assert statistics.mean(gaps) == pytest.approx(1 / 5.0, rel=0.08)
@@ -35,7 +36,7 @@ def test_open_loop_sends_every_question_at_its_arrival_time(server):
     assert len(results) == len(QUESTIONS)
     assert all("error" not in r and r["ttft"] > 0 for r in results), results
     # the last question left at its arrival time, not before: the run lasts at least that long
-    assert wall >= arrival_times(len(QUESTIONS), 8.0, 1)[-1]
+    assert wall >= poisson_arrivals(len(QUESTIONS), 8.0, 1)[-1]
 
 
 def test_closed_loop_answers_every_question(server):
