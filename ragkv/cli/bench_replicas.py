@@ -12,6 +12,8 @@ from ragkv.cli.options import Model, engine_config
 
 __all__: list[str] = []
 
+LINK_REDIS_PORT = 6399  # the Redis --link-mbit starts inside its network namespace
+
 
 @bench_app.command("replicas")
 def bench_replicas(
@@ -119,10 +121,8 @@ def bench_replicas(
     if link_mbit is not None:
         rerun_in_namespace()  # from here on, inside it
     data_dir = Path(tempfile.mkdtemp(prefix="ragkv-bench-replicas-"))
-    redis_proc = None
     if link_mbit is not None:  # inside the namespace: its own Redis (through the limited loopback), SQLite catalog
-        redis_proc = netns.start_redis(data_dir)
-        redis, postgres = "redis://127.0.0.1:6399/0", f"sqlite:///{data_dir / 'catalog.db'}"
+        redis, postgres = f"redis://127.0.0.1:{LINK_REDIS_PORT}/0", f"sqlite:///{data_dir / 'catalog.db'}"
     redis = redis or os.environ.get("RAGKV_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
     postgres = postgres or os.environ.get(
         "RAGKV_TEST_POSTGRES_URL", "postgresql+psycopg://ragkv:ragkv@127.0.0.1:5432/ragkv_test"
@@ -131,6 +131,7 @@ def bench_replicas(
     prefix = f"ragkv-bench-{os.getpid()}-{seed}:"
     cfg = replace(engine_config(model=model), data_dir=data_dir, store=(f"{redis}?prefix={prefix}",), catalog=postgres)
     settings = ServerSettings(port=port, max_tokens_limit=max(64, max_tokens))
+    redis_proc = netns.start_redis(data_dir, LINK_REDIS_PORT) if link_mbit is not None else None
 
     def limit_link() -> None:
         if link_mbit is not None:
