@@ -22,7 +22,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ragkv.bench.goodput import poisson_arrivals
@@ -195,7 +195,8 @@ def run_replica_bench(
             results, wall = asyncio.run(_workload(url, [docs[i][2] for i in draws], config))
             after = _replica_stats(config.replicas)
             row = _row(router, results, wall, before, after, config.replicas)
-            rows.append(row | {"best_hit_rate": best, "rate": config.rate})
+            settings_of = {"affinity_config": asdict(options.affinity)} if router == "affinity" else {}
+            rows.append(row | {"best_hit_rate": best, "rate": config.rate} | settings_of)
         if config.kill_after:
             serve.run(
                 build_app(measured, settings, replace(options, router="affinity")), name="ragkv", route_prefix="/"
@@ -207,7 +208,7 @@ def run_replica_bench(
             )
             after = _replica_stats(config.replicas - 1)  # the killed one is restarted with empty counters, if up
             row = _row("affinity, 1 killed", results, wall, before, after, config.replicas)
-            rows.append(row | {"rate": config.rate})
+            rows.append(row | {"rate": config.rate, "affinity_config": asdict(options.affinity)})
         return rows
     finally:
         serve.shutdown()

@@ -74,6 +74,16 @@ def bench_replicas(
         float | None,
         typer.Option("--balance", help="Affinity router: bounded-load factor (0: off) [its default]."),
     ] = None,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            "--window", help="Affinity router: recent routes the share bound counts (0: off) [its default].", min=0
+        ),
+    ] = None,
+    window_balance: Annotated[
+        float | None,
+        typer.Option("--window-balance", help="Affinity router: the share bound's factor [its default]."),
+    ] = None,
     model: Model = None,
     out: JsonOut = None,
 ) -> None:
@@ -109,6 +119,8 @@ def bench_replicas(
                 load_weight=defaults.load_weight if load_weight is None else load_weight,
                 load_cap=defaults.load_cap if load_cap is None else load_cap,
                 balance=defaults.balance if balance is None else balance,
+                window=defaults.window if window is None else window,
+                window_balance=defaults.window_balance if window_balance is None else window_balance,
             ),
         )
     except ValueError as e:

@@ -20,6 +20,9 @@ never comes to hold anything. So the ranking also bounds each replica's load, as
 hashing with bounded loads does (Mirrokni, Thorup and Zadimoghaddam, 2018): with ``T`` requests in
 flight over ``n`` replicas, a replica may take the new one only while its queue stays within
 ``ceil(balance * (T + 1) / n)``; replicas past that bound rank after every other, by score.
+At a low request rate few requests are in flight, so that bound is loose (with two in flight over
+three replicas one replica may hold both); a bound of the same form over the router's last
+``window`` routes (``window_balance``) keeps a replica's share of the traffic near the mean.
 
 Nothing here decides what an answer is: a replica that no longer holds a chunk its summary claims
 loads it from the shared store (a miss), so a stale or wrong summary costs time, never correctness.
@@ -49,6 +52,7 @@ __all__ = [
     "power_of_two",
     "rank_replicas",
     "score",
+    "window_bound",
 ]
 
 KeyTag = NewType("KeyTag", str)  # 16 hex chars of sha256(storage key): what a holdings summary lists
@@ -127,6 +131,14 @@ class AffinityConfig:
     # (rounded up) ranks after all others. 0 = off (score only). 2: on the bench's workload 1.25
     # cost hits (0.74 against 0.83) for no gain in p95, 2 kept them (docs/benchmarks.md, "Replicas").
     balance: float = 2.0
+    # A bound over the router's last ``window`` routes (0 = off): a replica that would take more than
+    # ceil(window_balance * (window + 1) / n) of them, the new one included, ranks after every replica
+    # within both bounds (window_bound). It bounds each replica's share of the traffic, which the
+    # in-flight bound does not at a low rate. 24 and 1.4: at most 12 of any 25 routes over 3
+    # replicas (1.44x the mean); on the bench's seed 0 1.25 and 1.5 cost no more than 0.02 of hit
+    # rate (docs/benchmarks.md, "Replicas").
+    window: int = 24
+    window_balance: float = 1.4
 
     def __post_init__(self) -> None:
         if self.load_weight < 0:
@@ -141,6 +153,12 @@ class AffinityConfig:
             raise ValueError(f"recent_s must be >= 0 (seconds; 0 = off), got {self.recent_s}")
         if self.balance != 0 and self.balance < 1:
             raise ValueError(f"balance must be >= 1 (a replica's queue bound, in means) or 0 (off), got {self.balance}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0 (recent routes; 0 = off), got {self.window}")
+        if self.window_balance < 1:
+            raise ValueError(
+                f"window_balance must be >= 1 (a replica's share bound, in means), got {self.window_balance}"
+            )
 
 
 class RecentRoutes:
@@ -208,6 +226,7 @@ class ReplicaView:
     holdings: Holdings = field(default_factory=Holdings)
     queue: int = 0  # requests queued and running there (Serve's queue length, or the router's own count)
     tokens: int = 0  # chunk tokens of the requests routed there and not completed
+    recent: int = 0  # of the router's last ``AffinityConfig.window`` routes, those sent here
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +271,8 @@ def rank_replicas(
 
     Ties go to the shorter queue, then to a random draw (so equal replicas share the work). With
     ``config.balance``, replicas whose queue is past the bounded-load bound (:func:`load_bound`)
-    rank after all others.
+    rank after all others; with ``config.window``, so do those past the same bound over their
+    recent routes (``ReplicaView.recent``, bound factor ``config.window_balance``).
     """
     ids = list(replicas)
     total = sum(max(c.tokens, 0) for c in chunks)
@@ -268,11 +288,27 @@ def rank_replicas(
         return -score(held[r], total, view.queue, config, view.tokens), view.queue, draw[r]
 
     order = sorted(ids, key=key)
+    within = set(ids)
     if config.balance:
         bound = load_bound([replicas[r].queue for r in ids], config.balance)
-        within = [r for r in order if replicas[r].queue + 1 <= bound]
-        order = within + [r for r in order if r not in within]
+        within = {r for r in within if replicas[r].queue + 1 <= bound}
+    if config.window:
+        bound = window_bound(config.window, len(ids), config.window_balance)
+        within = {r for r in within if replicas[r].recent + 1 <= bound}
+    order = [r for r in order if r in within] + [r for r in order if r not in within]
     return Ranking(tuple(order), "affinity")
+
+
+def window_bound(window: int, replicas: int, balance: float) -> int:
+    """The most of any ``window + 1`` consecutive routes one replica may take: ``ceil(balance * (window + 1) / n)``.
+
+    Fixed by the window's length, not by the routes seen so far, so a fresh router is not held to
+    round-robin over its first requests.
+
+    >>> window_bound(24, 3, 1.4), window_bound(24, 3, 1.5), window_bound(12, 3, 1.5)
+    (12, 13, 7)
+    """
+    return math.ceil(balance * (window + 1) / max(1, replicas))
 
 
 def load_bound(queues: Sequence[int], balance: float) -> int:

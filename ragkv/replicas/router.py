@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import Counter
+from collections import Counter, deque
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -53,6 +53,7 @@ class ChunkAffinityRouter(RequestRouter):
         self._routed: dict[str, tuple[str, int]] = {}  # internal request id -> (replica, chunk tokens)
         self.decisions: Counter[str] = Counter()  # "affinity" / "power_of_two" / "error": how requests were routed
         self._recent = RecentRoutes(self._config.recent_s)  # chunks sent lately, held before summaries show them
+        self._window: deque[str] = deque(maxlen=self._config.window)  # the last routes' replicas (window bound)
 
     async def choose_replicas(
         self,
@@ -66,7 +67,8 @@ class ChunkAffinityRouter(RequestRouter):
             self._recent.forget(gone)
         try:
             chunks = _route_of(pending_request)
-            views = {rid: self._view(r, bool(chunks)) for rid, r in by_id.items()}
+            window = Counter(self._window)
+            views = {rid: self._view(r, bool(chunks), window[rid]) for rid, r in by_id.items()}
             ranking = rank_replicas(chunks, views, self._config, self._rng)
         except Exception:  # a bad summary or hint must not stop routing: fall back to power of two
             logger.warning("chunk-affinity routing failed; using power of two choices", exc_info=True)
@@ -77,7 +79,7 @@ class ChunkAffinityRouter(RequestRouter):
             return [[by_id[i] for i in ranking.order]]
         return [[by_id[i]] for i in ranking.order]
 
-    def _view(self, replica: RunningReplica, with_holdings: bool) -> ReplicaView:
+    def _view(self, replica: RunningReplica, with_holdings: bool, recent: int = 0) -> ReplicaView:
         rid = replica.replica_id.unique_id
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         queue = max(self._in_flight[rid], cached or 0)
@@ -85,12 +87,14 @@ class ChunkAffinityRouter(RequestRouter):
         if with_holdings:
             reported = Holdings.from_stats(replica.routing_stats.get(HOLDINGS_STAT))
             holdings = Holdings(reported.tags | self._recent.tags(rid))
-        return ReplicaView(holdings, queue, max(self._tokens[rid], 0))
+        return ReplicaView(holdings, queue, max(self._tokens[rid], 0), recent)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Count the request and its chunk tokens as in flight on ``replica_id`` until it completes."""
         rid = replica_id.unique_id
         self._in_flight[rid] += 1
+        if self._config.window:
+            self._window.append(rid)
         try:
             chunks = _route_of(pending_request)
             tokens = sum(max(c.tokens, 0) for c in chunks)

@@ -19,6 +19,7 @@ from ragkv.replicas.affinity import (
     power_of_two,
     rank_replicas,
     score,
+    window_bound,
 )
 
 A, B, C = (ChunkRef((key_tag(f"ns:{n}:int8"), key_tag(f"ns:{n}:cachegen")), tokens) for n, tokens in
@@ -195,3 +196,38 @@ def test_the_bench_table_says_how_close_affinity_came_to_the_best_possible_hit_r
     text = format_replica_table(rows)
     assert "affinity / round-robin: 2.00x" in text
     assert "best possible fast-tier hit rate on this workload: 0.80 (affinity reaches 0.75 of it)" in text
+
+
+def test_window_bound_ranks_a_replica_past_its_share_of_recent_routes_last():
+    cfg = AffinityConfig(balance=0, window=12, window_balance=1.5)
+    # of any 13 routes over 3 replicas one may take ceil(1.5 * 13 / 3) = 7, the new one included
+    views = {"holder": ReplicaView(held(A, B, C), recent=7), "r2": ReplicaView(recent=3), "r3": ReplicaView(recent=2)}
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order[-1] == "holder"
+    views["holder"] = ReplicaView(held(A, B, C), recent=6)  # within it the match wins
+    assert rank_replicas([A, B, C], views, cfg, random.Random(0)).order[0] == "holder"
+    for bad in ({"window": -1}, {"window_balance": 0.9}):
+        with pytest.raises(ValueError, match="window"):
+            AffinityConfig(**bad)
+
+
+def test_window_bound_keeps_each_replicas_share_of_a_run_near_the_mean():
+    """Every request matches one replica fully and requests never overlap (a low rate): the in-flight
+    bound never binds, so without the window one replica takes everything; with it no replica takes
+    more than the bound's share of any ``window + 1`` consecutive routes (checked route by route)."""
+    from collections import deque
+
+    rng = random.Random(0)
+    for window, limited in ((0, False), (12, True), (24, True)):
+        cfg = AffinityConfig(balance=0, window=window, window_balance=1.5)
+        last: deque[str] = deque(maxlen=window or None)
+        routed = dict.fromkeys(("holder", "r2", "r3"), 0)
+        for _ in range(120):
+            recent = {r: sum(1 for x in last if x == r) if window else 0 for r in routed}
+            views = {r: ReplicaView(held(A, B, C) if r == "holder" else Holdings(), recent=recent[r]) for r in routed}
+            first = rank_replicas([A, B, C], views, cfg, rng).order[0]
+            if window:
+                assert recent[first] + 1 <= window_bound(window, 3, 1.5)
+            last.append(first)
+            routed[first] += 1
+        # bound 7 of every 13 routes (window 12), 13 of 25 (24): a share of 0.52-0.54, not 1
+        assert (max(routed.values()) <= 0.55 * 120) is limited, routed

@@ -115,3 +115,27 @@ def test_a_chunk_just_routed_counts_as_held_there_before_any_summary_shows_it():
     assert again[0] == [sent_to] and router.decisions["affinity"] == 1
     gone = [r for r in replicas if r.replica_id.unique_id != sent_to]
     assert len(choose(router, gone, [CHUNK])[0]) == 2  # that replica left: its record goes with it
+
+
+def test_the_window_bound_sends_a_request_past_the_holders_share_elsewhere():
+    async def build() -> Any:
+        router = ChunkAffinityRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+        router.initialize_state(seed=0, window=6, window_balance=1.5, balance=0)
+        return router
+
+    router = asyncio.run(build())
+    holder = replica("b", Holdings.of(["ns:apples:int8"], 10).as_stats())
+    replicas = [replica("a"), holder, replica("c")]
+
+    async def route_once(n: int) -> str:
+        meta = RequestMetadata(f"r{n}", f"r{n}", call_method="forward")
+        pending = PendingRequest(args=[], kwargs={"route": [CHUNK]}, metadata=meta)
+        ranks = await router.choose_replicas(replicas, pending)
+        router.on_request_routed(pending, ranks[0][0].replica_id, None)
+        router.on_request_completed(ranks[0][0].replica_id, f"r{n}")  # done at once: nothing stays in flight
+        return str(ranks[0][0].replica_id.unique_id)
+
+    firsts = [asyncio.run(route_once(n)) for n in range(12)]
+    # of any 7 routes in a row the holder takes at most ceil(1.5 * 7 / 3) = 4: the first 4, then others
+    assert all(firsts[i : i + 7].count("b") <= 4 for i in range(len(firsts) - 6)), firsts
+    assert firsts[:4] == ["b"] * 4 and firsts[4] != "b"
