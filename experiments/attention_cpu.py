@@ -8,12 +8,15 @@ else fp32; queries at sorted random positions over ``--keys`` keys), for SmolLM2
 - ``sdpa``: what runs today (transformers' SDPA path: K/V repeated per query head, additive mask);
 - ``key_cut``: the queries in 4 blocks, each over the keys up to its last position only;
 - ``manual``: two bf16 matrix products with an fp32 softmax between them;
-- ``grouped``: the query heads of a KV head stacked as rows of one SDPA call (exact).
+- ``grouped``: the query heads of a KV head stacked as rows of one SDPA call (exact);
+- ``eager``: transformers' eager form in the model's dtype (``baddbmm`` with the mask, softmax,
+  ``bmm``): faster, but the scores are rounded to bf16 before the softmax.
 
 With ``--fusion`` it also times whole fusions of the default model on the own QA set's first
 question with ``key_cut`` patched into transformers' SDPA, against the plain path.
 
     python experiments/attention_cpu.py --fusion
+    python experiments/attention_cpu.py --eager-fusion 4   # the eager form in whole fusions: ms and KL
 
 Run it on a quiet machine. docs/benchmarks.md ("vLLM connector", on a CPU with AVX-512 and bf16)
 quotes one run.
@@ -77,13 +80,85 @@ def per_call(hq: int, hkv: int, d: int, q: int, kv: int, dt: torch.dtype) -> dic
     def grouped() -> torch.Tensor:
         return F.scaled_dot_product_attention(Q.reshape(1, hkv, g * q, d), K, V, attn_mask=mask_g).view(1, hq, q, d)
 
+    def eager() -> torch.Tensor:
+        return _eager_attention(Q, K, V, mask, d**-0.5).transpose(1, 2)
+
     ref = sdpa().float()
     out: dict[str, float] = {}
-    for name, f in (("sdpa", sdpa), ("key_cut", key_cut), ("manual", manual), ("grouped", grouped)):
+    for name, f in (("sdpa", sdpa), ("key_cut", key_cut), ("manual", manual), ("grouped", grouped), ("eager", eager)):
         out[name] = round(timed(f), 2)
         if name != "sdpa":
             out[f"{name}_max_diff"] = round((f().float() - ref).abs().max().item(), 4)
     return out
+
+
+def _eager_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """transformers' eager form for one sequence, in the model's dtype: scores (rounded to it) plus the
+    additive mask in one ``baddbmm``, softmax, ``bmm``; query heads of a KV head stacked as rows.
+    Returns ``[1, q, Hq, D]`` as transformers' attention functions do."""
+    _, hq, q, d = query.shape
+    hkv, kv = key.shape[1], key.shape[2]
+    g = hq // hkv
+    rows = mask[0, 0, :, :kv].expand(g, q, kv).reshape(g * q, kv)  # [G * q, kv]: the same for every KV head
+    scores = torch.baddbmm(rows, query.reshape(hkv, g * q, d), key[0].transpose(-1, -2), alpha=scale)
+    out = torch.bmm(torch.softmax(scores, -1), value[0])  # [Hkv, G * q, D]
+    return out.view(1, hq, q, d).transpose(1, 2).contiguous()
+
+
+def eager_fusion(questions: int, rounds: int) -> None:
+    """Whole default-model fusions with ``_eager_attention`` patched in for fusion's additive-masked
+    calls, against torch's SDPA: ms per fusion, and the KL of the last suffix token's distribution
+    to that of a fusion recomputing every chunk token (ratio 1), per question of the own QA set."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ragkv.bench.qa_data import build_prompt, load_qa_set
+    from ragkv.fusion import FusionConfig, FusionInput, fuse
+    from ragkv.model import load_model
+
+    plain = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    on = [False]
+
+    def patched(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a: Any, **kw: Any
+    ) -> Any:
+        additive = isinstance(mask, torch.Tensor) and mask.dtype != torch.bool
+        if not on[0] or not additive or query.shape[2] < 2 or kw.get("softcap") or kw.get("dropout"):
+            return plain(module, query, key, value, mask, *a, **kw)
+        scale = kw.get("scaling") or query.shape[-1] ** -0.5
+        return _eager_attention(query, key, value, mask, scale), None
+
+    def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+        lp, lq = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+        return round(float((lp.exp() * (lp - lq)).sum()), 5)
+
+    ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = patched
+    try:
+        a = load_model("smollm2-135m", device="cpu", dtype="auto")
+        qa = load_qa_set(None)
+        times: dict[str, list[int]] = {"sdpa": [], "eager": []}
+        kls: dict[str, list[float]] = {"sdpa": [], "eager": []}
+        with torch.inference_mode():
+            for question in qa.questions[:questions]:
+                p = build_prompt(qa, question, lambda t: len(a.encode(t)))
+                prefix, chunks, suffix = a.chat_segments(p.get("system"), p["chunks"], p["question"])
+                pre = a.prefill_kv(prefix)
+                inp = FusionInput(pre, [a.prefill_kv(c, past=[pre]) for c in chunks], chunks, suffix)
+                on[0] = False
+                ref = fuse(a, inp, FusionConfig(ratio=1.0), prefill_suffix=True).suffix_logits
+                for r in range(rounds):
+                    for name in times:
+                        on[0] = name == "eager"
+                        t = time.perf_counter()
+                        got = fuse(a, inp, FusionConfig(), prefill_suffix=True).suffix_logits
+                        times[name].append(round((time.perf_counter() - t) * 1000))
+                        if r == 0 and ref is not None and got is not None:
+                            kls[name].append(kl(ref[-1], got[-1]))
+        print(f"whole fusion, ms per round ({a.dtype}): {times}")
+        print(f"KL of the last suffix token to a ratio-1 fusion, per question: {kls}")
+    finally:
+        ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = plain
 
 
 def whole_fusion(rounds: int) -> None:
@@ -137,6 +212,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--keys", type=int, default=1535)
     ap.add_argument("--fusion", action="store_true", help="also time whole fusions with key_cut patched in")
+    ap.add_argument(
+        "--eager-fusion",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time whole fusions of N questions with transformers' eager form patched in",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     dt = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -146,6 +228,8 @@ def main() -> None:
             print(f"heads {hq}/{hkv}x{d}, {q} queries:", per_call(hq, hkv, d, q, args.keys, dt))
     if args.fusion:
         whole_fusion(args.rounds)
+    if args.eager_fusion:
+        eager_fusion(args.eager_fusion, args.rounds)
 
 
 if __name__ == "__main__":
