@@ -298,7 +298,7 @@ def _recompute(
         if step is None:  # the active set changed: new positions, mask and rotary tables
             step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
         if layer not in checks:
-            hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask)
+            hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
             clock.ran(running)
             continue
         active, hidden = _checked_layer(adapter, strategy, state, cache, layer, step, hidden, active, forced)
@@ -368,13 +368,15 @@ class _Step:
     pos: torch.Tensor  # [q] positions (= cache slots) of the active tokens, then the tail; on the device
     mask: torch.Tensor  # exact causal mask over the slots, shared by every layer (see ModelAdapter.causal_mask)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos/sin [1, q, rot_dim]
+    steer: Steer  # the positions for the CPU's native attention kernel where it runs (ModelAdapter.scattered)
 
     @classmethod
     def at(cls, adapter: ModelAdapter, pos: torch.Tensor, num_slots: int, hidden: torch.Tensor) -> _Step:
         """The step for the tokens at host positions ``pos`` ``[q]``."""
         mask = adapter.causal_mask(pos, num_slots, hidden.dtype)
+        steer = adapter.scattered(pos)
         pos = pos.to(adapter.device, non_blocking=True)
-        return cls(pos, mask, adapter.position_embeddings(pos, hidden))
+        return cls(pos, mask, adapter.position_embeddings(pos, hidden), steer)
 
 
 def _checked_layer(
@@ -396,7 +398,7 @@ def _checked_layer(
     pos = step.pos[:n_active]  # the active tokens' slots (the tail's come after)
     layer_k, layer_v = cache.layer_kv(layer)  # [1, H, slots, D]
     old_k, old_v = layer_k[:, :, pos].clone(), layer_v[:, :, pos].clone()  # [1, H, active, D]
-    hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask)
+    hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
     layer_k, layer_v = cache.layer_kv(layer)
     k_dev, v_dev = _deviation(layer_k[:, :, pos], old_k), _deviation(layer_v[:, :, pos], old_v)
     strategy.observe(state, layer, active, k_dev=k_dev, v_dev=v_dev)

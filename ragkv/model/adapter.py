@@ -28,6 +28,7 @@ from ragkv.model.attention import (
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.lean import lean_layers, lean_plan
+from ragkv.model.native_attention import attention_available
 from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
 from ragkv.model.support import rotated_layers
@@ -387,6 +388,17 @@ class ModelAdapter:
         width = -(-num_keys // _MASK_ALIGN) * _MASK_ALIGN
         mask = torch.zeros((1, 1, q, width), dtype=dtype, device=self.device)[..., :num_keys]
         return mask.masked_fill_(blocked, torch.finfo(dtype).min)
+
+    def scattered(self, query_pos: torch.Tensor) -> Steer:
+        """The steer of a prefill pass whose queries sit at slots ``query_pos`` under :meth:`causal_mask`.
+
+        On a CPU with AVX512-BF16 and a bf16 model, its attention calls run ragkv's native kernel
+        from the positions (:mod:`ragkv.model.native_attention`; the mask stays for any call the
+        kernel does not take); elsewhere :data:`PLAIN`. ``query_pos``: ``[q]`` on the host.
+        """
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not attention_available():
+            return PLAIN
+        return Steer(query_pos=query_pos.to(torch.int64).contiguous())
 
     def _lower_right_bias_is_free(self) -> bool:
         """Whether SDPA applies a lower-right causal bias without building a mask: SDPA on CUDA.

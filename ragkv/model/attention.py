@@ -30,6 +30,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ragkv.model.native_attention import scatter_applies, scatter_attention
+
 __all__ = [
     "DECODE_WEIGHTS",
     "PLAIN",
@@ -165,11 +167,15 @@ class Steer:
     weights: DecodeWeights = "model"  # the linear layers read the model's weights or an int8/int4/fp16 copy
     probe: AttentionProbe | None = None  # records the attention weights of the pass's queries
     carry: Carry | None = None  # decode rows riding on the pass's last queries
+    # [q] int64 on the host: the slots of the pass's queries, each of which sees the slots up to its
+    # own (the pass's mask is ModelAdapter.causal_mask of them). On a CPU with AVX512-BF16 the calls
+    # ragkv's kernel computes as asked run there from these positions (ragkv.model.native_attention)
+    query_pos: torch.Tensor | None = None
 
     @property
     def plain_attention(self) -> bool:
         """Whether every attention call of the pass delegates to the loaded implementation as is."""
-        return self.kind == "prefill" and self.probe is None and self.carry is None
+        return self.kind == "prefill" and self.probe is None and self.carry is None and self.query_pos is None
 
 
 PLAIN = Steer()
@@ -245,6 +251,12 @@ def _dispatcher(base: str) -> Callable[..., Any]:
             return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))
         if steer.kind == "decode" and _takes_fp32_decode(query, kwargs):
             return _one_query_fp32(query, key, value, attention_mask, kwargs.get("scaling"))
+        if (
+            steer.query_pos is not None
+            and getattr(module, "is_causal", True)
+            and scatter_applies(query, key, value, kwargs)
+        ):
+            return scatter_attention(query, key, value, steer.query_pos, kwargs.get("scaling")), None
         return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention.__name__ = f"{_PREFIX}{base}"

@@ -39,7 +39,9 @@ from torch.autograd import profiler as _profiler
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "INT8",
     "NATIVE_MAX_ROWS",
+    "NativeLibrary",
     "PROFILED_NAME",
     "int8_available",
     "int8_kernel",
@@ -148,8 +150,6 @@ void ragkv_int8_matmul(const float *x, const int8_t *q, const float *scales, flo
 """
 
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-_LOCK = threading.Lock()
-_LIBRARY: list[ctypes.CDLL | None] = []  # [] until the first look, then [library or None]
 
 
 def kernel_cache_dir() -> Path:
@@ -165,69 +165,125 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str, again: bool = False) -> Path:
-    """The compiled library's path, compiled unless the cache has it (``again``: recompile anyway)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False, timeout=60).stdout
-    digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, version]).encode()).hexdigest()[:20]
-    target = kernel_cache_dir() / f"ragkv_int8_{digest}.so"
-    if target.exists() and not again:
+class NativeLibrary:
+    """A C source compiled on first use into :func:`kernel_cache_dir` and loaded with ctypes, once per process.
+
+    ``name`` names the file (with a digest of the source, flags and compiler); the source defines
+    ``int ragkv_supported(void)`` (whether this CPU runs it); ``declare`` sets the ctypes
+    signatures. ``what`` and ``fallback`` word the log lines ("native int8 kernel", "torch's int8
+    kernel decodes"). :meth:`get` returns None where it cannot run: ``RAGKV_NATIVE_KERNELS=0``, not
+    an x86 Linux CPU with one of ``isa`` (torch's CPU capability), no compiler, a failed build, or
+    ``ragkv_supported()`` false; the reason is logged once.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        flags: list[str],
+        *,
+        what: str,
+        fallback: str,
+        isa: tuple[str, ...],
+        declare: Callable[[ctypes.CDLL], None],
+    ) -> None:
+        self.name, self.source, self.flags = name, source, flags
+        self.what, self.fallback, self.isa, self.declare = what, fallback, isa, declare
+        self._lock = threading.Lock()
+        self._library: list[ctypes.CDLL | None] = []  # [] until the first look, then [library or None]
+
+    def build(self, compiler: str, again: bool = False) -> Path:
+        """The compiled library's path, compiled unless the cache has it (``again``: recompile anyway)."""
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, check=False, timeout=60
+        ).stdout
+        digest = hashlib.sha256("\0".join([self.source, *self.flags, version]).encode()).hexdigest()[:20]
+        target = kernel_cache_dir() / f"ragkv_{self.name}_{digest}.so"
+        if target.exists() and not again:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            source = Path(work) / f"{self.name}.c"
+            source.write_text(self.source)
+            built = Path(work) / target.name
+            done = subprocess.run(
+                [compiler, *self.flags, str(source), "-o", str(built)],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=300,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr.strip()[-2000:] or f"{compiler} exited {done.returncode}")
+            os.replace(built, target)  # atomic: a concurrent build leaves one whole file
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        source = Path(work) / "int8.c"
-        source.write_text(_SOURCE)
-        built = Path(work) / target.name
-        done = subprocess.run(
-            [compiler, *_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True, check=False, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip()[-2000:] or f"{compiler} exited {done.returncode}")
-        os.replace(built, target)  # atomic: a concurrent build leaves one whole file
-    return target
 
-
-def _load() -> ctypes.CDLL | None:
-    if os.environ.get("RAGKV_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        logger.info("native int8 kernel off (RAGKV_NATIVE_KERNELS); torch's int8 kernel decodes")
-        return None
-    if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")):
-        logger.info("native int8 kernel: not an x86 Linux CPU with AVX2; torch's int8 kernel decodes")
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("native int8 kernel: no C compiler (cc); torch's int8 kernel decodes")
-        return None
-    torch_lib = Path(torch.__file__).parent / "lib"
-    try:
-        # torch's own libgomp first, so the kernel's OpenMP calls share torch's thread pool
-        for gomp in sorted(torch_lib.glob("libgomp*.so*")):
-            ctypes.CDLL(str(gomp), mode=ctypes.RTLD_GLOBAL)
-            break
-        path = _build(compiler)
+    def _load(self) -> ctypes.CDLL | None:
+        if os.environ.get("RAGKV_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+            logger.info("%s off (RAGKV_NATIVE_KERNELS); %s", self.what, self.fallback)
+            return None
+        if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith(self.isa):
+            logger.info("%s: not an x86 Linux CPU with %s; %s", self.what, " or ".join(self.isa), self.fallback)
+            return None
+        compiler = _compiler()
+        if compiler is None:
+            logger.info("%s: no C compiler (cc); %s", self.what, self.fallback)
+            return None
+        torch_lib = Path(torch.__file__).parent / "lib"
         try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a damaged file in the cache (a full disk, a copy cut short): built anew, once
-            path = _build(compiler, again=True)
-            lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("native int8 kernel could not be built or loaded (%s); torch's int8 kernel decodes", e)
-        return None
-    if not lib.ragkv_supported():
-        logger.info("native int8 kernel: this CPU lacks AVX2/FMA; torch's int8 kernel decodes")
-        return None
+            # torch's own libgomp first, so the kernel's OpenMP calls share torch's thread pool
+            for gomp in sorted(torch_lib.glob("libgomp*.so*")):
+                ctypes.CDLL(str(gomp), mode=ctypes.RTLD_GLOBAL)
+                break
+            path = self.build(compiler)
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError:  # a damaged file in the cache (a full disk, a copy cut short): built anew, once
+                path = self.build(compiler, again=True)
+                lib = ctypes.CDLL(str(path))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            logger.warning("%s could not be built or loaded (%s); %s", self.what, e, self.fallback)
+            return None
+        if not lib.ragkv_supported():
+            logger.info("%s: this CPU lacks the instructions it needs; %s", self.what, self.fallback)
+            return None
+        self.declare(lib)
+        logger.info("%s loaded from %s", self.what, path)
+        return lib
+
+    def get(self) -> ctypes.CDLL | None:
+        """The compiled library, built and loaded once per process; None where it cannot run."""
+        with self._lock:
+            if not self._library:
+                self._library.append(self._load())
+            return self._library[0]
+
+    def forget(self) -> None:
+        """Look again on the next :meth:`get` (as a new process would): for tests."""
+        with self._lock:
+            self._library.clear()
+
+
+def _declare_int8(lib: ctypes.CDLL) -> None:
     fn = lib.ragkv_int8_matmul
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    logger.info("native int8 kernel loaded from %s", path)
-    return lib
+
+
+INT8 = NativeLibrary(
+    "int8",
+    _SOURCE,
+    _FLAGS,
+    what="native int8 kernel",
+    fallback="torch's int8 kernel decodes",
+    isa=("AVX2", "AVX512"),
+    declare=_declare_int8,
+)
 
 
 def int8_library() -> ctypes.CDLL | None:
-    """The compiled kernel library, built and loaded once per process; None where it cannot run."""
-    with _LOCK:
-        if not _LIBRARY:
-            _LIBRARY.append(_load())
-        return _LIBRARY[0]
+    """The compiled int8 kernel library, built and loaded once per process; None where it cannot run."""
+    return INT8.get()
 
 
 def int8_available() -> bool:

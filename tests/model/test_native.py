@@ -65,7 +65,7 @@ def test_int8_decode_copies_compute_with_the_native_kernel_and_fall_back_for_big
 
 
 def test_switched_off_the_kernel_is_not_built_and_torch_decodes(tmp_path, monkeypatch):
-    monkeypatch.setattr(native, "_LIBRARY", [])  # a fresh look, as in a new process
+    monkeypatch.setattr(native.INT8, "_library", [])  # a fresh look, as in a new process
     monkeypatch.setenv("RAGKV_NATIVE_KERNELS", "0")
     monkeypatch.setenv("RAGKV_KERNEL_CACHE", str(tmp_path))
     assert not native.int8_available() and not any(tmp_path.iterdir())
@@ -76,9 +76,9 @@ def test_switched_off_the_kernel_is_not_built_and_torch_decodes(tmp_path, monkey
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_kernel_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGKV_KERNEL_CACHE", str(tmp_path / "k"))
-    first = native._build(native._compiler() or "cc")
+    first = native.INT8.build(native._compiler() or "cc")
     stamp = first.stat().st_mtime_ns
-    assert native._build(native._compiler() or "cc") == first and first.stat().st_mtime_ns == stamp
+    assert native.INT8.build(native._compiler() or "cc") == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in (tmp_path / "k").iterdir()] == [first.name] and first.suffix == ".so"
 
 
@@ -97,9 +97,9 @@ def test_the_profiler_sees_the_kernels_calls_by_name():
 @needs_kernel
 def test_a_damaged_library_in_the_cache_is_built_anew(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGKV_KERNEL_CACHE", str(tmp_path))
-    built = native._build(native._compiler() or "cc")
+    built = native.INT8.build(native._compiler() or "cc")
     built.write_bytes(b"not a shared library")
-    monkeypatch.setattr(native, "_LIBRARY", [])  # a fresh look, as in a new process
+    monkeypatch.setattr(native.INT8, "_library", [])  # a fresh look, as in a new process
     assert native.int8_available()
     q, scales = quantize_int8(torch.randn(8, 16), torch.float32)
     x = torch.randn(1, 16)
