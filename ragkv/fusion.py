@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -508,7 +508,7 @@ def _question_attention_steps(
     pos = host_pos.to(adapter.device, non_blocking=True)
     pe = adapter.position_embeddings(pos, hidden)
     probe = AttentionProbe(None)  # every layer's weights
-    steer = Steer(probe=probe)
+    steer = replace(adapter.scattered(host_pos), probe=probe)  # on the CPU kernel where it runs
     clock = _LayerClock(budget, adapter.spec.num_layers, by_tokens=False, report=False)
     for layer in range(adapter.spec.num_layers):
         if clock.due():

@@ -6,7 +6,8 @@ racing thread could restore the wrong value and leave the model there (or switch
 back mid-pass, whose probe then missed layers: the KeyError of issue 9). Now the model is switched
 once, when its adapter is made, to a dispatcher registered for the implementation it was loaded
 with (``ragkv_sdpa`` delegates to ``sdpa``). What one call does (record the weights, run a decode
-step's one query in fp32, split off decode rows riding on a prefill piece) is an argument of the
+step's one query in fp32, split off decode rows riding on a prefill piece, compute a fused pass's
+scattered queries from their positions with ragkv's CPU kernel) is an argument of the
 pass: a :class:`Steer` the decoder layers hand on to the attention function in their keyword
 arguments (issue 32: it was read from three ContextVars, which no signature showed). One modeling
 file (StableLM's decoder layer) calls its attention without handing its keyword arguments on; for
@@ -214,6 +215,13 @@ def _takes_fp32_decode(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
     return not kwargs.get("softcap") and not kwargs.get("dropout") and kwargs.get("s_aux") is None
 
 
+def _native_takes(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
+) -> bool:
+    """Whether ragkv's CPU kernel computes this call of a pass with query positions exactly as asked."""
+    return bool(getattr(module, "is_causal", True)) and scatter_applies(query, key, value, kwargs)
+
+
 _EAGER: dict[type, Callable[..., Any]] = {}
 
 
@@ -247,15 +255,17 @@ def _dispatcher(base: str) -> Callable[..., Any]:
             if layer is None:  # the rows' K/V are found by layer: without one they would read the piece's
                 raise RuntimeError(f"{type(module).__name__} has no layer_idx; decode steps cannot ride on its passes")
             return _carried_attention(carry, base, module, query, key, value, attention_mask, *args, **kwargs)
+        scattered = steer.query_pos is not None and _native_takes(module, query, key, value, kwargs)
         if probe is not None and layer is not None and probe.layer_idx in (None, layer):
+            if scattered:  # the kernel sums the probabilities per slot as it goes
+                weights = torch.empty(key.shape[2], dtype=torch.float32)
+                out = scatter_attention(query, key, value, steer.query_pos, kwargs.get("scaling"), weights)
+                probe.weights[layer] = weights
+                return out, None
             return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))
         if steer.kind == "decode" and _takes_fp32_decode(query, kwargs):
             return _one_query_fp32(query, key, value, attention_mask, kwargs.get("scaling"))
-        if (
-            steer.query_pos is not None
-            and getattr(module, "is_causal", True)
-            and scatter_applies(query, key, value, kwargs)
-        ):
+        if scattered:
             return scatter_attention(query, key, value, steer.query_pos, kwargs.get("scaling")), None
         return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
 

@@ -16,7 +16,8 @@ It is compiled on first use with the system's C compiler (``cc``, about a second
 ``~/.cache/ragkv/kernels/`` (``RAGKV_KERNEL_CACHE`` overrides), named by a digest of its source,
 flags and compiler, and loaded with ctypes. Where there is no compiler, the CPU lacks AVX2/FMA,
 the build fails, or ``RAGKV_NATIVE_KERNELS=0``, :func:`int8_library` returns None (the reason is
-logged once) and callers keep torch's kernel.
+logged once) and callers keep torch's kernel. :class:`NativeLibrary` is that build and load, for
+this kernel and :mod:`ragkv.model.native_attention`'s.
 """
 
 from __future__ import annotations

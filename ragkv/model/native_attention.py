@@ -131,11 +131,12 @@ static void values4(const float *const pr[4], const float *vf, int64_t d, int64_
    scores are exact sums of bf16 products in fp32, the softmax, the product with V and the sums in
    fp32, the output rounded to bf16 once. q: [hq][nq][d] by strides (qs_h, qs_t), k and v:
    [hkv][keys][d] by strides, the last dimension contiguous; out: [nq][hq][d] contiguous. d a
-   multiple of 64. Returns 0, -1 when out of memory, -2 when a position is not a key slot. */
+   multiple of 64. colsum (NULL: none): [keys] fp32, set to each key's probability summed over every
+   head and query. Returns 0, -1 when out of memory, -2 when a position is not a key slot. */
 int ragkv_scatter_attention(const uint16_t *q, int64_t qs_h, int64_t qs_t, const uint16_t *k, int64_t ks_h,
                             int64_t ks_t, const uint16_t *v, int64_t vs_h, int64_t vs_t, const int64_t *pos,
-                            int64_t keys, uint16_t *out, int64_t hq, int64_t hkv, int64_t nq, int64_t d,
-                            float scale, int threads) {
+                            int64_t keys, uint16_t *out, float *colsum, int64_t hq, int64_t hkv, int64_t nq,
+                            int64_t d, float scale, int threads) {
     int64_t maxpos = 0;
     for (int64_t t = 0; t < nq; t++) {
         if (pos[t] < 0 || pos[t] >= keys) return -2;
@@ -170,13 +171,15 @@ int ragkv_scatter_attention(const uint16_t *q, int64_t qs_h, int64_t qs_t, const
         }
     const int64_t blocks = (nq + QB - 1) / QB;
     int failed = 0;
+    if (colsum) memset(colsum, 0, (size_t)keys * 4);
     #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int64_t rows_max = groups * QB + 3;
         float *s = (float *)alloc64(rows_max * width * 4);
         float *o = (float *)alloc64(rows_max * d * 4);
         float *lsum = (float *)alloc64(rows_max * 4);
-        if (!s || !o || !lsum) {
+        float *cs = colsum ? (float *)calloc((size_t)width, 4) : NULL;
+        if (!s || !o || !lsum || (colsum && !cs)) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -223,6 +226,12 @@ int ragkv_scatter_attention(const uint16_t *q, int64_t qs_h, int64_t qs_t, const
                 }
                 for (; j < tiles; j++) _mm512_storeu_ps(sr + 16 * j, _mm512_setzero_ps());
                 lsum[r] = _mm512_reduce_add_ps(acc);
+                if (cs) {
+                    __m512 inv = _mm512_set1_ps(1.0f / lsum[r]);
+                    for (int64_t c = 0; c < (n + 15) / 16; c++)
+                        _mm512_storeu_ps(cs + 16 * c, _mm512_fmadd_ps(_mm512_loadu_ps(sr + 16 * c), inv,
+                                                                      _mm512_loadu_ps(cs + 16 * c)));
+                }
             }
             for (int64_t r0 = 0; r0 < rows; r0 += 4) {
                 const float *pr[4];
@@ -246,9 +255,14 @@ int ragkv_scatter_attention(const uint16_t *q, int64_t qs_h, int64_t qs_t, const
                 }
             }
         }
+        if (cs) {
+            #pragma omp critical
+            for (int64_t j = 0; j < nk; j++) colsum[j] += cs[j];
+        }
         free(s);
         free(o);
         free(lsum);
+        free(cs);
     }
     free(kp);
     free(vf);
@@ -274,7 +288,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.ragkv_scatter_attention
     fn.restype = ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, i64, i64]
+    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
     fn.argtypes += [ctypes.c_float, ctypes.c_int]
 
 
@@ -288,7 +302,7 @@ ATTENTION = NativeLibrary(
     declare=_declare,
 )
 
-_REFUSED = ("softcap", "sliding_window", "s_aux")  # keyword arguments the kernel does not compute
+_REFUSED = ("sliding_window", "s_aux")  # keyword arguments the kernel does not compute (besides soft-capping, dropout)
 
 
 def attention_available() -> bool:
@@ -303,7 +317,7 @@ def scatter_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     contiguous last dimension, ``D`` a multiple of 64, ``Hq`` a multiple of ``Hkv``; ``kwargs`` the
     call's keyword arguments (no dropout, soft-capping, sliding window or attention sinks).
     """
-    if any(kwargs.get(name) for name in _REFUSED) or kwargs.get("dropout", 0.0):
+    if any(kwargs.get(name) is not None for name in _REFUSED) or kwargs.get("dropout") or kwargs.get("softcap"):
         return False
     tensors = (query, key, value)
     if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 4 or t.stride(3) != 1 for t in tensors):
@@ -315,14 +329,21 @@ def scatter_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def scatter_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, query_pos: torch.Tensor, scaling: float | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float | None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of queries at slots ``query_pos`` over the slots up to each one's own, by the kernel.
 
     ``query`` ``[1, Hq, q, D]``, ``key``/``value`` ``[1, Hkv, slots, D]`` (see :func:`scatter_applies`),
     ``query_pos`` ``[q]`` integer slots on the host. Returns ``[1, q, Hq, D]`` in bf16, as
-    transformers' attention functions return it. Raises ValueError for a position outside the
-    slots and RuntimeError where the kernel is not available or memory runs out.
+    transformers' attention functions return it. ``weights``, when given (fp32 ``[slots]``,
+    contiguous), is set to each slot's attention probability summed over heads and queries (what
+    fusion's question probe records). Raises ValueError for a position outside the slots or a
+    wrong ``weights``, RuntimeError where the kernel is not available or memory runs out.
     """
     lib = ATTENTION.get()
     if lib is None:
@@ -331,8 +352,16 @@ def scatter_attention(
     hkv, slots = key.shape[1], key.shape[2]
     if query_pos.shape != (nq,):
         raise ValueError(f"query_pos must be [{nq}] (one slot per query), got {tuple(query_pos.shape)}")
+    if weights is not None and (
+        weights.shape != (slots,) or weights.dtype != torch.float32 or not weights.is_contiguous()
+    ):
+        raise ValueError(
+            f"weights must be a contiguous float32 [{slots}] tensor, got {weights.dtype} {tuple(weights.shape)}"
+        )
     out = torch.empty(1, nq, hq, d, dtype=torch.bfloat16)
     if nq == 0:
+        if weights is not None:
+            weights.zero_()
         return out
     pos = query_pos.to(device="cpu", dtype=torch.int64).contiguous()
     scale = float(scaling) if scaling is not None else d**-0.5
@@ -340,7 +369,8 @@ def scatter_attention(
         *(query.data_ptr(), query.stride(1), query.stride(2)),
         *(key.data_ptr(), key.stride(1), key.stride(2)),
         *(value.data_ptr(), value.stride(1), value.stride(2)),
-        *(pos.data_ptr(), slots, out.data_ptr(), hq, hkv, nq, d, scale, torch.get_num_threads()),
+        *(pos.data_ptr(), slots, out.data_ptr(), None if weights is None else weights.data_ptr()),
+        *(hq, hkv, nq, d, scale, torch.get_num_threads()),
     )
     if _profiler._is_profiler_enabled:  # torch's profiler sees the call as PROFILED_NAME
         with torch.profiler.record_function(PROFILED_NAME):
