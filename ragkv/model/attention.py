@@ -216,10 +216,12 @@ def _takes_fp32_decode(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
 
 
 def _native_takes(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
+    steer: Steer, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
 ) -> bool:
-    """Whether ragkv's CPU kernel computes this call of a pass with query positions exactly as asked."""
-    return bool(getattr(module, "is_causal", True)) and scatter_applies(query, key, value, kwargs)
+    """Whether ragkv's CPU kernel computes this call exactly as asked (a pass with query positions)."""
+    if steer.query_pos is None or not getattr(module, "is_causal", True):
+        return False
+    return scatter_applies(query, key, value, kwargs)
 
 
 _EAGER: dict[type, Callable[..., Any]] = {}
@@ -255,18 +257,18 @@ def _dispatcher(base: str) -> Callable[..., Any]:
             if layer is None:  # the rows' K/V are found by layer: without one they would read the piece's
                 raise RuntimeError(f"{type(module).__name__} has no layer_idx; decode steps cannot ride on its passes")
             return _carried_attention(carry, base, module, query, key, value, attention_mask, *args, **kwargs)
-        scattered = steer.query_pos is not None and _native_takes(module, query, key, value, kwargs)
+        query_pos = steer.query_pos if _native_takes(steer, module, query, key, value, kwargs) else None
         if probe is not None and layer is not None and probe.layer_idx in (None, layer):
-            if scattered:  # the kernel sums the probabilities per slot as it goes
+            if query_pos is not None:  # the kernel sums the probabilities per slot as it goes
                 weights = torch.empty(key.shape[2], dtype=torch.float32)
-                out = scatter_attention(query, key, value, steer.query_pos, kwargs.get("scaling"), weights)
+                out = scatter_attention(query, key, value, query_pos, kwargs.get("scaling"), weights)
                 probe.weights[layer] = weights
                 return out, None
             return _probe_attention(probe, layer, query, key, value, attention_mask, kwargs.get("scaling"))
         if steer.kind == "decode" and _takes_fp32_decode(query, kwargs):
             return _one_query_fp32(query, key, value, attention_mask, kwargs.get("scaling"))
-        if scattered:
-            return scatter_attention(query, key, value, steer.query_pos, kwargs.get("scaling")), None
+        if query_pos is not None:
+            return scatter_attention(query, key, value, query_pos, kwargs.get("scaling")), None
         return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention.__name__ = f"{_PREFIX}{base}"
