@@ -11,12 +11,17 @@ else fp32; queries at sorted random positions over ``--keys`` keys), for SmolLM2
 - ``grouped``: the query heads of a KV head stacked as rows of one SDPA call (exact);
 - ``eager``: transformers' eager form in the model's dtype (``baddbmm`` with the mask, softmax,
   ``bmm``): faster, but the scores are rounded to bf16 before the softmax.
+- ``native``: ragkv's own kernel (:mod:`ragkv.model.native_attention`, on a CPU with AVX512-BF16),
+  from the queries' positions; ``*_err_fp64`` is the mean distance of it and of ``sdpa`` to the
+  attention computed in fp64, ``*_rounded_exact`` the share of their outputs that are that
+  attention rounded once to the model's dtype.
 
 With ``--fusion`` it also times whole fusions of the default model on the own QA set's first
 question with ``key_cut`` patched into transformers' SDPA, against the plain path.
 
     python experiments/attention_cpu.py --fusion
     python experiments/attention_cpu.py --eager-fusion 4   # the eager form in whole fusions: ms and KL
+    python experiments/attention_cpu.py --native-fusion 12   # ragkv's kernel in whole fusions: ms and KL
 
 Run it on a quiet machine. docs/benchmarks.md ("vLLM connector", on a CPU with AVX-512 and bf16)
 quotes one run.
@@ -25,6 +30,7 @@ quotes one run.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ragkv.model.native_attention import attention_available, scatter_attention
 from ragkv.model.placement import cpu_has_native_bf16
 
 BLOCKS = 4
@@ -83,12 +90,23 @@ def per_call(hq: int, hkv: int, d: int, q: int, kv: int, dt: torch.dtype) -> dic
     def eager() -> torch.Tensor:
         return _eager_attention(Q, K, V, mask, d**-0.5).transpose(1, 2)
 
+    def native() -> torch.Tensor:
+        return scatter_attention(Q, K, V, pos, d**-0.5).transpose(1, 2)
+
+    variants = [("sdpa", sdpa), ("key_cut", key_cut), ("manual", manual), ("grouped", grouped), ("eager", eager)]
+    if dt == torch.bfloat16 and attention_available():
+        variants.append(("native", native))
     ref = sdpa().float()
+    k64, v64 = K.double().repeat_interleave(g, 1), V.double().repeat_interleave(g, 1)
+    exact = F.scaled_dot_product_attention(Q.double(), k64, v64, attn_mask=blocked.logical_not())
     out: dict[str, float] = {}
-    for name, f in (("sdpa", sdpa), ("key_cut", key_cut), ("manual", manual), ("grouped", grouped), ("eager", eager)):
+    for name, f in variants:
         out[name] = round(timed(f), 2)
         if name != "sdpa":
             out[f"{name}_max_diff"] = round((f().float() - ref).abs().max().item(), 4)
+        if name in ("sdpa", "native"):  # mean distance to the attention computed in fp64, share of it rounded once
+            out[f"{name}_err_fp64"] = float(f"{(f().double() - exact).abs().mean().item():.3g}")
+            out[f"{name}_rounded_exact"] = round((f() == exact.float().to(dt)).double().mean().item(), 4)
     return out
 
 
@@ -107,15 +125,84 @@ def _eager_attention(
     return out.view(1, hq, q, d).transpose(1, 2).contiguous()
 
 
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    lp, lq = ref.float().log_softmax(-1), got.float().log_softmax(-1)
+    return round(float((lp.exp() * (lp - lq)).sum()), 5)
+
+
+def compare_fusions(
+    model: str, questions: int, rounds: int, names: tuple[str, str], switch: Callable[[str], None], full_ref: bool
+) -> None:
+    """Whole default fusions of ``model`` on the own QA set's first ``questions``, each of ``names``
+    switched on by ``switch(name)`` in turn: ms per fusion, and the KL of the last suffix token's
+    distribution to the reference: full prefill of the prompt (``full_ref``), else a fusion that
+    recomputes every chunk token (ratio 1) with ``names[0]``."""
+    from ragkv.bench.qa_data import build_prompt, load_qa_set
+    from ragkv.fusion import FusionConfig, FusionInput, fuse
+    from ragkv.model import load_model
+
+    a = load_model(model, device="cpu", dtype="auto")
+    qa = load_qa_set(None)
+    times: dict[str, list[int]] = {n: [] for n in names}
+    kls: dict[str, list[float]] = {n: [] for n in names}
+    with torch.inference_mode():
+        for question in qa.questions[:questions]:
+            p = build_prompt(qa, question, lambda t: len(a.encode(t)))
+            prefix, chunks, suffix = a.chat_segments(p.get("system"), p["chunks"], p["question"])
+            pre = a.prefill_kv(prefix)
+            inp = FusionInput(pre, [a.prefill_kv(c, past=[pre]) for c in chunks], chunks, suffix)
+            switch(names[0])
+            if full_ref:
+                ids = prefix + [t for c in chunks for t in c] + suffix
+                ref = a.forward(ids, a.build_cache([]), 0, logits="last")
+            else:
+                ref = fuse(a, inp, FusionConfig(ratio=1.0), prefill_suffix=True).suffix_logits
+            for r in range(rounds):
+                for name in names:
+                    switch(name)
+                    t = time.perf_counter()
+                    got = fuse(a, inp, FusionConfig(), prefill_suffix=True).suffix_logits
+                    times[name].append(round((time.perf_counter() - t) * 1000))
+                    if r == 0 and ref is not None and got is not None:
+                        kls[name].append(_kl(ref[-1], got[-1]))
+    print(f"whole fusion, ms per round ({a.dtype}): {times}")
+    print(f"KL of the last suffix token to {'full prefill' if full_ref else 'a ratio-1 fusion'}, per question: {kls}")
+    for name in names:
+        print(f"  {name}: median {statistics.median(times[name])} ms, mean KL {statistics.mean(kls[name]):.4f}")
+
+
+def native_fusion(model: str, questions: int, rounds: int) -> None:
+    """Whole fusions on ragkv's native kernel against torch's SDPA (``ModelAdapter.scattered`` as PLAIN)."""
+    from unittest import mock
+
+    from ragkv.model import ModelAdapter
+    from ragkv.model.attention import PLAIN
+
+    scattered = ModelAdapter.scattered
+    patch = mock.patch.object(ModelAdapter, "scattered", lambda self, pos: PLAIN)
+
+    def switch(name: str) -> None:
+        if name == "sdpa" and ModelAdapter.scattered is scattered:
+            patch.start()
+        elif name == "native" and ModelAdapter.scattered is not scattered:
+            patch.stop()
+
+    try:
+        compare_fusions(model, questions, rounds, ("sdpa", "native"), switch, full_ref=True)
+    finally:
+        switch("native")
+
+
 def eager_fusion(questions: int, rounds: int) -> None:
     """Whole default-model fusions with ``_eager_attention`` patched in for fusion's additive-masked
     calls, against torch's SDPA: ms per fusion, and the KL of the last suffix token's distribution
     to that of a fusion recomputing every chunk token (ratio 1), per question of the own QA set."""
+    from unittest import mock
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from ragkv.bench.qa_data import build_prompt, load_qa_set
-    from ragkv.fusion import FusionConfig, FusionInput, fuse
-    from ragkv.model import load_model
+    from ragkv.model import ModelAdapter
+    from ragkv.model.attention import PLAIN
 
     plain = ALL_ATTENTION_FUNCTIONS["sdpa"]
     on = [False]
@@ -129,34 +216,13 @@ def eager_fusion(questions: int, rounds: int) -> None:
         scale = kw.get("scaling") or query.shape[-1] ** -0.5
         return _eager_attention(query, key, value, mask, scale), None
 
-    def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-        lp, lq = ref.float().log_softmax(-1), got.float().log_softmax(-1)
-        return round(float((lp.exp() * (lp - lq)).sum()), 5)
+    def switch(name: str) -> None:
+        on[0] = name == "eager"
 
     ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = patched
     try:
-        a = load_model("smollm2-135m", device="cpu", dtype="auto")
-        qa = load_qa_set(None)
-        times: dict[str, list[int]] = {"sdpa": [], "eager": []}
-        kls: dict[str, list[float]] = {"sdpa": [], "eager": []}
-        with torch.inference_mode():
-            for question in qa.questions[:questions]:
-                p = build_prompt(qa, question, lambda t: len(a.encode(t)))
-                prefix, chunks, suffix = a.chat_segments(p.get("system"), p["chunks"], p["question"])
-                pre = a.prefill_kv(prefix)
-                inp = FusionInput(pre, [a.prefill_kv(c, past=[pre]) for c in chunks], chunks, suffix)
-                on[0] = False
-                ref = fuse(a, inp, FusionConfig(ratio=1.0), prefill_suffix=True).suffix_logits
-                for r in range(rounds):
-                    for name in times:
-                        on[0] = name == "eager"
-                        t = time.perf_counter()
-                        got = fuse(a, inp, FusionConfig(), prefill_suffix=True).suffix_logits
-                        times[name].append(round((time.perf_counter() - t) * 1000))
-                        if r == 0 and ref is not None and got is not None:
-                            kls[name].append(kl(ref[-1], got[-1]))
-        print(f"whole fusion, ms per round ({a.dtype}): {times}")
-        print(f"KL of the last suffix token to a ratio-1 fusion, per question: {kls}")
+        with mock.patch.object(ModelAdapter, "scattered", lambda self, pos: PLAIN):  # torch's attention only
+            compare_fusions("smollm2-135m", questions, rounds, ("sdpa", "eager"), switch, full_ref=False)
     finally:
         ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = plain
 
@@ -219,6 +285,14 @@ def main() -> None:
         metavar="N",
         help="also time whole fusions of N questions with transformers' eager form patched in",
     )
+    ap.add_argument(
+        "--native-fusion",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time whole fusions of N questions on ragkv's native kernel against torch's SDPA",
+    )
+    ap.add_argument("--model", default="smollm2-135m", help="the model of --native-fusion")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     dt = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -230,6 +304,8 @@ def main() -> None:
         whole_fusion(args.rounds)
     if args.eager_fusion:
         eager_fusion(args.eager_fusion, args.rounds)
+    if args.native_fusion:
+        native_fusion(args.model, args.native_fusion, args.rounds)
 
 
 if __name__ == "__main__":

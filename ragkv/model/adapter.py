@@ -392,11 +392,12 @@ class ModelAdapter:
     def scattered(self, query_pos: torch.Tensor) -> Steer:
         """The steer of a prefill pass whose queries sit at slots ``query_pos`` under :meth:`causal_mask`.
 
-        On a CPU with AVX512-BF16 and a bf16 model, its attention calls run ragkv's native kernel
-        from the positions (:mod:`ragkv.model.native_attention`; the mask stays for any call the
-        kernel does not take); elsewhere :data:`PLAIN`. ``query_pos``: ``[q]`` on the host.
+        On a CPU with AVX512-BF16 for a bf16 model, or with AVX2 and FMA for an fp32 one, its
+        attention calls run ragkv's native kernel from the positions
+        (:mod:`ragkv.model.native_attention`; the mask stays for any call the kernel does not take);
+        elsewhere :data:`PLAIN`. ``query_pos``: ``[q]`` on the host.
         """
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or not attention_available():
+        if self.device.type != "cpu" or not attention_available(self.dtype):
             return PLAIN
         return Steer(query_pos=query_pos.to(torch.int64).contiguous())
 

@@ -33,7 +33,14 @@ from torch.autograd import profiler as _profiler
 
 from ragkv.model.native import NativeLibrary
 
-__all__ = ["ATTENTION", "PROFILED_NAME", "attention_available", "scatter_applies", "scatter_attention"]
+__all__ = [
+    "ATTENTION",
+    "ATTENTION_FP32",
+    "PROFILED_NAME",
+    "attention_available",
+    "scatter_applies",
+    "scatter_attention",
+]
 
 PROFILED_NAME = "ragkv::scatter_attention"  # the kernel's calls, as torch's profiler lists them
 
@@ -292,40 +299,278 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes += [ctypes.c_float, ctypes.c_int]
 
 
+# The same algorithm in fp32 for AVX2 and FMA (any x86 CPU of the last decade; fp32 is what `auto`
+# picks on one without native bf16): keys packed as [tile][i][8 keys], no rounding but fp32's own.
+_SOURCE_FP32 = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int ragkv_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* 64-byte aligned memory of at least n bytes (a whole number of 64-byte lines), or NULL */
+static void *alloc64(int64_t n) { return aligned_alloc(64, (size_t)((n + 63) / 64 * 64)); }
+
+#define QB 16 /* query tokens a work item takes (times the query heads of its KV head) */
+
+/* e^x for x <= 0 (Cephes' single-precision polynomial, times 2^n built in the exponent bits). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Scores of four query rows against key tiles [0, t1) of the packed keys (a tile: d floats for each of
+   8 keys, [i][key]); s[row][key]. */
+static void scores4(const float *const qr[4], const float *kp, int64_t d, int64_t t1, float *s, int64_t ss) {
+    int64_t t = 0;
+    for (; t + 1 < t1; t += 2) {
+        const float *k0 = kp + t * 8 * d, *k1 = k0 + 8 * d;
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i++) {
+            __m256 b0 = _mm256_load_ps(k0 + i * 8), b1 = _mm256_load_ps(k1 + i * 8);
+            for (int r = 0; r < 4; r++) {
+                __m256 q = _mm256_broadcast_ss(qr[r] + i);
+                a[2 * r] = _mm256_fmadd_ps(q, b0, a[2 * r]);
+                a[2 * r + 1] = _mm256_fmadd_ps(q, b1, a[2 * r + 1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            _mm256_storeu_ps(s + r * ss + t * 8, a[2 * r]);
+            _mm256_storeu_ps(s + r * ss + t * 8 + 8, a[2 * r + 1]);
+        }
+    }
+    if (t < t1) {
+        const float *k0 = kp + t * 8 * d;
+        __m256 a[4];
+        for (int j = 0; j < 4; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i++) {
+            __m256 b0 = _mm256_load_ps(k0 + i * 8);
+            for (int r = 0; r < 4; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qr[r] + i), b0, a[r]);
+        }
+        for (int r = 0; r < 4; r++) _mm256_storeu_ps(s + r * ss + t * 8, a[r]);
+    }
+}
+
+/* o[row][c..c+16) = P[row] @ V over keys [0, n): the values' rows by stride vs_t. */
+static void values4(const float *const pr[4], const float *v, int64_t vs_t, int64_t c, int64_t n,
+                    float *const orow[4]) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t key = 0; key < n; key++) {
+        __m256 b0 = _mm256_loadu_ps(v + key * vs_t + c), b1 = _mm256_loadu_ps(v + key * vs_t + c + 8);
+        for (int r = 0; r < 4; r++) {
+            __m256 w = _mm256_broadcast_ss(pr[r] + key);
+            a[2 * r] = _mm256_fmadd_ps(w, b0, a[2 * r]);
+            a[2 * r + 1] = _mm256_fmadd_ps(w, b1, a[2 * r + 1]);
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        _mm256_storeu_ps(orow[r] + c, a[2 * r]);
+        _mm256_storeu_ps(orow[r] + c + 8, a[2 * r + 1]);
+    }
+}
+
+/* As the bf16 kernel, in fp32 throughout: q: [hq][nq][d] by strides (qs_h, qs_t), k and v:
+   [hkv][keys][d] by strides, the last dimension contiguous; out: [nq][hq][d] contiguous; d a
+   multiple of 16; colsum (NULL: none) [keys]. Returns 0, -1 when out of memory, -2 when a position
+   is not a key slot. */
+int ragkv_scatter_attention(const float *q, int64_t qs_h, int64_t qs_t, const float *k, int64_t ks_h,
+                            int64_t ks_t, const float *v, int64_t vs_h, int64_t vs_t, const int64_t *pos,
+                            int64_t keys, float *out, float *colsum, int64_t hq, int64_t hkv, int64_t nq,
+                            int64_t d, float scale, int threads) {
+    int64_t maxpos = 0;
+    for (int64_t t = 0; t < nq; t++) {
+        if (pos[t] < 0 || pos[t] >= keys) return -2;
+        maxpos = pos[t] > maxpos ? pos[t] : maxpos;
+    }
+    const int64_t nk = maxpos + 1, groups = hq / hkv;
+    const int64_t tiles = (nk + 15) / 16 * 2, width = tiles * 8;
+    float *kp = (float *)alloc64(hkv * width * d * 4);
+    if (!kp) return -1;
+    /* pack the keys as [head][tile][i][8 keys] (zero past nk) */
+    #pragma omp parallel for num_threads(threads) collapse(2) schedule(static) if (threads > 1)
+    for (int64_t h = 0; h < hkv; h++)
+        for (int64_t t = 0; t < tiles; t++) {
+            float *dst = kp + (h * tiles + t) * 8 * d;
+            for (int64_t l = 0; l < 8; l++) {
+                int64_t key = t * 8 + l;
+                const float *src = k + h * ks_h + key * ks_t;
+                for (int64_t i = 0; i < d; i++) dst[i * 8 + l] = key < nk ? src[i] : 0.0f;
+            }
+        }
+    const int64_t blocks = (nq + QB - 1) / QB;
+    int failed = 0;
+    if (colsum) memset(colsum, 0, (size_t)keys * 4);
+    #pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        const int64_t rows_max = groups * QB + 3;
+        float *s = (float *)alloc64(rows_max * width * 4);
+        float *o = (float *)alloc64(rows_max * d * 4);
+        float *lsum = (float *)alloc64(rows_max * 4);
+        float *cs = colsum ? (float *)calloc((size_t)width, 4) : NULL;
+        if (!s || !o || !lsum || (colsum && !cs)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < hkv * blocks; w++) {
+            int stop;
+            #pragma omp atomic read
+            stop = failed;
+            if (stop) continue;
+            const int64_t h = w / blocks, t0 = (w % blocks) * QB, t1 = t0 + QB < nq ? t0 + QB : nq;
+            const int64_t rows = (t1 - t0) * groups; /* row r: token t0 + r / groups, head h * groups + r % groups */
+            const float *kh = kp + h * tiles * 8 * d, *vh = v + h * vs_h;
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                const float *qr[4];
+                int64_t last = 0;
+                for (int j = 0; j < 4; j++) {
+                    int64_t r = r0 + j < rows ? r0 + j : rows - 1, t = t0 + r / groups, g = h * groups + r % groups;
+                    qr[j] = q + g * qs_h + t * qs_t;
+                    last = pos[t] > last ? pos[t] : last;
+                }
+                scores4(qr, kh, d, (last + 8) / 8, s + r0 * width, width);
+            }
+            /* each row's probabilities in place of its scores, zero from its own position + 1 on */
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = pos[t0 + r / groups] + 1, vecs = (n + 7) / 8;
+                float *sr = s + r * width;
+                for (int64_t j = n; j < vecs * 8; j++) sr[j] = -INFINITY;
+                __m256 mx = _mm256_set1_ps(-INFINITY), acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < vecs; j++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + 8 * j));
+                const __m256 sc = _mm256_set1_ps(scale), m = _mm256_set1_ps(hmax(mx) * scale);
+                for (int64_t j = 0; j < vecs; j++) {
+                    __m256 e = exp_ps(_mm256_fmsub_ps(_mm256_loadu_ps(sr + 8 * j), sc, m));
+                    _mm256_storeu_ps(sr + 8 * j, e);
+                }
+                for (int64_t j = n; j < width; j++) sr[j] = 0.0f;
+                for (int64_t j = 0; j < vecs; j++) acc = _mm256_add_ps(acc, _mm256_loadu_ps(sr + 8 * j));
+                lsum[r] = hsum(acc);
+                if (cs) {
+                    __m256 inv = _mm256_set1_ps(1.0f / lsum[r]);
+                    for (int64_t j = 0; j < vecs; j++)
+                        _mm256_storeu_ps(cs + 8 * j, _mm256_fmadd_ps(_mm256_loadu_ps(sr + 8 * j), inv,
+                                                                     _mm256_loadu_ps(cs + 8 * j)));
+                }
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                const float *pr[4];
+                float *orow[4];
+                int64_t last = 0;
+                for (int j = 0; j < 4; j++) {
+                    int64_t r = r0 + j < rows ? r0 + j : rows - 1;
+                    pr[j] = s + r * width;
+                    orow[j] = o + (r0 + j) * d; /* rows past `rows` land in the spare rows */
+                    last = pos[t0 + r / groups] > last ? pos[t0 + r / groups] : last;
+                }
+                for (int64_t c = 0; c < d; c += 16) values4(pr, vh, vs_t, c, last + 1, orow);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t t = t0 + r / groups, g = h * groups + r % groups;
+                __m256 inv = _mm256_set1_ps(1.0f / lsum[r]);
+                float *dst = out + (t * hq + g) * d;
+                for (int64_t c = 0; c < d; c += 8)
+                    _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(o + r * d + c), inv));
+            }
+        }
+        if (cs) {
+            #pragma omp critical
+            for (int64_t j = 0; j < nk; j++) colsum[j] += cs[j];
+        }
+        free(s);
+        free(o);
+        free(lsum);
+        free(cs);
+    }
+    free(kp);
+    return failed ? -1 : 0;
+}
+"""
+
+_FLAGS_FP32 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
 ATTENTION = NativeLibrary(
     "scatter_attention",
     _SOURCE,
     _FLAGS,
-    what="native attention kernel",
+    what="native bf16 attention kernel",
     fallback="fusion's attention runs in torch's SDPA",
     isa=("AVX512",),
     declare=_declare,
 )
+ATTENTION_FP32 = NativeLibrary(
+    "scatter_attention_fp32",
+    _SOURCE_FP32,
+    _FLAGS_FP32,
+    what="native fp32 attention kernel",
+    fallback="fusion's attention runs in torch's SDPA",
+    isa=("AVX2", "AVX512"),
+    declare=_declare,
+)
+_LIBRARIES = {torch.bfloat16: ATTENTION, torch.float32: ATTENTION_FP32}
+_HEAD_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # head sizes each kernel takes: multiples of these
 
 _REFUSED = ("sliding_window", "s_aux")  # keyword arguments the kernel does not compute (besides soft-capping, dropout)
 
 
-def attention_available() -> bool:
-    """Whether :func:`scatter_attention` runs here (the kernel built; the CPU has AVX-512 and AVX512-BF16)."""
-    return ATTENTION.get() is not None
+def attention_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`scatter_attention` runs here for ``dtype``: bf16 needs AVX-512 and AVX512-BF16,
+    fp32 AVX2 and FMA (and either a C compiler, the kernel built)."""
+    library = _LIBRARIES.get(dtype)
+    return library is not None and library.get() is not None
 
 
 def scatter_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]) -> bool:
-    """Whether the kernel computes this attention call exactly as the model asks it.
+    """Whether a kernel computes this attention call exactly as the model asks it.
 
-    ``query`` ``[1, Hq, q, D]``, ``key``/``value`` ``[1, Hkv, keys, D]``, all bf16 on the CPU with a
-    contiguous last dimension, ``D`` a multiple of 64, ``Hq`` a multiple of ``Hkv``; ``kwargs`` the
-    call's keyword arguments (no dropout, soft-capping, sliding window or attention sinks).
+    ``query`` ``[1, Hq, q, D]``, ``key``/``value`` ``[1, Hkv, keys, D]``, all bf16 (``D`` a multiple
+    of 64) or all fp32 (``D`` a multiple of 16), on the CPU with a contiguous last dimension, ``Hq``
+    a multiple of ``Hkv``; ``kwargs`` the call's keyword arguments (no dropout, soft-capping,
+    sliding window or attention sinks).
     """
     if any(kwargs.get(name) is not None for name in _REFUSED) or kwargs.get("dropout") or kwargs.get("softcap"):
         return False
-    tensors = (query, key, value)
-    if any(t.device.type != "cpu" or t.dtype != torch.bfloat16 or t.dim() != 4 or t.stride(3) != 1 for t in tensors):
+    tensors, dtype = (query, key, value), query.dtype
+    if dtype not in _LIBRARIES:
+        return False
+    if any(t.device.type != "cpu" or t.dtype != dtype or t.dim() != 4 or t.stride(3) != 1 for t in tensors):
         return False
     (b, hq, _, d), (kb, hkv, _, kd) = query.shape, key.shape
-    if b != 1 or kb != 1 or d % 64 or kd != d or hkv == 0 or hq % hkv or value.shape != key.shape:
+    if b != 1 or kb != 1 or d % _HEAD_MULTIPLE[dtype] or kd != d or hkv == 0 or hq % hkv or value.shape != key.shape:
         return False
-    return attention_available()
+    return attention_available(dtype)
 
 
 def scatter_attention(
@@ -339,15 +584,16 @@ def scatter_attention(
     """Attention of queries at slots ``query_pos`` over the slots up to each one's own, by the kernel.
 
     ``query`` ``[1, Hq, q, D]``, ``key``/``value`` ``[1, Hkv, slots, D]`` (see :func:`scatter_applies`),
-    ``query_pos`` ``[q]`` integer slots on the host. Returns ``[1, q, Hq, D]`` in bf16, as
+    ``query_pos`` ``[q]`` integer slots on the host. Returns ``[1, q, Hq, D]`` in the query's dtype, as
     transformers' attention functions return it. ``weights``, when given (fp32 ``[slots]``,
     contiguous), is set to each slot's attention probability summed over heads and queries (what
     fusion's question probe records). Raises ValueError for a position outside the slots or a
     wrong ``weights``, RuntimeError where the kernel is not available or memory runs out.
     """
-    lib = ATTENTION.get()
+    library = _LIBRARIES.get(query.dtype)
+    lib = None if library is None else library.get()
     if lib is None:
-        raise RuntimeError("the native attention kernel is not available here (see the log for why)")
+        raise RuntimeError(f"the native attention kernel for {query.dtype} is not available here (see the log for why)")
     _, hq, nq, d = query.shape
     hkv, slots = key.shape[1], key.shape[2]
     if query_pos.shape != (nq,):
@@ -358,7 +604,7 @@ def scatter_attention(
         raise ValueError(
             f"weights must be a contiguous float32 [{slots}] tensor, got {weights.dtype} {tuple(weights.shape)}"
         )
-    out = torch.empty(1, nq, hq, d, dtype=torch.bfloat16)
+    out = torch.empty(1, nq, hq, d, dtype=query.dtype)
     if nq == 0:
         if weights is not None:
             weights.zero_()

@@ -20,6 +20,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ragkv.fusion import FusionConfig, fuse
 from ragkv.model import ModelAdapter
+from ragkv.model.attention import PLAIN
 from ragkv.selection import BlendParams
 from tests.core.test_fusion import _prompt
 
@@ -43,8 +44,9 @@ def _long_prompt(adapter: ModelAdapter):
     return _prompt(adapter, sizes=(300, 250, 333))  # ~900 context slots
 
 
-def test_a_selective_pass_builds_one_mask_per_active_set_not_one_per_layer(llama_adapter):
+def test_a_selective_pass_builds_one_mask_per_active_set_not_one_per_layer(llama_adapter, monkeypatch):
     a = llama_adapter
+    monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)  # torch's attention, as on a GPU
     *_, inp = _long_prompt(a)
     config = FusionConfig(method="blend", ratio=0.15, params=BlendParams(check_layer=1))
     with recorded_masks() as masks:
@@ -71,6 +73,7 @@ def test_queries_at_the_tail_get_a_causal_bias_and_stay_exact(llama_adapter, mon
     a = llama_adapter
     prefix, chunk_ids, suffix, inp = _prompt(a)
     monkeypatch.setattr(a, "_lower_right_bias_is_free", lambda: True)
+    monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)  # torch's attention, as on a GPU
     with recorded_masks() as masks, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch: no CUDA kernel for the bias on the CPU
         fused = fuse(a, inp, FusionConfig(method="full", ratio=1.0), prefill_suffix=True)

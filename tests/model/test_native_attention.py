@@ -14,12 +14,15 @@ from tests.conftest import make_model
 from tests.core.test_model import _ids
 
 needs_kernel = pytest.mark.skipif(not na.attention_available(), reason="no C compiler, or no AVX512-BF16 on this CPU")
+needs_fp32_kernel = pytest.mark.skipif(
+    not na.attention_available(torch.float32), reason="no C compiler, or no AVX2 and FMA on this CPU"
+)
 
 
-def _operands(hq, hkv, q, keys, d, seed=0, order="sorted"):
+def _operands(hq, hkv, q, keys, d, seed=0, order="sorted", dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    query = (torch.randn(1, hq, q, d, generator=g) * 2).bfloat16()
-    key, value = (torch.randn(1, hkv, keys, d, generator=g).bfloat16() for _ in range(2))
+    query = (torch.randn(1, hq, q, d, generator=g) * 2).to(dtype)
+    key, value = (torch.randn(1, hkv, keys, d, generator=g).to(dtype) for _ in range(2))
     if order == "tail":  # the last q slots, as a prefill piece's queries
         pos = torch.arange(keys - q, keys)
     elif order == "zero":  # every query at slot 0: one key each
@@ -41,10 +44,10 @@ def _exact(query, key, value, pos, scale):
 
 
 def _torch_sdpa(query, key, value, pos, scale):
-    """What transformers' SDPA path computes in bf16: K/V repeated, an additive mask. [1, q, Hq, D]"""
+    """What transformers' SDPA path computes: K/V repeated, an additive mask. [1, q, Hq, D]"""
     groups = query.shape[1] // key.shape[1]
     blocked = torch.arange(key.shape[2]).unsqueeze(0) > pos.unsqueeze(1)
-    mask = torch.zeros(blocked.shape, dtype=torch.bfloat16).masked_fill_(blocked, torch.finfo(torch.bfloat16).min)
+    mask = torch.zeros(blocked.shape, dtype=query.dtype).masked_fill_(blocked, torch.finfo(query.dtype).min)
     k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale).transpose(1, 2)
 
@@ -79,6 +82,28 @@ def test_the_kernel_is_the_exact_attention_rounded_once(hq, hkv, q, keys, d, ord
     torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
     rounded = exact.float().bfloat16()
     assert (got == rounded).double().mean() >= 0.99
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize(
+    ("hq", "hkv", "q", "keys", "d"),
+    [(1, 1, 1, 1, 16), (4, 4, 5, 17, 16), (9, 3, 37, 200, 64), (14, 2, 33, 100, 48), (4, 2, 20, 70, 128)],
+)
+@pytest.mark.parametrize("order", ["sorted", "unsorted", "tail", "zero"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_fp32_kernel_is_the_exact_attention_to_fp32s_precision(hq, hkv, q, keys, d, order, threads):
+    query, key, value, pos = _operands(hq, hkv, q, keys, d, seed=hq * 100 + keys, order=order, dtype=torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = na.scatter_attention(query, key, value, pos, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (1, q, hq, d) and got.dtype == torch.float32
+    exact = _exact(query, key, value, pos, d**-0.5)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
+    torchs = _torch_sdpa(query, key, value, pos, d**-0.5).double()
+    assert (got.double() - exact).abs().mean() <= 2 * (torchs - exact).abs().mean() + 1e-7
 
 
 @needs_kernel
@@ -124,8 +149,12 @@ def test_calls_the_kernel_does_not_compute_are_left_to_the_model():
     assert na.scatter_applies(query, key, value, {"dropout": 0.0, "scaling": 0.125, "sliding_window": None}) == ok
     for kwargs in ({"sliding_window": 4}, {"softcap": 30.0}, {"s_aux": torch.zeros(4)}, {"dropout": 0.1}):
         assert not na.scatter_applies(query, key, value, kwargs)
-    assert not na.scatter_applies(query.float(), key.float(), value.float(), {})  # fp32: SDPA
-    assert not na.scatter_applies(query[..., :32], key[..., :32], value[..., :32], {})  # head size 32
+    fp32 = (query.float(), key.float(), value.float())
+    assert na.scatter_applies(*fp32, {}) == na.attention_available(torch.float32)  # the AVX2 kernel
+    assert not na.scatter_applies(query.half(), key.half(), value.half(), {})  # fp16: no kernel
+    assert not na.scatter_applies(query[..., :32], key[..., :32], value[..., :32], {})  # bf16 head size 32
+    assert not na.scatter_applies(*(t[..., :8] for t in fp32), {})  # fp32 head size 8
+    assert not na.scatter_applies(query, key.float(), value, {})  # dtypes that differ
     assert not na.scatter_applies(query[:, :3], key, value, {})  # 3 query heads over 2 KV heads
     assert not na.scatter_applies(query.expand(2, -1, -1, -1), key.expand(2, -1, -1, -1), value, {})  # a batch
 
@@ -188,25 +217,33 @@ def test_a_sliding_window_model_keeps_torchs_attention(tiny_tokenizer, monkeypat
     assert counted.calls == 0 and torch.equal(fused.suffix_logits, plain.suffix_logits)
 
 
-def test_the_kernel_steers_only_bf16_passes_on_a_cpu_that_runs_it(tiny_tokenizer, llama_adapter, monkeypatch):
+def test_passes_are_steered_to_the_kernel_only_where_it_runs(tiny_tokenizer, llama_adapter, monkeypatch):
     pos = torch.tensor([3, 5, 9])
-    assert llama_adapter.scattered(pos) is PLAIN  # an fp32 model: torch's SDPA
-    bf16 = _bf16_adapter(tiny_tokenizer)
-    steer = bf16.scattered(pos)
-    if na.attention_available():
-        assert isinstance(steer, Steer) and not steer.plain_attention and torch.equal(steer.query_pos, pos)
-    monkeypatch.setattr(na.ATTENTION, "_library", [None])  # as where it cannot be built (RAGKV_NATIVE_KERNELS=0)
-    assert bf16.scattered(pos) is PLAIN
+    for adapter, dtype, library in (
+        (_bf16_adapter(tiny_tokenizer), torch.bfloat16, na.ATTENTION),
+        (llama_adapter, torch.float32, na.ATTENTION_FP32),
+    ):
+        steer = adapter.scattered(pos)
+        if na.attention_available(dtype):
+            assert isinstance(steer, Steer) and not steer.plain_attention and torch.equal(steer.query_pos, pos)
+        with monkeypatch.context() as m:
+            m.setattr(library, "_library", [None])  # as where it cannot be built (RAGKV_NATIVE_KERNELS=0)
+            assert adapter.scattered(pos) is PLAIN
+    half = ModelAdapter(make_model("llama", len(tiny_tokenizer)).half(), tiny_tokenizer, name="tiny-fp16")
+    assert half.scattered(pos) is PLAIN  # no fp16 kernel
 
 
-def test_switched_off_the_kernel_is_not_built(tmp_path, monkeypatch):
+def test_switched_off_the_kernels_are_not_built(tmp_path, monkeypatch):
     monkeypatch.setattr(na.ATTENTION, "_library", [])  # a fresh look, as in a new process
+    monkeypatch.setattr(na.ATTENTION_FP32, "_library", [])
     monkeypatch.setenv("RAGKV_NATIVE_KERNELS", "0")
     monkeypatch.setenv("RAGKV_KERNEL_CACHE", str(tmp_path))
-    assert not na.attention_available() and not any(tmp_path.iterdir())
-    query, key, value, pos = _operands(2, 1, 4, 10, 64)
-    with pytest.raises(RuntimeError, match="not available"):
-        na.scatter_attention(query, key, value, pos, None)
+    assert not na.attention_available() and not na.attention_available(torch.float32)
+    assert not any(tmp_path.iterdir())
+    for dtype in (torch.bfloat16, torch.float32):
+        query, key, value, pos = _operands(2, 1, 4, 10, 64, dtype=dtype)
+        with pytest.raises(RuntimeError, match="not available"):
+            na.scatter_attention(query, key, value, pos, None)
 
 
 @needs_kernel
@@ -256,3 +293,15 @@ def test_the_question_probe_on_the_kernel_records_what_the_eager_probe_records(t
         len(slots),
     )
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-7)  # both fp32 over the same bf16 layers
+
+
+@needs_kernel
+def test_concurrent_calls_from_several_threads_each_get_their_own_result():
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [_operands(9, 3, 40 + i, 300 + 17 * i, 64, seed=i, order="unsorted") for i in range(6)]
+    alone = [na.scatter_attention(*c, 0.125) for c in cases]
+    with ThreadPoolExecutor(3) as pool:
+        for _ in range(3):
+            together = list(pool.map(lambda c: na.scatter_attention(*c, 0.125), cases))
+            assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
