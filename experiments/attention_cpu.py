@@ -152,6 +152,7 @@ def compare_fusions(
             pre = a.prefill_kv(prefix)
             inp = FusionInput(pre, [a.prefill_kv(c, past=[pre]) for c in chunks], chunks, suffix)
             switch(names[0])
+            ref: torch.Tensor | None
             if full_ref:
                 ids = prefix + [t for c in chunks for t in c] + suffix
                 ref = a.forward(ids, a.build_cache([]), 0, logits="last")
