@@ -11,7 +11,7 @@ else fp32; queries at sorted random positions over ``--keys`` keys), for SmolLM2
 - ``grouped``: the query heads of a KV head stacked as rows of one SDPA call (exact);
 - ``eager``: transformers' eager form in the model's dtype (``baddbmm`` with the mask, softmax,
   ``bmm``): faster, but the scores are rounded to bf16 before the softmax.
-- ``native``: ragkv's own kernel (:mod:`ragkv.model.native_attention`, on a CPU with AVX512-BF16),
+- ``native``: ragkv's own kernel (:mod:`ragkv.model.native_attention`: AVX512-BF16 in bf16, AVX2 in fp32),
   from the queries' positions; ``*_err_fp64`` is the mean distance of it and of ``sdpa`` to the
   attention computed in fp64, ``*_rounded_exact`` the share of their outputs that are that
   attention rounded once to the model's dtype.
@@ -22,6 +22,7 @@ question with ``key_cut`` patched into transformers' SDPA, against the plain pat
     python experiments/attention_cpu.py --fusion
     python experiments/attention_cpu.py --eager-fusion 4   # the eager form in whole fusions: ms and KL
     python experiments/attention_cpu.py --native-fusion 12   # ragkv's kernel in whole fusions: ms and KL
+    python experiments/attention_cpu.py --fp32   # per call in fp32 (ragkv's AVX2 kernel against SDPA)
 
 Run it on a quiet machine. docs/benchmarks.md ("vLLM connector", on a CPU with AVX-512 and bf16)
 quotes one run.
@@ -94,7 +95,7 @@ def per_call(hq: int, hkv: int, d: int, q: int, kv: int, dt: torch.dtype) -> dic
         return scatter_attention(Q, K, V, pos, d**-0.5).transpose(1, 2)
 
     variants = [("sdpa", sdpa), ("key_cut", key_cut), ("manual", manual), ("grouped", grouped), ("eager", eager)]
-    if dt == torch.bfloat16 and attention_available():
+    if attention_available(dt):
         variants.append(("native", native))
     ref = sdpa().float()
     k64, v64 = K.double().repeat_interleave(g, 1), V.double().repeat_interleave(g, 1)
@@ -295,8 +296,9 @@ def main() -> None:
     )
     ap.add_argument("--model", default="smollm2-135m", help="the model of --native-fusion")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fp32", action="store_true", help="per call in fp32 even where the CPU has native bf16")
     args = ap.parse_args()
-    dt = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    dt = torch.bfloat16 if cpu_has_native_bf16() and not args.fp32 else torch.float32
     print(f"{torch.get_num_threads()} threads, {dt}, {args.keys} keys; ms per call")
     for hq, hkv, d in ((9, 3, 64), (14, 2, 64)):
         for q in (20, 100, 300, 600):
