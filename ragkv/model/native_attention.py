@@ -44,22 +44,27 @@ __all__ = [
 
 PROFILED_NAME = "ragkv::scatter_attention"  # the kernel's calls, as torch's profiler lists them
 
-_SOURCE = r"""
+# What both kernels' sources start with (each then says which CPUs run it).
+_PREAMBLE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* 64-byte aligned memory of at least n bytes (a whole number of 64-byte lines), or NULL */
+static void *alloc64(int64_t n) { return aligned_alloc(64, (size_t)((n + 63) / 64 * 64)); }
+
+#define QB 16 /* query tokens a work item takes (times the query heads of its KV head) */
+"""
+
+_SOURCE = _PREAMBLE + r"""
+
 int ragkv_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
 }
 
-/* 64-byte aligned memory of at least n bytes (a whole number of 64-byte lines), or NULL */
-static void *alloc64(int64_t n) { return aligned_alloc(64, (size_t)((n + 63) / 64 * 64)); }
-
-#define QB 16 /* query tokens a work item takes (times the query heads of its KV head) */
 
 /* e^x for x <= 0 (Cephes' single-precision polynomial, scaled by 2^n with scalef). */
 static inline __m512 exp_ps(__m512 x) {
@@ -301,22 +306,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # The same algorithm in fp32 for AVX2 and FMA (any x86 CPU of the last decade; fp32 is what `auto`
 # picks on one without native bf16): keys packed as [tile][i][8 keys], no rounding but fp32's own.
-_SOURCE_FP32 = r"""
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+_SOURCE_FP32 = _PREAMBLE + r"""
 
 int ragkv_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-/* 64-byte aligned memory of at least n bytes (a whole number of 64-byte lines), or NULL */
-static void *alloc64(int64_t n) { return aligned_alloc(64, (size_t)((n + 63) / 64 * 64)); }
-
-#define QB 16 /* query tokens a work item takes (times the query heads of its KV head) */
 
 /* e^x for x <= 0 (Cephes' single-precision polynomial, times 2^n built in the exponent bits). */
 static inline __m256 exp_ps(__m256 x) {
