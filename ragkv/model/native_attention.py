@@ -58,7 +58,9 @@ static void *alloc64(int64_t n) { return aligned_alloc(64, (size_t)((n + 63) / 6
 #define QB 16 /* query tokens a work item takes (times the query heads of its KV head) */
 """
 
-_SOURCE = _PREAMBLE + r"""
+_SOURCE = (
+    _PREAMBLE
+    + r"""
 
 int ragkv_supported(void) {
     __builtin_cpu_init();
@@ -281,6 +283,7 @@ int ragkv_scatter_attention(const uint16_t *q, int64_t qs_h, int64_t qs_t, const
     return failed ? -1 : 0;
 }
 """
+)
 
 _FLAGS = [
     "-O3",
@@ -306,7 +309,9 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 # The same algorithm in fp32 for AVX2 and FMA (any x86 CPU of the last decade; fp32 is what `auto`
 # picks on one without native bf16): keys packed as [tile][i][8 keys], no rounding but fp32's own.
-_SOURCE_FP32 = _PREAMBLE + r"""
+_SOURCE_FP32 = (
+    _PREAMBLE
+    + r"""
 
 int ragkv_supported(void) {
     __builtin_cpu_init();
@@ -514,6 +519,7 @@ int ragkv_scatter_attention(const float *q, int64_t qs_h, int64_t qs_t, const fl
     return failed ? -1 : 0;
 }
 """
+)
 
 _FLAGS_FP32 = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
