@@ -169,8 +169,9 @@ class Steer:
     probe: AttentionProbe | None = None  # records the attention weights of the pass's queries
     carry: Carry | None = None  # decode rows riding on the pass's last queries
     # [q] int64 on the host: the slots of the pass's queries, each of which sees the slots up to its
-    # own (the pass's mask is ModelAdapter.causal_mask of them). On a CPU with AVX512-BF16 the calls
-    # ragkv's kernel computes as asked run there from these positions (ragkv.model.native_attention)
+    # own (the pass's mask is ModelAdapter.causal_mask of them). On a CPU (AVX512-BF16 for bf16, AVX2
+    # for fp32) the calls ragkv's kernel computes as asked run there from these positions
+    # (ragkv.model.native_attention); the others take the mask as before
     query_pos: torch.Tensor | None = None
 
     @property
