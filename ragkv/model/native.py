@@ -33,6 +33,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.autograd import profiler as _profiler
@@ -49,6 +50,7 @@ __all__ = [
     "int8_library",
     "int8_matmul",
     "kernel_cache_dir",
+    "profiled_call",
 ]
 
 PROFILED_NAME = "ragkv::int8_matmul"  # the kernel's calls, as torch's profiler lists them
@@ -259,10 +261,13 @@ class NativeLibrary:
                 self._library.append(self._load())
             return self._library[0]
 
-    def forget(self) -> None:
-        """Look again on the next :meth:`get` (as a new process would): for tests."""
-        with self._lock:
-            self._library.clear()
+
+def profiled_call(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``; while torch's profiler records, it lists the call as ``name``."""
+    if _profiler._is_profiler_enabled:
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)
 
 
 def _declare_int8(lib: ctypes.CDLL) -> None:
@@ -308,11 +313,7 @@ def int8_kernel(q: torch.Tensor, scales: torch.Tensor) -> Callable[[torch.Tensor
         if x.dim() != 2 or x.shape[1] != inp:
             raise ValueError(f"shapes do not agree: x {tuple(x.shape)}, weights [{out}, {inp}]")
         y = torch.empty(rows, out, dtype=torch.float32)
-        if _profiler._is_profiler_enabled:  # torch's profiler sees the call as PROFILED_NAME
-            with torch.profiler.record_function(PROFILED_NAME):
-                fn(x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
-        else:
-            fn(x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
+        profiled_call(PROFILED_NAME, fn, x.data_ptr(), qp, sp, y.data_ptr(), rows, inp, out, torch.get_num_threads())
         # q and scales stay alive with this closure: the pointers above stay valid
         return y
 

@@ -1,26 +1,30 @@
-"""Fusion's attention on a CPU with AVX-512 and native bf16: ragkv's own kernel, from positions instead of a mask.
+"""Fusion's attention on a CPU: ragkv's own kernels, from the queries' positions instead of a mask.
 
 A fused prefill recomputes tokens at scattered positions, each of which sees the slots up to its
 own; torch's SDPA takes that as an additive ``[q, keys]`` mask, repeats K/V for grouped-query
 heads, and runs at about a third of the matrix products' speed on such shapes (41% of a SmolLM2
-fusion, ``experiments/fusion_profile.py``). This kernel takes the queries' positions instead:
+fusion, ``experiments/fusion_profile.py``). These kernels take the queries' positions instead:
 
-- keys are packed once per call as bf16 pairs (the operand layout of AVX512-BF16's ``vdpbf16ps``),
-  values widened to fp32; the query heads of a KV head share them (no repeat);
+- bf16 (AVX-512 with AVX512-BF16): keys are packed once per call as bf16 pairs (the operand layout
+  of ``vdpbf16ps``), values widened to fp32; the query heads of a KV head share them (no repeat);
 - each work item (a KV head and 16 query tokens, its query heads as rows) computes its scores
   against the keys up to its last position only, as exact sums of bf16 products in fp32; the
   softmax (a Cephes polynomial for ``exp``), the product with V and the sums in fp32, the output
   rounded to bf16 once (torch's bf16 kernel rounds the probabilities to bf16 before that product);
-- the work items are spread over torch's own OpenMP threads (``torch.get_num_threads()``).
+- fp32 (AVX2 and FMA, where ``auto`` picks fp32): the same steps in fp32, keys packed by 8;
+- the work items are spread over torch's own OpenMP threads (``torch.get_num_threads()``); with
+  ``weights`` the kernel also sums each slot's probability over heads and queries (the question
+  probe's record).
 
-Its results agree with SDPA's as closely as SDPA's agree with an fp64 reference (the tests check
-both against that reference); over SmolLM2's heads, 300 queries and 1,535 keys, 1.7 ms against
-SDPA's 9.3 ms on a 2-core AMD EPYC with ``avx512_bf16``.
+The bf16 kernel's output is the attention computed in fp64, rounded once, on nearly every element
+(SDPA's on about 60%); the fp32 one is at fp32's own precision. Over SmolLM2's heads, 300 queries
+and 1,535 keys: 2.5 ms against SDPA's 10.7 in bf16, 3.6 against 8.5 in fp32, on a 2-core AMD EPYC
+with ``avx512_bf16`` (``python experiments/attention_cpu.py [--fp32]``; docs/benchmarks.md).
 
-It is built like :mod:`ragkv.model.native`'s int8 kernel (``cc`` on first use, the kernel cache,
-``RAGKV_NATIVE_KERNELS=0`` turns it off). Where it cannot run, or a call asks for what it does
-not compute (sliding windows, soft-capping, sinks, dropout, head sizes not a multiple of 64),
-the call goes to the model's own attention with the mask, as before.
+They are built like :mod:`ragkv.model.native`'s int8 kernel (``cc`` on first use, the kernel
+cache, ``RAGKV_NATIVE_KERNELS=0`` turns them off). Where they cannot run, or a call asks for what
+they do not compute (fp16, sliding windows, soft-capping, sinks, dropout, head sizes not a multiple
+of 64 in bf16 or 16 in fp32), the call goes to the model's own attention with the mask, as before.
 """
 
 from __future__ import annotations
@@ -29,9 +33,8 @@ import ctypes
 from typing import Any
 
 import torch
-from torch.autograd import profiler as _profiler
 
-from ragkv.model.native import NativeLibrary
+from ragkv.model.native import NativeLibrary, profiled_call
 
 __all__ = [
     "ATTENTION",
@@ -620,11 +623,7 @@ def scatter_attention(
         *(pos.data_ptr(), slots, out.data_ptr(), None if weights is None else weights.data_ptr()),
         *(hq, hkv, nq, d, scale, torch.get_num_threads()),
     )
-    if _profiler._is_profiler_enabled:  # torch's profiler sees the call as PROFILED_NAME
-        with torch.profiler.record_function(PROFILED_NAME):
-            rc = lib.ragkv_scatter_attention(*args)
-    else:
-        rc = lib.ragkv_scatter_attention(*args)
+    rc = profiled_call(PROFILED_NAME, lib.ragkv_scatter_attention, *args)
     if rc == -2:
         raise ValueError(f"query positions must lie in [0, {slots}) (the key slots)")
     if rc != 0:
