@@ -309,6 +309,8 @@ class ModelAdapter:
                 raise ValueError("a rider rides on a plain pass of its own batch's model")
             piece_logits, rider.logits = rider.batch.carried_step(rider.tokens, ids[0], cache, start, logits)
             return piece_logits
+        if steer is PLAIN and ids.shape[1] > 1:
+            steer = self._prefill_steer(cache, start, ids.shape[1])
         model, kw = self.model_for(steer.weights), self._steering(steer)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         if logits == "none":  # the decoder stack alone: no head at all
@@ -400,6 +402,25 @@ class ModelAdapter:
         if self.device.type != "cpu" or not attention_available(self.dtype):
             return PLAIN
         return Steer(query_pos=query_pos.to(torch.int64).contiguous())
+
+    def _prefill_steer(self, cache: Cache, start: int, count: int) -> Steer:
+        """The steer of a plain prefill pass of ``count`` tokens after ``start`` cached ones: ragkv's kernel
+        where it is faster than torch's attention, else :data:`PLAIN`.
+
+        A prefill's queries are the last ``count`` slots, so its attention is the kernel's case with
+        positions ``start..``: one query per slot, each seeing the slots up to its own, as the model's
+        causal mask says. Taken only where that holds for sure (a :class:`DynamicCache` holding exactly
+        ``start`` tokens: its slots are the positions) and where it was measured to pay: a bf16 model
+        on a CPU with AVX512-BF16, where the kernel ran 1.7-4x faster than torch's SDPA per call and
+        whole prefills 1.15-1.33x faster (``experiments/prefill_attention.py``, docs/benchmarks.md).
+        fp32 passes keep torch's attention: per call the AVX2 kernel ranged from 0.8x to 2x SDPA's
+        speed by shape, and it was never measured on the AVX2-only CPUs where fp32 is the default.
+        """
+        if self.dtype != torch.bfloat16 or type(cache) is not DynamicCache or not is_dispatched(self.model):
+            return PLAIN
+        if cache.get_seq_length() != start:
+            return PLAIN
+        return self.scattered(torch.arange(start, start + count))
 
     def _lower_right_bias_is_free(self) -> bool:
         """Whether SDPA applies a lower-right causal bias without building a mask: SDPA on CUDA.

@@ -10,6 +10,7 @@ from ragkv.fusion import FusionConfig, FusionInput, _question_attention, fuse
 from ragkv.model import ModelAdapter, attention
 from ragkv.model import native_attention as na
 from ragkv.model.attention import PLAIN, Steer
+from ragkv.model.caches import ScatterCache
 from tests.conftest import make_model
 from tests.core.test_model import _ids
 
@@ -305,3 +306,53 @@ def test_concurrent_calls_from_several_threads_each_get_their_own_result():
         for _ in range(3):
             together = list(pool.map(lambda c: na.scatter_attention(*c, 0.125), cases))
             assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
+
+
+def _plain_prefill(adapter: ModelAdapter, ids: list[int], piece: int) -> torch.Tensor:
+    """Logits of the last token of ``ids`` prefilled in pieces of ``piece`` tokens from an empty cache."""
+    cache = adapter.build_cache([])
+    for s in range(0, len(ids), piece):
+        out = adapter.forward(ids[s : s + piece], cache, s, logits="last")
+    return out[-1]
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("piece", [200, 32])  # one pass; chunked prefill after a cached context
+def test_a_plain_prefill_in_bf16_runs_the_kernel_and_is_as_close_to_fp64_as_torchs_path(
+    tiny_tokenizer, monkeypatch, family, piece
+):
+    adapter = _bf16_adapter(tiny_tokenizer, family)
+    ids = _ids(150, 7)
+    counted = _Counted(na.scatter_attention)
+    monkeypatch.setattr(attention, "scatter_attention", counted)
+    ours = _plain_prefill(adapter, ids, piece)
+    assert counted.calls == adapter.spec.num_layers * -(-len(ids) // piece)  # every layer of every piece
+    with monkeypatch.context() as m:
+        m.setattr(ModelAdapter, "_prefill_steer", lambda self, cache, start, count: PLAIN)
+        torchs = _plain_prefill(adapter, ids, piece)
+    assert counted.calls == adapter.spec.num_layers * -(-len(ids) // piece)
+    exact_model = make_model(family, len(tiny_tokenizer), seed=3, head_dim=64).to(torch.bfloat16).double()
+    exact_adapter = ModelAdapter(exact_model, tiny_tokenizer, name="fp64")
+    exact = exact_adapter.forward(ids, exact_adapter.build_cache([]), 0)[-1].double()
+    assert (ours.double() - exact).abs().mean() <= (torchs.double() - exact).abs().mean() * 1.25 + 1e-3
+    torch.testing.assert_close(ours, torchs, atol=0.15, rtol=0.05)
+
+
+@needs_kernel
+def test_a_prefill_keeps_torchs_attention_where_the_kernel_is_not_sure_to_apply_or_pay(
+    tiny_tokenizer, llama_adapter, monkeypatch
+):
+    adapter = _bf16_adapter(tiny_tokenizer)
+    counted = _Counted(na.scatter_attention)
+    monkeypatch.setattr(attention, "scatter_attention", counted)
+    ids = _ids(40, 5)
+    cache = adapter.build_cache([])
+    adapter.forward(ids[:1], cache, 0)  # one token: a decode-like step
+    adapter.forward(ids[1:20], cache, 1)
+    assert counted.calls == adapter.spec.num_layers  # only the 19-token piece
+    assert adapter._prefill_steer(cache, 7, 5) is PLAIN  # a cache whose length is not the start
+    assert adapter._prefill_steer(ScatterCache.__new__(ScatterCache), 0, 5) is PLAIN  # not a DynamicCache
+    assert llama_adapter._prefill_steer(llama_adapter.build_cache([]), 0, 5) is PLAIN  # fp32: slower than SDPA
+    steer = adapter._prefill_steer(adapter.build_cache([]), 0, 5)
+    assert torch.equal(steer.query_pos, torch.arange(5))
