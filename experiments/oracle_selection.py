@@ -55,7 +55,7 @@ def full_margin(adapter, prompt, full: list[int], got: list[int]) -> float | Non
     """How much full prefill prefers its own answer where ``got`` first departs from it: the log-probability
     of full prefill's token minus that of ``got``'s, in nats, under full prefill (None: the same answer,
     or one ends where the other goes on)."""
-    d = next((i for i, (a, b) in enumerate(zip(full, got)) if a != b), None)
+    d = next((i for i, (a, b) in enumerate(zip(full, got, strict=False)) if a != b), None)
     if d is None:
         return None
     prefix, chunks, suffix = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])

@@ -16,7 +16,8 @@ pays (``ModelAdapter._prefill_steer``). This measures where it pays:
   reference that rounds least).
 
     python experiments/prefill_attention.py
-    python experiments/prefill_attention.py --model ~/.cache/ragkv-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --prompts 6
+    python experiments/prefill_attention.py --prompts 6 \\
+        --model ~/.cache/ragkv-models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
 Run it on a quiet machine.
 """
@@ -45,29 +46,29 @@ def timed(f: Callable[[], Any], n: int = 10) -> float:
     return (time.perf_counter() - t) / n * 1000
 
 
+def one_shape(dt: torch.dtype, hq: int, hkv: int, d: int, start: int, count: int) -> tuple[float, float]:
+    """ms per call of SDPA (as transformers calls it) and of the kernel: ``count`` queries after ``start`` keys."""
+    gen = torch.Generator().manual_seed(0)
+    keys = start + count
+    q = torch.randn(1, hq, count, d, generator=gen).to(dt)
+    k, v = (torch.randn(1, hkv, keys, d, generator=gen).to(dt) for _ in range(2))
+    kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    pos = torch.arange(start, keys)
+    mask = None
+    if start:  # a piece after cached tokens: transformers hands SDPA the additive causal mask
+        blocked = torch.arange(keys).unsqueeze(0) > pos.unsqueeze(1)
+        mask = torch.zeros(1, 1, count, keys, dtype=dt).masked_fill_(blocked, torch.finfo(dt).min)
+    sdpa = timed(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, is_causal=mask is None))
+    return sdpa, timed(lambda: scatter_attention(q, k, v, pos, d**-0.5))
+
+
 def per_call(dt: torch.dtype) -> None:
     """Print ms per call, SDPA against the kernel, for whole prompts and for pieces after a context."""
-    gen = torch.Generator().manual_seed(0)
     for hq, hkv, d in ((14, 2, 64), (12, 2, 128)):
         for start, count in ((0, 512), (0, 1536), (1280, 256), (3840, 256)):
-            keys = start + count
-            q = torch.randn(1, hq, count, d, generator=gen).to(dt)
-            k, v = (torch.randn(1, hkv, keys, d, generator=gen).to(dt) for _ in range(2))
-            kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-            pos = torch.arange(start, keys)
-            if start == 0:
-
-                def sdpa() -> Any:
-                    return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
-            else:
-                blocked = torch.arange(keys).unsqueeze(0) > pos.unsqueeze(1)
-                mask = torch.zeros(1, 1, count, keys, dtype=dt).masked_fill_(blocked, torch.finfo(dt).min)
-
-                def sdpa() -> Any:
-                    return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
-
-            a, b = timed(sdpa), timed(lambda: scatter_attention(q, k, v, pos, d**-0.5))
-            print(f"{dt} heads {hq}/{hkv}x{d}, {count} queries after {start}: sdpa {a:.2f} ms, kernel {b:.2f} ms, {a / b:.2f}x")
+            a, b = one_shape(dt, hq, hkv, d, start, count)
+            shape = f"{dt} heads {hq}/{hkv}x{d}, {count} queries after {start}"
+            print(f"{shape}: sdpa {a:.2f} ms, kernel {b:.2f} ms, {a / b:.2f}x")
 
 
 @torch.inference_mode()

@@ -163,7 +163,7 @@ def compare_methods(
 
     t0 = time.perf_counter()
     cache = adapter.build_cache([])
-    logits = adapter.forward(ctx + suffix, cache, 0)
+    logits = adapter.forward(ctx + suffix, cache, 0, logits="last")  # as an engine: no LM head over the prompt
     first = int(logits[-1].argmax())
     full_ttft = (time.perf_counter() - t0) * 1000
     answer = _greedy(adapter, cache, logits[-1], n + len(suffix), gen, decode_weights) or [first]

@@ -32,7 +32,7 @@ from ragkv.answering import PromptParts
 from ragkv.bench import netns, table
 from ragkv.bench.table import Column
 from ragkv.model import ModelAdapter
-from ragkv.types import CodecSpec, GenerationStats
+from ragkv.types import CodecSpec, GenerationStats, LogitsWanted
 
 logger = logging.getLogger(__name__)
 
@@ -180,17 +180,20 @@ def _drop_after_first_read(engine: Any, mbit: float) -> Any:
     return lambda: vars(store).pop("fetch", None)  # the class's method again
 
 
-def _full(engine: Any, prompt: Any) -> torch.Tensor:
+def _full(engine: Any, prompt: Any, logits: LogitsWanted = "all") -> torch.Tensor:
+    """Full prefill's logits at the suffix's positions (``"last"``: the last one only, as an engine
+    computes them before its first token: the LM head over every prompt token would cost a quarter
+    of the prefill)."""
     prefix, middle, suffix = prompt
     ids = prefix + [t for seg, _ in middle for t in seg] + suffix
     with torch.inference_mode():
-        return engine.adapter.forward(ids, engine.adapter.build_cache([]), 0)[-len(suffix) :]
+        return engine.adapter.forward(ids, engine.adapter.build_cache([]), 0, logits=logits)[-len(suffix) :]
 
 
 def _full_ttft(engine: Any, prompt: Any) -> float:
     """Full prefill's TTFT; the engine's prefill speed estimate takes it, as its own full prefills do."""
     started = time.perf_counter()
-    _full(engine, prompt)[-1].argmax()
+    _full(engine, prompt, "last")[-1].argmax()
     seconds = time.perf_counter() - started
     prefix, middle, suffix = prompt
     n = len(prefix) + sum(len(seg) for seg, _ in middle) + len(suffix)
