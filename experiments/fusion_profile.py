@@ -39,7 +39,7 @@ def main() -> None:
     cached = [a.prefill_kv(c, past=[pre]) for c in chunks]
 
     def full() -> object:
-        return a.forward(ctx + suffix, a.build_cache([]), 0)
+        return a.forward(ctx + suffix, a.build_cache([]), 0, logits="last")  # as an engine: the last logits only
 
     def fused() -> object:
         return fuse(a, FusionInput(pre, cached, chunks, suffix), FusionConfig(), prefill_suffix=True)

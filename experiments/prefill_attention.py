@@ -13,7 +13,9 @@ pays (``ModelAdapter._prefill_steer``). This measures where it pays:
 - with ``--model M``: whole prefills of the own QA set's first ``--prompts`` prompts, in one pass and
   in pieces of ``--piece`` tokens, on the kernel and on torch's attention (ms, the median of
   ``--rounds``), with the KL of each last-token distribution to the model's in fp32 (the
-  reference that rounds least).
+  reference that rounds least), and one pass computing the logits at every position (the LM head
+  over the whole prompt, as the benches' full-prefill baseline did until commit f08e5af) against
+  one computing the last position's only.
 
     python experiments/prefill_attention.py
     python experiments/prefill_attention.py --prompts 6 \\
@@ -81,16 +83,17 @@ def whole_prefills(model: str, prompts: int, piece: int, rounds: int) -> None:
     adapter = load_model(model, dtype="auto")
     reference = load_model(model, dtype="float32")
     qa = load_qa_set(None)
+    head_all: list[float] = []  # a one-pass prefill with logits at every position, over one with the last only
     off = mock.patch.object(ModelAdapter, "_prefill_steer", lambda self, cache, start, count: PLAIN)
     rows: dict[str, dict[str, list[float]]] = {
         name: {"one pass ms": [], "pieces ms": [], "KL to fp32": []} for name in ("kernel", "torch")
     }
 
-    def prefill(a: ModelAdapter, ids: list[int], size: int) -> torch.Tensor:
+    def prefill(a: ModelAdapter, ids: list[int], size: int, logits: str = "last") -> torch.Tensor:
         cache = a.build_cache([])
         out = None
         for s in range(0, len(ids), size):
-            out = a.forward(ids[s : s + size], cache, s, logits="last")
+            out = a.forward(ids[s : s + size], cache, s, logits=logits)  # type: ignore[arg-type]
         assert out is not None
         return out[-1]
 
@@ -112,6 +115,10 @@ def whole_prefills(model: str, prompts: int, piece: int, rounds: int) -> None:
                     rows[name][key].append(statistics.median(times))
                 got = torch.log_softmax(logits.float(), -1)
                 rows[name]["KL to fp32"].append(float((ref.exp() * (ref - got)).sum()))
+                if name == "kernel":  # what the benches' baseline timed until commit f08e5af
+                    t = time.perf_counter()
+                    prefill(adapter, ids, len(ids), "all")
+                    head_all.append((time.perf_counter() - t) * 1000 / rows[name]["one pass ms"][-1])
             finally:
                 if name == "torch":
                     off.stop()
@@ -124,6 +131,7 @@ def whole_prefills(model: str, prompts: int, piece: int, rounds: int) -> None:
     print(f"{adapter.name}, {adapter.dtype}, {torch.get_num_threads()} threads, medians over {prompts} prompts:")
     for name, cols in rows.items():
         print(f"  {name}: " + ", ".join(f"{k} {statistics.median(v):.4g}" for k, v in cols.items()))
+    print(f"  one pass with every position's logits / the last's only: median {statistics.median(head_all):.2f}x")
     for key in ("one pass ms", "pieces ms"):
         ratio = [t / k for t, k in zip(rows["torch"][key], rows["kernel"][key], strict=True)]
         print(f"  torch / kernel, {key.removesuffix(' ms')}: median {statistics.median(ratio):.2f}x")

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
         ctx = prefix + [t for c in chunks for t in c]
         cache = adapter.build_cache([])
         t_full = time.perf_counter()
-        logits = adapter.forward(ctx + suffix, cache, 0)
+        logits = adapter.forward(ctx + suffix, cache, 0, logits="last")  # as an engine: the last logits only
         int(logits[-1].argmax())  # wait for the result (asynchronous devices)
         t_full = time.perf_counter() - t_full
         start = len(ctx) + len(suffix)
