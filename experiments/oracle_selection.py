@@ -25,7 +25,9 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from craft import record_deviation  # registers craft and craft_query
@@ -34,15 +36,16 @@ from ragkv.bench.fusion import compare_methods
 from ragkv.bench.qa import parse_methods
 from ragkv.bench.qa_data import build_prompt, load_qa_set
 from ragkv.bench.qa_score import contains_answer
-from ragkv.model import load_model
+from ragkv.model import ModelAdapter, load_model
 
 
 @torch.inference_mode()
-def oracle_scores(adapter, prompt) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def oracle_scores(adapter: ModelAdapter, prompt: Mapping[str, Any]) -> list[torch.Tensor]:
     """Per chunk, each token's true deviation: its cache placed after the prompt's own preceding chunks."""
     prefix, chunks, _ = adapter.chat_segments(prompt.get("system"), prompt["chunks"], prompt["question"])
     pre = adapter.prefill_kv(prefix)
-    out, before = [], []
+    out: list[torch.Tensor] = []
+    before: list[int] = []
     for ids in chunks:
         cached = adapter.prefill_kv(ids, past=[pre])
         out.append(record_deviation(adapter, pre, cached, ids, [before] if before else []))
@@ -51,7 +54,7 @@ def oracle_scores(adapter, prompt) -> list[torch.Tensor]:  # type: ignore[no-unt
 
 
 @torch.inference_mode()
-def full_margin(adapter, prompt, full: list[int], got: list[int]) -> float | None:  # type: ignore[no-untyped-def]
+def full_margin(adapter: ModelAdapter, prompt: Mapping[str, Any], full: list[int], got: list[int]) -> float | None:
     """How much full prefill prefers its own answer where ``got`` first departs from it: the log-probability
     of full prefill's token minus that of ``got``'s, in nats, under full prefill (None: the same answer,
     or one ends where the other goes on)."""

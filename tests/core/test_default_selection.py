@@ -31,15 +31,10 @@ def _torchs_attention(monkeypatch):
     monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)
 
 
-# the knobs of the default the selections were captured with; later defaults (docs/configuration.md)
-# start fewer tokens through the early layers
-CAPTURED_DEFAULTS = {"focus_ratio": 0.4, "narrow_factor": 2.0}
-
-
 def _config(knobs: dict) -> FusionConfig:
     knobs = dict(knobs)
     ratio = knobs.pop("ratio")
-    return FusionConfig("query_focus", ratio, QueryFocusParams(**(CAPTURED_DEFAULTS | knobs)))
+    return FusionConfig("query_focus", ratio, QueryFocusParams(**knobs) if knobs else None)
 
 
 def _drive(strategy: Strategy, lengths: list[int], layers: int, seed: int) -> list[list[int]]:
@@ -101,7 +96,7 @@ def test_coverage_off_selects_and_computes_exactly_as_before(llama_adapter):
             assert (fused.selected.tolist(), fused.recomputed_tokens) == (row["selected"], row["recomputed"])
             assert fused.wanted_share is None and not fused.selection_capped
             if knobs == {"ratio": 0.15}:
-                default = fuse(llama_adapter, inp, _config(knobs), prefill_suffix=True)
+                default = fuse(llama_adapter, inp, FusionConfig(), prefill_suffix=True)
                 assert default.suffix_logits is not None and fused.suffix_logits is not None
                 assert torch.equal(fused.suffix_logits, default.suffix_logits)
 
