@@ -29,23 +29,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from attention_cpu import timed  # the same per-call timer
 
 from ragkv.model.native_attention import attention_available, scatter_attention
-
-
-def timed(f: Callable[[], Any], n: int = 10) -> float:
-    """Mean ms of ``f`` over ``n`` calls, after one warm-up."""
-    f()
-    t = time.perf_counter()
-    for _ in range(n):
-        f()
-    return (time.perf_counter() - t) / n * 1000
 
 
 def one_shape(dt: torch.dtype, hq: int, hkv: int, d: int, start: int, count: int) -> tuple[float, float]:
@@ -60,8 +50,8 @@ def one_shape(dt: torch.dtype, hq: int, hkv: int, d: int, start: int, count: int
     if start:  # a piece after cached tokens: transformers hands SDPA the additive causal mask
         blocked = torch.arange(keys).unsqueeze(0) > pos.unsqueeze(1)
         mask = torch.zeros(1, 1, count, keys, dtype=dt).masked_fill_(blocked, torch.finfo(dt).min)
-    sdpa = timed(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, is_causal=mask is None))
-    return sdpa, timed(lambda: scatter_attention(q, k, v, pos, d**-0.5))
+    sdpa = timed(lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, is_causal=mask is None), 10)
+    return sdpa, timed(lambda: scatter_attention(q, k, v, pos, d**-0.5), 10)
 
 
 def per_call(dt: torch.dtype) -> None:

@@ -182,8 +182,8 @@ def _drop_after_first_read(engine: Any, mbit: float) -> Any:
 
 def _full(engine: Any, prompt: Any, logits: LogitsWanted = "all") -> torch.Tensor:
     """Full prefill's logits at the suffix's positions (``"last"``: the last one only, as an engine
-    computes them before its first token: the LM head over every prompt token would cost a quarter
-    of the prefill)."""
+    computes them before its first token; on Qwen 0.5B the LM head over every prompt token made a
+    full prefill about 1.6x slower, docs/benchmarks.md "Answers against gold")."""
     prefix, middle, suffix = prompt
     ids = prefix + [t for seg, _ in middle for t in seg] + suffix
     with torch.inference_mode():
