@@ -69,6 +69,7 @@ def whole_prefills(model: str, prompts: int, piece: int, rounds: int) -> None:
     from ragkv.bench.qa_data import build_prompt, load_qa_set
     from ragkv.model import ModelAdapter, load_model
     from ragkv.model.attention import PLAIN
+    from ragkv.types import LogitsWanted
 
     adapter = load_model(model, dtype="auto")
     reference = load_model(model, dtype="float32")
@@ -79,11 +80,11 @@ def whole_prefills(model: str, prompts: int, piece: int, rounds: int) -> None:
         name: {"one pass ms": [], "pieces ms": [], "KL to fp32": []} for name in ("kernel", "torch")
     }
 
-    def prefill(a: ModelAdapter, ids: list[int], size: int, logits: str = "last") -> torch.Tensor:
+    def prefill(a: ModelAdapter, ids: list[int], size: int, logits: LogitsWanted = "last") -> torch.Tensor:
         cache = a.build_cache([])
         out = None
         for s in range(0, len(ids), size):
-            out = a.forward(ids[s : s + size], cache, s, logits=logits)  # type: ignore[arg-type]
+            out = a.forward(ids[s : s + size], cache, s, logits=logits)
         assert out is not None
         return out[-1]
 
