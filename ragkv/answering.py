@@ -269,7 +269,9 @@ class AnswerPath:
             yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()
         paused = _Pauses()
-        fused = yield from paused.through(fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=budget))
+        fused = yield from paused.through(
+            fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=budget, logits="last")
+        )
         computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
         total = sum(len(seg) for seg, _ in middle) + len(suffix)
         # the speed measured is the pass's own: time paused for others' work is not its

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["FusedContext", "FusionConfig", "FusionInput", "PieceBudget", "Pieces", "drain", "fuse", "fuse_steps"]
 
 T = TypeVar("T")
+SuffixLogits = Literal["all", "last"]  # where fusion's suffix logits are computed: every suffix row, or the last
 Pieces = Generator[None, None, T]  # a pass run in pieces: each next() runs one, the return value is the result
 
 
@@ -159,15 +160,22 @@ class _Placed:
 
 
 def fuse(
-    adapter: ModelAdapter, inp: FusionInput, config: FusionConfig | None = None, *, prefill_suffix: bool = False
+    adapter: ModelAdapter,
+    inp: FusionInput,
+    config: FusionConfig | None = None,
+    *,
+    prefill_suffix: bool = False,
+    logits: SuffixLogits = "all",
 ) -> FusedContext:
     """Fuse ``inp`` into one cache, recomputing the tokens ``config``'s strategy selects.
 
     With ``prefill_suffix``, the suffix runs through every layer together with the recomputed
     tokens (it sees each layer's fused K/V, exactly as a prefill after fusion would) and the
-    result holds its logits and K/V: one pass over the layers instead of two.
+    result holds its logits (``logits``: ``"all"`` ``[S, vocab]``, or ``"last"`` ``[1, vocab]``, all
+    an answer samples from: the LM head over a 150K vocabulary reads its weights once per row
+    block) and K/V: one pass over the layers instead of two.
     """
-    return drain(fuse_steps(adapter, inp, config, prefill_suffix=prefill_suffix))
+    return drain(fuse_steps(adapter, inp, config, prefill_suffix=prefill_suffix, logits=logits))
 
 
 @torch.no_grad()
@@ -178,6 +186,7 @@ def fuse_steps(
     *,
     prefill_suffix: bool = False,
     step_tokens: int | PieceBudget | None = None,
+    logits: SuffixLogits = "all",
 ) -> Pieces[FusedContext]:
     """:func:`fuse` in pieces, for a server that runs decode steps between them (Sarathi-style).
 
@@ -221,7 +230,7 @@ def fuse_steps(
     if budget is not None:
         yield  # placement and the question probe were this piece
     active, hidden, passes = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
-    fused = _finish(adapter, placed, active, forced, hidden, tail.numel(), passes)
+    fused = _finish(adapter, placed, active, forced, hidden, tail.numel(), passes, logits)
     fused.wanted_share, fused.selection_capped = state.wanted_share, state.capped
     return fused
 
@@ -273,8 +282,9 @@ def _recompute(
     """Run the ``active`` chunk tokens and the ``tail`` through every layer, narrowing at check layers.
 
     Writes the fresh K/V into ``placed.keys``/``placed.values`` (the scatter cache's layers are
-    views of them). Returns the chunk tokens active after the last layer, the last hidden states
-    ``[1, active + tail, hidden]`` and the token passes run (tokens summed over layers). Pauses
+    views of them). Returns the chunk tokens active after the last layer, the last layer's hidden
+    states (``[1, active + tail, hidden]``; the tail's alone where the chunk rows only wrote their
+    K/V there, :class:`_Rows`) and the token passes run (rows that ran a layer whole, summed over layers). Pauses
     after a layer once the token passes since the last pause reach ``budget``'s size times the
     layers (None: never), and tells ``budget`` what each piece did.
     """
@@ -290,20 +300,25 @@ def _recompute(
         hidden = torch.cat([hidden, adapter.embed(tail)], dim=1)  # [1, active + S, hidden]
     step: _Step | None = None
     clock = _LayerClock(budget, adapter.spec.num_layers)
+    rows = _Rows(adapter, placed, tail_pos, adapter.writes_layer_kv)
     for layer in range(adapter.spec.num_layers):
         if clock.due():
             yield from clock.pause()
-        running = int(hidden.shape[1])
         placed.feed.ready(layer)
         if step is None:  # the active set changed: new positions, mask and rotary tables
             step = _Step.at(adapter, torch.cat([placed.slots[active], tail_pos]), placed.keys.shape[2], hidden)
-        if layer not in checks:
+        if layer in checks:
+            active, hidden, step, whole = _checked_layer(
+                adapter, strategy, state, cache, layer, step, hidden, active, forced, rows
+            )
+        elif rows.trim and layer == rows.last and active.numel():  # the chunk rows need only their K/V here
+            rows.write_kv(cache, layer, step, hidden, int(active.numel()))
+            hidden, step = rows.run_rest(cache, layer, step, hidden, int(active.numel()), active[:0])
+            whole = int(hidden.shape[1])
+        else:
+            whole = int(hidden.shape[1])
             hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
-            clock.ran(running)
-            continue
-        active, hidden = _checked_layer(adapter, strategy, state, cache, layer, step, hidden, active, forced)
-        clock.ran(running)
-        step = None
+        clock.ran(whole)
         if active.numel() == 0 and not tail.numel():
             break
     clock.end()
@@ -366,6 +381,7 @@ class _Step:
     """What a layer needs for the tokens running it; rebuilt only when the active set changes."""
 
     pos: torch.Tensor  # [q] positions (= cache slots) of the active tokens, then the tail; on the device
+    host_pos: torch.Tensor  # the same on the host
     mask: torch.Tensor  # exact causal mask over the slots, shared by every layer (see ModelAdapter.causal_mask)
     rope: tuple[torch.Tensor, torch.Tensor]  # cos/sin [1, q, rot_dim]
     steer: Steer  # the positions for the CPU's native attention kernel where it runs (ModelAdapter.scattered)
@@ -375,8 +391,42 @@ class _Step:
         """The step for the tokens at host positions ``pos`` ``[q]``."""
         mask = adapter.causal_mask(pos, num_slots, hidden.dtype)
         steer = adapter.scattered(pos)
-        pos = pos.to(adapter.device, non_blocking=True)
-        return cls(pos, mask, adapter.position_embeddings(pos, hidden), steer)
+        device_pos = pos.to(adapter.device, non_blocking=True)
+        return cls(device_pos, pos, mask, adapter.position_embeddings(device_pos, hidden), steer)
+
+
+class _Rows:
+    """Which rows run a layer whole. A row whose output nothing reads needs only the layer's K/V
+    (:meth:`ModelAdapter.write_layer_kv`, where the model's layers can run in parts: ``trim``): the
+    tokens a check layer drops, measured on their K/V there, and every chunk row in the last layer,
+    whose output no later layer reads (only the tail's goes on to the logits). They skip the
+    layer's query, attention, output projection and MLP (about 98% of its weights); what is written
+    is what the whole layer writes. Without ``trim`` every active row runs every layer whole.
+    Token passes count the rows that ran a layer whole.
+    """
+
+    def __init__(self, adapter: ModelAdapter, placed: _Placed, tail_pos: torch.Tensor, trim: bool) -> None:
+        self.adapter, self.placed, self.tail_pos, self.trim = adapter, placed, tail_pos, trim
+        self.last = adapter.spec.num_layers - 1
+
+    def write_kv(self, cache: ScatterCache, layer: int, step: _Step, hidden: torch.Tensor, n: int) -> None:
+        """Layer ``layer``'s K/V for the first ``n`` rows of ``hidden`` (at ``step``'s first ``n`` positions)."""
+        cos, sin = step.rope
+        self.adapter.write_layer_kv(layer, hidden[:, :n], step.pos[:n], cache, (cos[:, :n], sin[:, :n]))
+
+    def run_rest(
+        self, cache: ScatterCache, layer: int, step: _Step, hidden: torch.Tensor, n: int, run: torch.Tensor
+    ) -> tuple[torch.Tensor, _Step | None]:
+        """Layer ``layer`` once the first ``n`` rows (chunk tokens) have their K/V written: the rows ``run``
+        (indices among those ``n``, on the host) and the tail's run it whole. Returns their hidden
+        states after it and the step for them (None: no row left)."""
+        picked = torch.cat([run, torch.arange(n, hidden.shape[1])])
+        hidden = hidden[:, picked.to(hidden.device, non_blocking=True)]
+        if hidden.shape[1] == 0:
+            return hidden, None
+        slots = torch.cat([step.host_pos[run], self.tail_pos])
+        step = _Step.at(self.adapter, slots, self.placed.keys.shape[2], hidden)
+        return self.adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer), step
 
 
 def _checked_layer(
@@ -389,24 +439,36 @@ def _checked_layer(
     hidden: torch.Tensor,
     active: torch.Tensor,
     forced: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    rows: _Rows,
+) -> tuple[torch.Tensor, torch.Tensor, _Step | None, int]:
     """Run check layer ``layer``, measure the active tokens' K/V deviation, keep those the strategy selects.
 
-    Returns the narrowed active set and its hidden rows (the tail's rows always stay).
+    Returns the narrowed active set, the hidden rows after the layer (the kept tokens', then the
+    tail's; the tail's alone at the last layer with ``rows.trim``), the step for them (None: build
+    it anew) and how many rows ran the layer whole. With ``rows.trim`` the active tokens' K/V are
+    written first and only the kept rows run the rest of the layer; without, every active row runs
+    it whole, then the others are dropped.
     """
     n_active = int(active.numel())
     pos = step.pos[:n_active]  # the active tokens' slots (the tail's come after)
     layer_k, layer_v = cache.layer_kv(layer)  # [1, H, slots, D]
     old_k, old_v = layer_k[:, :, pos].clone(), layer_v[:, :, pos].clone()  # [1, H, active, D]
-    hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
+    if rows.trim:
+        rows.write_kv(cache, layer, step, hidden, n_active)
+    else:
+        hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
     layer_k, layer_v = cache.layer_kv(layer)
     k_dev, v_dev = _deviation(layer_k[:, :, pos], old_k), _deviation(layer_v[:, :, pos], old_v)
     strategy.observe(state, layer, active, k_dev=k_dev, v_dev=v_dev)
     is_forced = torch.isin(active, forced)
     state.deviations[layer][is_forced] = 0.0  # uncached tokens never compete for the budget
     keep = _union(strategy.select(state, layer), torch.nonzero(is_forced).flatten())  # positions within `active`
-    rows = torch.cat([keep, torch.arange(n_active, hidden.shape[1])])  # kept tokens, then the tail
-    return active[keep], hidden[:, rows.to(hidden.device, non_blocking=True)]
+    if rows.trim:
+        hidden, after = rows.run_rest(cache, layer, step, hidden, n_active, keep if layer != rows.last else keep[:0])
+        return active[keep], hidden, after, int(hidden.shape[1])
+    whole = int(hidden.shape[1])
+    picked = torch.cat([keep, torch.arange(n_active, whole)])  # kept tokens, then the tail
+    return active[keep], hidden[:, picked.to(hidden.device, non_blocking=True)], None, whole
 
 
 def _finish(
@@ -417,10 +479,13 @@ def _finish(
     hidden: torch.Tensor,
     tail: int,
     passes: int,
+    wanted: SuffixLogits = "all",
 ) -> FusedContext:
-    """The fused cache (prefix, chunks, and the tail's K/V when it rode along) and the tail's logits."""
+    """The fused cache (prefix, chunks, and the tail's K/V when it rode along) and the tail's logits
+    (``wanted``: every tail row's, or the last one's)."""
     placed.feed.all_ready()  # the loop stops early once no token is left to recompute
-    logits = adapter.final_logits(hidden[:, hidden.shape[1] - tail :])[0] if tail else None  # [S, vocab]
+    rows = tail if wanted == "all" else min(tail, 1)
+    logits = adapter.final_logits(hidden[:, hidden.shape[1] - rows :])[0] if tail else None  # [rows, vocab]
     kept = placed.n_ctx + tail
     return FusedContext(
         adapter.dynamic_cache(placed.keys[:, :, :kept], placed.values[:, :, :kept]),

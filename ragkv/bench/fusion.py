@@ -192,7 +192,7 @@ def compare_methods(
         cfg = FusionConfig(method=method, ratio=ratio, params=extra[0] if extra else None)
         t0 = time.perf_counter()
         inp = FusionInput(pre, cached, chunks, suffix, stored_scores=scores)
-        fused = fuse(adapter, inp, cfg, prefill_suffix=True)
+        fused = fuse(adapter, inp, cfg, prefill_suffix=True, logits="last")  # as the answer path
         assert fused.suffix_logits is not None
         logits = fused.suffix_logits
         int(logits[-1].argmax())

@@ -164,7 +164,7 @@ def _full_prefill(a: ModelAdapter, p: _Prompt) -> torch.Tensor:
 
 
 def _fused(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], p: _Prompt, config: FusionConfig) -> FusedContext:
-    fused = fuse(a, FusionInput(prefix, chunks, p.chunks, p.question), config, prefill_suffix=True)
+    fused = fuse(a, FusionInput(prefix, chunks, p.chunks, p.question), config, prefill_suffix=True, logits="last")
     assert fused.suffix_logits is not None  # prefill_suffix always fills it
     return fused
 

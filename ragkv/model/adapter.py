@@ -27,7 +27,7 @@ from ragkv.model.attention import (
     relay_steer,
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
-from ragkv.model.lean import lean_layers, lean_plan
+from ragkv.model.lean import layer_kv, layer_parts, lean_layers, lean_plan
 from ragkv.model.native_attention import attention_available
 from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
@@ -459,6 +459,33 @@ class ModelAdapter:
             **self._steering(steer),
         )
         return out[0] if isinstance(out, tuple) else out
+
+    @property
+    def writes_layer_kv(self) -> bool:
+        """Whether :meth:`write_layer_kv` can run here (decoder layers whose arithmetic ragkv knows:
+        Llama, Mistral, Qwen2, Qwen3; ``ragkv.model.lean.layer_parts``)."""
+        return layer_parts(self.model) is not None
+
+    def write_layer_kv(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: ScatterCache,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Write layer ``layer_idx``'s fresh K/V for ``hidden`` ``[1, q, hidden]`` at slots ``positions``, and
+        run nothing else of the layer: what :meth:`run_layer` writes for them, for rows whose output the
+        pass does not read (fusion's rows a check layer drops, its chunk rows in the last layer).
+
+        Raises RuntimeError where :attr:`writes_layer_kv` is False.
+        """
+        parts = layer_parts(self.model)
+        if parts is None:
+            raise RuntimeError(f"{self.name}: its decoder layers cannot be run in parts; run_layer runs them whole")
+        key, value = layer_kv(parts[layer_idx], hidden, position_embeddings)
+        cache.set_write_slots(layer_idx, positions.to(self.device))
+        cache.update(key, value, layer_idx)
 
     @torch.no_grad()
     def run_layers(

@@ -28,7 +28,7 @@ from torch import nn
 
 from ragkv.model.attention import _one_query_fp32
 
-__all__ = ["LeanLayer", "lean_layers", "lean_plan"]
+__all__ = ["LeanLayer", "layer_kv", "layer_parts", "lean_layers", "lean_plan"]
 
 _LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -86,6 +86,15 @@ def lean_plan(model: Any) -> tuple[LeanLayer, ...] | None:
     """
     if os.environ.get("RAGKV_LEAN_DECODE", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
+    return layer_parts(model)
+
+
+def layer_parts(model: Any) -> tuple[LeanLayer, ...] | None:
+    """``model``'s decoder layers as their parts, or None where their arithmetic is not known here.
+
+    Made once per model object. Decode steps run them whole (:func:`lean_layers`); fusion asks a layer
+    for its keys and values alone (:func:`layer_kv`) for rows that need nothing else from it.
+    """
     if model in _PLANS:
         return _PLANS[model]
     plan: tuple[LeanLayer, ...] | None = None
@@ -115,6 +124,26 @@ def lean_plan(model: Any) -> tuple[LeanLayer, ...] | None:
         )
     _PLANS[model] = plan
     return plan
+
+
+def layer_kv(
+    layer: LeanLayer, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value ``layer`` writes for ``hidden`` ``[1, q, hidden]``: ``[1, kv_heads, q, D]`` each.
+
+    The operations of the layer's attention up to its cache update, in its order (input norm, the
+    key and value projections, Qwen3's key norm, the rotation of the keys), and nothing after:
+    no query, no attention, no MLP. ``position_embeddings``: cos/sin ``[1, q, D]`` at the rows' positions.
+    """
+    cos, sin, swap = _rotation(*position_embeddings)  # [1, q, 1, D]
+    b, q = hidden.shape[0], hidden.shape[1]
+    x = _norm(layer.input_norm, hidden)
+    k = layer.k_proj(x).view(b, q, layer.kv_heads, layer.head_dim)  # [1, q, H, D]
+    v = layer.v_proj(x).view(b, q, layer.kv_heads, layer.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        k = _norm(layer.k_norm, k)
+    k = k * cos + k.index_select(-1, swap) * sin
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -314,3 +314,30 @@ def test_the_question_probe_leaves_the_context_untouched(llama_adapter):
     before_k, before_v = k[:, :, :n].clone(), v[:, :, :n].clone()
     _question_attention(a, k, v, torch.tensor(list(inp.suffix_ids)), n, torch.arange(9, n))
     assert torch.equal(k[:, :, :n], before_k) and torch.equal(v[:, :, :n], before_v)
+
+
+@pytest.mark.parametrize("narrow_layer", [2, 3])  # 3: the last check is the last layer
+def test_rows_that_only_write_kv_fuse_as_whole_layers_do(tiny_adapter, monkeypatch, narrow_layer):
+    """The rows a check drops and the chunk rows of the last layer write their K/V alone
+    (ModelAdapter.write_layer_kv): the same cache, selection and logits as running every row whole."""
+    a = tiny_adapter
+    _, _, suffix, inp = _prompt(a)
+    cfg = _config("query_focus", 0.3, narrow_layer=narrow_layer, focus_ratio=0.6)
+    assert a.writes_layer_kv  # every tiny family's layers run in parts
+    trimmed = fuse(a, inp, cfg, prefill_suffix=True)
+    last = fuse(a, inp, cfg, prefill_suffix=True, logits="last")
+    monkeypatch.setattr(ModelAdapter, "writes_layer_kv", property(lambda self: False))
+    whole = fuse(a, inp, cfg, prefill_suffix=True)
+    assert torch.equal(trimmed.selected, whole.selected) and trimmed.recomputed_tokens == whole.recomputed_tokens
+    assert trimmed.token_passes < whole.token_passes  # the dropped rows and the last layer's chunk rows
+    for got, want in zip(trimmed.cache.layers, whole.cache.layers, strict=True):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+    assert trimmed.suffix_logits is not None and whole.suffix_logits is not None and last.suffix_logits is not None
+    assert trimmed.suffix_logits.shape == (len(suffix), a.spec.vocab_size) and last.suffix_logits.shape[0] == 1
+    torch.testing.assert_close(trimmed.suffix_logits, whole.suffix_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(last.suffix_logits[0], trimmed.suffix_logits[-1], atol=1e-5, rtol=1e-5)
+    without_tail = fuse(a, inp, cfg)  # no suffix riding along: the last layer runs no row whole
+    for got, want in zip(without_tail.cache.layers, whole.cache.layers, strict=True):
+        n = without_tail.num_tokens
+        torch.testing.assert_close(got.keys[:, :, :n], want.keys[:, :, :n], atol=1e-5, rtol=1e-5)

@@ -51,8 +51,9 @@ def test_a_selective_pass_builds_one_mask_per_active_set_not_one_per_layer(llama
     config = FusionConfig(method="blend", ratio=0.15, params=BlendParams(check_layer=1))
     with recorded_masks() as masks:
         fused = fuse(a, inp, config)
-    assert len(masks) == a.spec.num_layers
-    # every chunk token through layers 0-1, then the selected 15%: two masks for four layers
+    # the last layer's chunk rows write their K/V alone (no suffix rides along): no attention there
+    assert len(masks) == a.spec.num_layers - 1
+    # every chunk token through layers 0-1, then the selected 15%: two masks for three layers
     assert len({m.untyped_storage().data_ptr() for m in masks}) == 2
     for mask in masks:
         assert mask.dtype == a.dtype and mask.shape[:2] == (1, 1) and mask.shape[-1] == fused.num_tokens
