@@ -35,7 +35,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FusedContext", "FusionConfig", "FusionInput", "PieceBudget", "Pieces", "drain", "fuse", "fuse_steps"]
+__all__ = [
+    "FusedContext",
+    "FusionConfig",
+    "FusionInput",
+    "PieceBudget",
+    "Pieces",
+    "SuffixLogits",
+    "drain",
+    "fuse",
+    "fuse_steps",
+]
 
 T = TypeVar("T")
 SuffixLogits = Literal["all", "last"]  # where fusion's suffix logits are computed: every suffix row, or the last
@@ -139,8 +149,11 @@ class FusedContext:
     chunk_tokens: int  # all chunk tokens
     forced_tokens: int = 0  # tokens of uncached segments, computed through every layer
     selected: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # final slots
-    suffix_logits: torch.Tensor | None = None  # [suffix, vocab] fp32 when fused with prefill_suffix
-    token_passes: int = 0  # tokens run through a decoder layer, summed over layers (the recompute's work)
+    # fp32 when fused with prefill_suffix: [suffix, vocab], or [1, vocab] (the last row's) with logits="last"
+    suffix_logits: torch.Tensor | None = None
+    # rows run through a whole decoder layer, summed over layers (the recompute's work; a row that
+    # only wrote its K/V at a layer, under 2% of the layer's weights, is not counted)
+    token_passes: int = 0
     # An adaptive share (QueryFocusParams.coverage): the share of chunk tokens its target wanted
     # (None: no target ran), and whether the cap (the ratio) held it back; then the cap was recomputed.
     wanted_share: float | None = None
@@ -200,6 +213,8 @@ def fuse_steps(
     :func:`fuse`'s: only where other work may run changes (nothing else may touch the model's
     attention probe or these tensors meanwhile; the caller holds the model lock per piece).
     """
+    if logits not in ("all", "last"):
+        raise ValueError(f"logits must be 'all' (every suffix row's) or 'last' (the last row's), got {logits!r}")
     budget = PieceBudget.of(step_tokens)
     strategy = (config or FusionConfig()).strategy()
     suffix = torch.as_tensor(list(inp.suffix_ids), dtype=torch.long)  # [S]
@@ -401,7 +416,8 @@ class _Rows:
     tokens a check layer drops, measured on their K/V there, and every chunk row in the last layer,
     whose output no later layer reads (only the tail's goes on to the logits). They skip the
     layer's query, attention, output projection and MLP (about 98% of its weights); what is written
-    is what the whole layer writes. Without ``trim`` every active row runs every layer whole.
+    is computed by the whole layer's own operations (``ModelAdapter.write_layer_kv``). Without
+    ``trim`` every active row runs every layer whole.
     Token passes count the rows that ran a layer whole.
     """
 

@@ -475,8 +475,9 @@ class ModelAdapter:
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """Write layer ``layer_idx``'s fresh K/V for ``hidden`` ``[1, q, hidden]`` at slots ``positions``, and
-        run nothing else of the layer: what :meth:`run_layer` writes for them, for rows whose output the
-        pass does not read (fusion's rows a check layer drops, its chunk rows in the last layer).
+        run nothing else of the layer: the operations :meth:`run_layer` writes them with (bit for bit
+        for the same rows), for rows whose output the pass does not read (fusion's rows a check layer
+        drops, its chunk rows in the last layer).
 
         Raises RuntimeError where :attr:`writes_layer_kv` is False.
         """

@@ -134,6 +134,8 @@ def layer_kv(
     The operations of the layer's attention up to its cache update, in its order (input norm, the
     key and value projections, Qwen3's key norm, the rotation of the keys), and nothing after:
     no query, no attention, no MLP. ``position_embeddings``: cos/sin ``[1, q, D]`` at the rows' positions.
+    For the same rows the result is bit for bit the layer's (tested); over other rows beside them a
+    product may round its last bit otherwise, as any batch of another size may.
     """
     cos, sin, swap = _rotation(*position_embeddings)  # [1, q, 1, D]
     b, q = hidden.shape[0], hidden.shape[1]
@@ -151,7 +153,8 @@ def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch
     is ``cat(-x2, x1) * sin``, the same products as ``cat(x2, x1) * cat(-sin1, sin2)`` (negation is exact)."""
     d = cos.shape[-1]
     half = d // 2
-    swap = torch.cat([torch.arange(half, d), torch.arange(0, half)]).to(cos.device)
+    # made where cos lives: a host tensor moved to a GPU would wait for the device (fusion runs this there)
+    swap = torch.cat([torch.arange(half, d, device=cos.device), torch.arange(0, half, device=cos.device)])
     signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     return cos.unsqueeze(2), signed.unsqueeze(2), swap  # [B, 1, 1, D]: broadcast over the heads
 

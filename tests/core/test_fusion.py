@@ -341,3 +341,9 @@ def test_rows_that_only_write_kv_fuse_as_whole_layers_do(tiny_adapter, monkeypat
     for got, want in zip(without_tail.cache.layers, whole.cache.layers, strict=True):
         n = without_tail.num_tokens
         torch.testing.assert_close(got.keys[:, :, :n], want.keys[:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_suffix_logits_of_another_kind_are_refused(llama_adapter):
+    *_, inp = _prompt(llama_adapter)
+    with pytest.raises(ValueError, match="logits must be 'all'"):
+        fuse(llama_adapter, inp, FusionConfig(), prefill_suffix=True, logits="none")  # type: ignore[arg-type]
