@@ -138,14 +138,24 @@ def layer_kv(
     product may round its last bit otherwise, as any batch of another size may.
     """
     cos, sin, swap = _rotation(*position_embeddings)  # [1, q, 1, D]
-    b, q = hidden.shape[0], hidden.shape[1]
-    x = _norm(layer.input_norm, hidden)
-    k = layer.k_proj(x).view(b, q, layer.kv_heads, layer.head_dim)  # [1, q, H, D]
-    v = layer.v_proj(x).view(b, q, layer.kv_heads, layer.head_dim)
-    if layer.q_norm is not None and layer.k_norm is not None:
-        k = _norm(layer.k_norm, k)
-    k = k * cos + k.index_select(-1, swap) * sin
+    k, v = _rotated_kv(layer, _norm(layer.input_norm, hidden), hidden.shape[:2], cos, sin, swap)  # [1, q, H, D]
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _rotated_kv(
+    layer: LeanLayer, x: torch.Tensor, rows: tuple[int, ...], cos: torch.Tensor, sin: torch.Tensor, swap: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s rotated key and its value for the normed rows ``x``, each ``[*rows, kv_heads, D]``."""
+    k = layer.k_proj(x).view(*rows, layer.kv_heads, layer.head_dim)
+    v = layer.v_proj(x).view(*rows, layer.kv_heads, layer.head_dim)
+    if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: each head's dims normed before the rotation
+        k = _norm(layer.k_norm, k)
+    return _rotate(k, cos, sin, swap), v
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated as ``apply_rotary_pos_emb`` does, with :func:`_rotation`'s tables."""
+    return x * cos + x.index_select(-1, swap) * sin
 
 
 def _rotation(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,12 +188,10 @@ def lean_layers(
     for layer in plan:
         x = _norm(layer.input_norm, hidden)
         q = layer.q_proj(x).view(b, 1, layer.heads, layer.head_dim)  # [B, 1, H, D]
-        k = layer.k_proj(x).view(b, 1, layer.kv_heads, layer.head_dim)
-        v = layer.v_proj(x).view(b, 1, layer.kv_heads, layer.head_dim)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q, k = _norm(layer.q_norm, q), _norm(layer.k_norm, k)
-        q = q * cos + q.index_select(-1, swap) * sin
-        k = k * cos + k.index_select(-1, swap) * sin
+            q = _norm(layer.q_norm, q)
+        q = _rotate(q, cos, sin, swap)
+        k, v = _rotated_kv(layer, x, (b, 1), cos, sin, swap)
         keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer.index)
         out, _ = _one_query_fp32(q.transpose(1, 2), keys, values, mask, layer.scaling)  # [B, 1, H, D]
         hidden = hidden + layer.o_proj(out.reshape(b, -1))
