@@ -9,6 +9,7 @@ planner, hits touched, recomputed entries recorded). That is the whole interface
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from ragkv.gpu.host_tier import HostTier
 from ragkv.gpu.tier import DeviceTier
 from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions
 from ragkv.planner.session import LoadPlanning, LoadSession
+from ragkv.retriever.decoding import DEFAULT_WORKERS, OrderedDecodes
 from ragkv.retriever.precompute import ChunkComputer, record_stored
 from ragkv.retriever.prefetch import prefetch
 from ragkv.types import ChunkKey, ChunkKV, CodecSpec
@@ -76,6 +78,8 @@ class ChunkLoader:
         device_tier: decoded chunk caches on the model's GPU, looked up first (None: none).
         host_tier: decoded chunk caches in pinned host memory, looked up after the device tier and
             before the store (None: none).
+        decode_workers: threads that decode a request's chunks side by side (1: on the query
+            thread, one after another; default: half the cores, 1 to 8; see ``ragkv.retriever.decoding``).
     """
 
     def __init__(
@@ -88,12 +92,16 @@ class ChunkLoader:
         store_secret: bytes | None = None,
         device_tier: DeviceTier | None = None,
         host_tier: HostTier | None = None,
+        decode_workers: int = DEFAULT_WORKERS,
     ) -> None:
+        if decode_workers < 1:
+            raise ValueError(f"decode_workers must be >= 1 thread, got {decode_workers}")
         self.computer, self.catalog = computer, catalog
         self.adapter, self.store = computer.adapter, computer.store
         self.codec, self.stored_codecs = codec, tuple(stored_codecs)
         self.store_secret = store_secret
         self.device_tier, self.host_tier = device_tier, host_tier
+        self.decode_workers = decode_workers
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""
@@ -117,7 +125,9 @@ class ChunkLoader:
 
         With more than one chunk, blobs are fetched on a background thread, in order, while the
         main thread decodes the ones already fetched: chunk i+1 loads from its tier while chunk i
-        decodes, so a remote tier's latency hides behind decoding. Only the fetch thread touches
+        decodes, so a remote tier's latency hides behind decoding. With ``decode_workers`` > 1 the
+        fetched chunks decode side by side on the shared decode threads, their results taken back
+        in order (``ragkv.retriever.decoding``). Only the fetch thread touches
         the store until every fetch is done; the misses are then computed and stored, and the
         hits' catalog entries touched in one write. A chunk that occurs twice is fetched once; its
         repeat counts as a hit of 0 bytes (its cache was loaded or computed for the first occurrence).
@@ -170,29 +180,45 @@ class ChunkLoader:
         seconds: dict[int, float] = {}  # fetch + decode time of each hit (the device tier's cost)
         text: set[int] = set()  # chunks fusion recomputes from their tokens
         local: set[int] = set()  # chunks prefilled here while the next ones were fetched
+        decodes: OrderedDecodes[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float]]
+        decodes = OrderedDecodes(self.decode_workers)
+
+        def landed(done: list[tuple[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float]]]) -> None:
+            for (i, key, got, nbytes), (kv, spent) in done:
+                decoded[i] = kv
+                seconds[i] = got.seconds + spent
+                if session is not None and kv is not None:
+                    session.decoded(key.codec, nbytes, spent)
+
         # up to 3 ahead: a run of chunks prefilled here leaves room for the read after them to start
         with contextlib.closing(prefetch(range(len(unique)), fetch, ahead=3)) as fetched:
-            for n, (key, got) in enumerate(fetched):
-                # the next chunks keep loading while this one decodes; its bytes are dropped after
-                i = unique[n]
-                if key is not None and got is None and session is not None:  # planned LOCAL
-                    started = time.perf_counter()
-                    decoded[i] = self.adapter.prefill_kv(segments[i], past=[self.computer.prefix_kv()])
-                    session.prefilled_here(n, len(segments[i]), time.perf_counter() - started)
-                    local.add(i)
-                    continue
-                if key is None or got is None:
-                    text.add(i)
-                    if session is not None:
-                        session.recomputed(n)
-                    continue
-                blob = got.value
-                sizes[i] = None if blob is None else len(blob)
-                started = time.perf_counter()
-                decoded[i] = None if blob is None else self._decode(key, len(segments[i]), blob)
-                seconds[i] = got.seconds + time.perf_counter() - started
-                if session is not None and blob is not None and decoded[i] is not None:
-                    session.decoded(key.codec, len(blob), time.perf_counter() - started)
+            try:
+                for n, (key, got) in enumerate(fetched):
+                    # the next chunks keep loading while this one decodes (on the decode threads
+                    # with several, the chunks after it too); its bytes are dropped after
+                    i = unique[n]
+                    if key is not None and got is None and session is not None:  # planned LOCAL
+                        started = time.perf_counter()
+                        decoded[i] = self.adapter.prefill_kv(segments[i], past=[self.computer.prefix_kv()])
+                        session.prefilled_here(n, len(segments[i]), time.perf_counter() - started)
+                        local.add(i)
+                        continue
+                    if key is None or got is None:
+                        text.add(i)
+                        if session is not None:
+                            session.recomputed(n)
+                        continue
+                    blob = got.value
+                    sizes[i] = None if blob is None else len(blob)
+                    if blob is None:
+                        decoded[i] = None
+                        seconds[i] = got.seconds
+                        continue
+                    call = functools.partial(self._timed_decode, key, len(segments[i]), blob)
+                    landed(decodes.submit((i, key, got, len(blob)), call))
+                landed(decodes.finish())
+            finally:
+                decodes.cancel()
         done = self._finish_loads(segments, keys, unique, decoded, sizes, text, local)
         done.update({i: LoadedChunk(kv, True, 0, device=True) for i, kv in on_device.items()})
         done.update({i: LoadedChunk(kv, True, 0, host=True) for i, kv in on_host.items()})
@@ -324,6 +350,12 @@ class ChunkLoader:
         if hits:
             self.catalog.touch_entries(hits)
         return done
+
+    def _timed_decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> tuple[ChunkKV | None, float]:
+        """:meth:`_decode`, and the seconds it took (on a decode thread when there are several)."""
+        started = time.perf_counter()
+        kv = self._decode(key, num_tokens, blob)
+        return kv, time.perf_counter() - started
 
     def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:
         """The stored cache in ``blob``, or None (with a warning) if it is not what ``key`` asks for.

@@ -31,6 +31,9 @@ class RetrieverConfig:
     # stored levels coded in the model's channel transform (default: cachegen levels 1 and 2; see
     # docs/configuration.md); TransformConfig(levels=()) turns it off
     transform: TransformConfig = field(default_factory=TransformConfig)
+    # threads that decode a request's chunk caches side by side (None: half the cores, 1 to 8;
+    # 1: one after another on the query thread; see ragkv.retriever.decoding)
+    decode_workers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
@@ -39,6 +42,9 @@ class RetrieverConfig:
             raise TypeError("codec and index_codecs take CodecSpec records, e.g. CodecSpec('cachegen', 0)")
         if not isinstance(self.transform, TransformConfig):
             raise TypeError("transform takes a TransformConfig, e.g. TransformConfig(levels=()) for off")
+        w = self.decode_workers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"decode_workers must be an integer >= 1 (threads), or None for the default; got {w!r}")
 
     @property
     def stored_codecs(self) -> tuple[CodecSpec, ...]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The device check (issue 34): `ragkv bench gpu` at 4K/16K/32K tokens, every CUDA test, then the
-# profile of one fused request (experiments/gpu_profile.py), on a
+# The device check (issue 34): `ragkv bench gpu` at 4K/16K/32K tokens, every CUDA test, the host's
+# decode threads (experiments/decode_threads.py), then the profile of one fused request
+# (experiments/gpu_profile.py), on a
 # lent GPU machine. Packages that machine lacks (and ragkv itself, as a wheel) may be carried in
 # .whl/: they are installed into /tmp/site first. Results go to $OUT (or /tmp/ragkv-gpu).
 #   bash tools/gpu_check.sh [extra args for ragkv bench gpu]
@@ -17,5 +18,6 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout "${BENCH_TIMEOUT:-300}" python3 -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
+timeout "${DECODE_TIMEOUT:-90}" python3 experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"
 timeout "${PROFILE_TIMEOUT:-120}" python3 experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
 head -30 "$OUT/profile.txt"

@@ -13,9 +13,10 @@ of the 32K one).
 Timed, best of ``--repeats`` after one warm-up, the device synchronized around each run:
 
 - full prefill: the whole prompt through the model from an empty cache (last position's logits);
-- fused from host memory: every chunk's stored bytes decoded as the loader does (raw stays on the
-  host and is staged layer by layer through pinned memory under the probe; entropy-coded levels
-  decode onto the device), then fusion with the question riding along: the first token's logits;
+- fused from host memory: every chunk's stored bytes decoded as the loader does (side by side on
+  its decode threads; raw stays on the host and is staged layer by layer through pinned memory
+  under the probe; entropy-coded levels decode onto the device), then fusion with the question
+  riding along: the first token's logits;
 - fused from the device tier: the same with the decoded chunks already in GPU memory;
 - fused from pinned host memory (raw chunks on a GPU only): the decoded chunks already in
   page-locked host memory, crossing by DMA from where they are (what a pinned host tier of
@@ -37,6 +38,7 @@ command refuses, unless ``--tiny``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -55,6 +57,7 @@ from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_atte
 from ragkv.gpu.feed import LayerFeed
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
+from ragkv.retriever.decoding import decode_all
 from ragkv.types import ChunkKV, CodecSpec, StorageKey
 
 LLAMA_3_1_8B: dict[str, Any] = {
@@ -170,10 +173,12 @@ def _fused(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], p: _Prompt, 
 
 
 def _decode_all(blobs: Sequence[bytes], a: ModelAdapter, spec: CodecSpec) -> list[ChunkKV]:
-    """The chunks as the loader decodes them: raw stays on the host of a GPU model (fusion stages it)."""
+    """The chunks as the loader decodes them: side by side on its decode threads; raw stays on the
+    host of a GPU model (fusion stages it)."""
     on_host = a.device.type == "cuda" and spec.name == "raw"
     device = "cpu" if on_host else a.device
-    return [codec.decode(b, expect=None, device=device, dtype=a.dtype, view=on_host) for b in blobs]
+    calls = [functools.partial(codec.decode, b, expect=None, device=device, dtype=a.dtype, view=on_host) for b in blobs]
+    return decode_all(calls)
 
 
 def _feed(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], extra: int) -> LayerFeed:

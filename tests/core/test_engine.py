@@ -148,8 +148,10 @@ def _chunk_ids(rag: RagKV) -> list[list[int]]:
     return [list(t) for t in unique][:3]
 
 
-def test_loading_many_chunks_equals_loading_each(tmp_path, llama_adapter):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_loading_many_chunks_equals_loading_each(tmp_path, llama_adapter, workers):
     with _engine(tmp_path, llama_adapter) as rag:
+        rag.retriever.loader.decode_workers = workers  # 3: the chunks decode side by side
         a, b, c = _chunk_ids(rag)
         # one damaged entry among hits: a miss, recomputed and stored; the others hits
         key = rag.retriever.computer.chunk_key(b, rag.config.retriever.codec).storage_key
@@ -197,6 +199,51 @@ def test_the_next_chunk_loads_while_this_one_decodes(tmp_path, llama_adapter, mo
         monkeypatch.setattr(rag.retriever.loader, "_decode", spy_decode)
         loaded = rag.retriever.loader.load_many(ids)
         assert waited == [True] and all(x.hit for x in loaded)
+
+
+def test_several_decode_threads_decode_chunks_side_by_side(tmp_path, llama_adapter, monkeypatch):
+    """With decode_workers > 1 two chunks are in their decode at once (a barrier only two decodes
+    in flight together can pass), off the query thread, and the loads equal those made with one."""
+    with _engine(tmp_path, llama_adapter) as rag:
+        ids = _chunk_ids(rag)
+        loader = rag.retriever.loader
+        loader.decode_workers = 1
+        serial = loader.load_many(ids)
+        both_in = threading.Barrier(2, timeout=30)
+        threads: list[str] = []
+        decode = loader._decode
+
+        def spy_decode(*args):
+            threads.append(threading.current_thread().name)
+            if len(threads) <= 2:  # the first two chunks: each waits until the other is decoding too
+                both_in.wait()
+            return decode(*args)
+
+        loader.decode_workers = 2
+        monkeypatch.setattr(loader, "_decode", spy_decode)
+        parallel = loader.load_many(ids)
+        assert len(threads) == len(ids) and len(set(threads[:2])) == 2
+        assert threading.current_thread().name not in threads
+        assert all(x.hit for x in parallel) and [x.nbytes for x in parallel] == [x.nbytes for x in serial]
+        for s, p in zip(serial, parallel, strict=True):
+            assert torch.equal(s.kv.keys, p.kv.keys) and torch.equal(s.kv.values, p.kv.values)
+
+
+def test_a_decode_that_fails_fails_the_load_and_leaves_no_decode_running(tmp_path, llama_adapter, monkeypatch):
+    """An error other than a damaged entry (say, out of memory) reaches the caller from a decode thread."""
+    with _engine(tmp_path, llama_adapter) as rag:
+        ids = _chunk_ids(rag)
+        loader = rag.retriever.loader
+        loader.decode_workers = 2
+
+        def failing(*args):
+            raise MemoryError("no room for the chunk")
+
+        monkeypatch.setattr(loader, "_decode", failing)
+        with pytest.raises(MemoryError, match="no room"):
+            loader.load_many(ids)
+        monkeypatch.undo()
+        assert all(x.hit for x in loader.load_many(ids))  # nothing was lost or left half-done
 
 
 def test_four_threads_answering_at_once_match_one_thread(tmp_path, llama_adapter):

@@ -1,0 +1,119 @@
+"""Decoding a request's chunk caches on several threads at once, results kept in order.
+
+A request's chunks decode one after another on the query thread otherwise. For raw chunks a
+decode is mostly the payload checksum (xxh3), for entropy-coded ones zstd and a multiply in
+numpy: all three release the GIL, so chunks decode side by side. On a GPU host (16 cores or more)
+checking 2.1 GB of raw chunks of a 16K-token prompt took 275-351 ms on one thread, a third of
+that request's TTFT from host memory (docs/benchmarks.md, "GPU").
+
+The pool is the process's, shared by every request (a request never waits for a thread it
+started itself, so no request can starve another's decode into a deadlock), and is separate from
+the entropy stage's pool, which a cachegen decode waits on from inside a task here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+__all__ = ["DEFAULT_WORKERS", "OrderedDecodes", "decode_all"]
+
+T = TypeVar("T")
+K = TypeVar("K")
+
+# Half the cores, 1 to 8: the other half is left to what runs meanwhile (the fetch thread, a
+# chunk prefilled here, the entropy stage's own pool). On 2 cores that is 1: decodes run inline,
+# as before (two threads measured 1.28-1.5x on raw chunks there, and nothing on cachegen's, whose
+# entropy stage already takes both cores).
+DEFAULT_WORKERS = max(1, min(8, (os.cpu_count() or 1) // 2))
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _forget_pool() -> None:
+    # A forked child inherits the pool object but not its threads: its jobs would wait forever.
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The shared decode pool, grown to at least ``workers`` threads (an old, smaller pool is left to
+    finish its queued tasks and let go)."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or workers > _POOL_SIZE:
+            old = _POOL
+            _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-decode"), workers
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL
+
+
+class OrderedDecodes(Generic[K, T]):
+    """Calls submitted in order, run on up to ``workers`` threads, their results taken back in order.
+
+    At most ``2 * workers`` calls are in flight: :meth:`submit` hands back the oldest ones beyond
+    that (waiting for them), so a request holds a bounded number of fetched blobs while its chunks
+    decode. With one worker every call runs inline, on the caller's thread, and :meth:`submit`
+    hands its result back at once.
+
+    An exception raised by a call is raised where its result is taken back.
+    """
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1 thread, got {workers}")
+        self.workers = workers
+        self._pending: deque[tuple[K, Future[T]]] = deque()
+
+    def submit(self, tag: K, call: Callable[[], T]) -> list[tuple[K, T]]:
+        """Start ``call`` (tagged ``tag``); the (tag, result) pairs now taken back, oldest first."""
+        future: Future[T]
+        if self.workers == 1:
+            future = Future()
+            try:
+                future.set_result(call())
+            except BaseException as e:  # raised where it is taken back, as from a thread
+                future.set_exception(e)
+        else:
+            future = _pool(self.workers).submit(call)
+        self._pending.append((tag, future))
+        done = []
+        while len(self._pending) > (0 if self.workers == 1 else 2 * self.workers):
+            done.append(self._take())
+        return done
+
+    def finish(self) -> list[tuple[K, T]]:
+        """Every remaining (tag, result) pair, in submission order (waits for them)."""
+        return [self._take() for _ in range(len(self._pending))]
+
+    def cancel(self) -> None:
+        """Forget what is still pending (the query failed): calls not started are not run."""
+        while self._pending:
+            self._pending.popleft()[1].cancel()
+
+    def _take(self) -> tuple[K, T]:
+        tag, future = self._pending.popleft()
+        return tag, future.result()
+
+
+def decode_all(calls: Sequence[Callable[[], T]], workers: int = DEFAULT_WORKERS) -> list[T]:
+    """Every call's result, in order, the calls run as the loader runs a request's decodes."""
+    decodes: OrderedDecodes[int, T] = OrderedDecodes(workers)
+    out: list[T] = []
+    try:
+        for i, call in enumerate(calls):
+            out.extend(r for _, r in decodes.submit(i, call))
+        out.extend(r for _, r in decodes.finish())
+    finally:
+        decodes.cancel()
+    return out
