@@ -27,7 +27,7 @@ from ragkv.model.attention import (
     relay_steer,
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
-from ragkv.model.lean import layer_kv, layer_parts, lean_layers, lean_plan
+from ragkv.model.lean import kv_only_last_layer, layer_kv, layer_parts, lean_layers, lean_plan
 from ragkv.model.native_attention import attention_available
 from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
@@ -293,8 +293,10 @@ class ModelAdapter:
 
         ``logits`` says where they are computed: ``"all"`` ``[T, vocab]``; ``"last"`` ``[1, vocab]``
         (a prefill that only samples the next token); ``"none"`` ``[0, vocab]`` (a pass run for its
-        cache). The LM head over a 150K vocabulary is about a quarter of a prefill's compute, and
-        its fp32 output at 1.5K tokens about 0.9 GB: computed only where it is read.
+        cache; on a ``DynamicCache`` its last layer only writes its K/V, bit for bit what the whole
+        layer writes: ``ragkv.model.lean.kv_only_last_layer``). The LM head over a 150K vocabulary
+        is about a quarter of a prefill's compute, and its fp32 output at 1.5K tokens about 0.9 GB:
+        computed only where it is read.
 
         ``steer``: what the pass does besides (a probe, decode weights, the step kind; see
         :class:`ragkv.model.attention.Steer`). ``rider``: a decode step of a batch that rides on
@@ -315,7 +317,16 @@ class ModelAdapter:
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         if logits == "none":  # the decoder stack alone: no head at all
             inner = model.model
-            inner(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(inner)): cache}, **kw)
+
+            def stack() -> None:
+                inner(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kwarg(type(inner)): cache}, **kw)
+
+            # nothing reads the last layer's output: only its K/V (a probe records its attention, and a
+            # carried step reads its rows' output: those run it whole)
+            if steer.probe is None and steer.carry is None and type(cache) is DynamicCache:
+                kv_only_last_layer(model, stack, cache)
+            else:
+                stack()
             return torch.zeros((0, self.spec.vocab_size), dtype=torch.float32, device=self.device)
         kw |= {cache_kwarg(type(model)): cache, "logits_to_keep": 1 if logits == "last" else 0}
         return model(input_ids=ids, position_ids=pos, use_cache=True, **kw).logits[0].float()

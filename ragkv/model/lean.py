@@ -19,7 +19,9 @@ Any other model keeps transformers' layers; ``RAGKV_LEAN_DECODE=0`` keeps them e
 from __future__ import annotations
 
 import os
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +30,7 @@ from torch import nn
 
 from ragkv.model.attention import _one_query_fp32
 
-__all__ = ["LeanLayer", "layer_kv", "layer_parts", "lean_layers", "lean_plan"]
+__all__ = ["LeanLayer", "kv_only_last_layer", "layer_kv", "layer_parts", "lean_layers", "lean_plan"]
 
 _LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -140,6 +142,59 @@ def layer_kv(
     cos, sin, swap = _rotation(*position_embeddings)  # [1, q, 1, D]
     k, v = _rotated_kv(layer, _norm(layer.input_norm, hidden), hidden.shape[:2], cos, sin, swap)  # [1, q, H, D]
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+class _LastLayerReached(Exception):  # noqa: N818  # control flow, never seen outside this module
+    """Raised by the last layer's pre-hook in a pass that wants only its K/V: the layer's inputs."""
+
+    def __init__(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> None:
+        super().__init__("the last decoder layer was reached")
+        self.hidden, self.position_embeddings = hidden, position_embeddings
+
+
+_CUT = threading.local()  # .layer: the layer module this thread's pass stops at (None: none)
+_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_HOOK_LOCK = threading.Lock()
+
+
+def _stop_here(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The last layer's pre-hook: stop the pass of the thread that asked for it (no other thread's)."""
+    if getattr(_CUT, "layer", None) is module:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        raise _LastLayerReached(hidden, kwargs["position_embeddings"])
+
+
+def kv_only_last_layer(model: Any, run: Callable[[], object], cache: Any) -> bool:
+    """Run ``run`` (a pass of ``model``'s decoder stack that only fills ``cache``: no output read) with
+    its last layer cut to the K/V it writes.
+
+    Nothing reads the last layer's output in such a pass (indexing a chunk, the prefix, a prefill
+    piece before the last), yet transformers runs the whole layer: its attention and MLP over every
+    row, 1/L of the pass. Here a pre-hook on the last layer stops the pass when it gets there, and
+    the layer's K/V are written by :func:`layer_kv` for the same rows: bit for bit what the layer
+    writes (tested). ``cache`` must append as transformers' ``DynamicCache`` does. The hook acts only
+    on the thread that set it, so other threads' passes through the same model run whole.
+
+    Returns False, having run ``run`` whole, where the layers are not known here (:func:`layer_parts`).
+    """
+    parts = layer_parts(model)
+    if not parts:
+        run()
+        return False
+    last: nn.Module = model.model.layers[-1]
+    with _HOOK_LOCK:
+        if last not in _HOOKED:
+            last.register_forward_pre_hook(_stop_here, with_kwargs=True)
+            _HOOKED.add(last)
+    _CUT.layer = last
+    try:
+        run()
+    except _LastLayerReached as stop:
+        key, value = layer_kv(parts[-1], stop.hidden, stop.position_embeddings)
+        cache.update(key, value, parts[-1].index)
+    finally:
+        _CUT.layer = None
+    return True
 
 
 def _rotated_kv(

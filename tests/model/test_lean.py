@@ -72,3 +72,76 @@ def test_write_layer_kv_refuses_layers_of_unknown_arithmetic(tiny_tokenizer):
     keys = torch.zeros(a.spec.num_layers, 2, 8, 16)
     with pytest.raises(RuntimeError, match="run_layer runs them whole"):
         a.write_layer_kv(0, torch.zeros(1, 1, 64), torch.tensor([0]), a.scatter_cache(keys, keys.clone()), (None, None))  # type: ignore[arg-type]
+
+
+def _prefill_cache(a: ModelAdapter, ids: list[int], past: int) -> list[torch.Tensor]:
+    """Every layer's keys and values after ``forward(logits="none")`` of ``ids`` over ``past`` tokens."""
+    cache = a.build_cache([])
+    if past:
+        a.forward(list(range(1, past + 1)), cache, 0, logits="none")
+    a.forward(ids, cache, past, logits="none")
+    return [t for layer in range(a.spec.num_layers) for t in (cache.layers[layer].keys, cache.layers[layer].values)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_pass_for_its_cache_writes_the_last_layer_as_the_whole_layer_does(tiny_tokenizer, monkeypatch, family, dtype):
+    """forward(logits="none") cuts its last layer to the K/V it writes: every layer's cache bit for bit
+    what the whole stack writes (after a past of 0 and of 11 tokens)."""
+    from ragkv.model import adapter as adapter_mod
+    from ragkv.model import lean
+
+    a = ModelAdapter(make_model(family, len(tiny_tokenizer)).to(dtype), tiny_tokenizer)
+    ids = torch.randint(0, 200, (23,), generator=torch.Generator().manual_seed(2)).tolist()
+    cut: list[bool] = []
+    real = lean.kv_only_last_layer
+
+    def spy(*args):
+        cut.append(real(*args))
+
+    for past in (0, 11):
+        monkeypatch.setattr(adapter_mod, "kv_only_last_layer", spy)
+        fast = _prefill_cache(a, ids, past)
+        monkeypatch.setattr(adapter_mod, "kv_only_last_layer", lambda model, run, cache: run())
+        slow = _prefill_cache(a, ids, past)
+        assert len(fast) == len(slow) == 2 * a.spec.num_layers and fast[-1].shape[2] == past + len(ids)
+        for f, s in zip(fast, slow, strict=True):
+            assert torch.equal(f, s), (family, dtype, past, float((f.float() - s.float()).abs().max()))
+    assert cut and all(cut)
+
+
+def test_the_cut_acts_only_on_the_thread_that_asked(tiny_tokenizer):
+    """A pass of another thread through the same model, while one thread's cut is set, runs whole."""
+    import threading
+
+    from ragkv.model import lean
+
+    a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
+    ids = list(range(3, 20))
+    want = a.forward(ids, a.build_cache([]), 0, logits="last")  # also hooks the layer (a cut pass ran before)
+    a.prefill_kv(ids)
+    got: list[torch.Tensor] = []
+    lean._CUT.layer = a.model.model.layers[-1]  # this thread's pass would stop at the last layer
+    try:
+        worker = threading.Thread(target=lambda: got.append(a.forward(ids, a.build_cache([]), 0, logits="last")))
+        worker.start()
+        worker.join()
+    finally:
+        lean._CUT.layer = None
+    assert len(got) == 1 and torch.equal(got[0], want)
+    assert torch.equal(a.forward(ids, a.build_cache([]), 0, logits="last"), want)  # and, unset, here too
+
+
+def test_layers_of_unknown_arithmetic_run_a_cache_pass_whole(tiny_tokenizer):
+    from ragkv.model import lean
+    from ragkv.model.caches import cache_kwarg
+
+    gelu = ModelAdapter(make_model("llama", len(tiny_tokenizer), hidden_act="gelu"), tiny_tokenizer)
+    cache = gelu.build_cache([])
+    inner = gelu.model.model
+
+    def stack() -> None:
+        inner(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{cache_kwarg(type(inner)): cache})
+
+    assert not lean.kv_only_last_layer(gelu.model, stack, cache)
+    assert cache.get_seq_length() == 3
