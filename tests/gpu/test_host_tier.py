@@ -16,7 +16,7 @@ import torch
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.gpu import host_tier as host_tier_mod
-from ragkv.gpu.host_tier import HostTier, HostTierConfig, pinned_footprint
+from ragkv.gpu.host_tier import HostTier, HostTierConfig
 from ragkv.gpu.tier import DeviceTierConfig
 from ragkv.types import ChunkKV
 from tests.core.test_engine import DOCS, GEN, _engine
@@ -101,10 +101,29 @@ def test_the_budget_counts_what_memory_is_held_and_an_entry_too_big_is_refused()
     for i in range(5):
         tier.put(f"k{i}", _kv(8), 0.01)
         assert tier.stats()["bytes"] <= tier.budget_bytes
-    # pinned, torch's allocator rounds each allocation up to a power of two: the budget counts that
-    assert pinned_footprint(3 << 20, True) == 4 << 20 and pinned_footprint(4 << 20, True) == 4 << 20
-    assert pinned_footprint(3 << 20, False) == 3 << 20 and pinned_footprint(0, True) == 0
-    assert HostTier(1 << 30, pin=True)._footprint(_kv(3)) == 2 * 256  # 2*2*3*4 fp32 = 192 bytes -> 256
+    # an entry costs its arena blocks: each tensor rounded up to 512 bytes, not to a power of two
+    assert HostTier(1 << 30, pin=False)._footprint(_kv(3)) == 2 * 512  # 2*2*3*4 fp32 = 192 bytes -> 512
+    assert HostTier(1 << 30, pin=False)._footprint(_kv(40)) == 2 * 2560  # 2,560 bytes each: exact
+
+
+def test_entries_live_in_the_arena_and_an_evicted_one_a_request_reads_keeps_its_memory():
+    tier = HostTier(3 * _bytes(8), pin=False)
+    kv = {k: _kv(8) for k in "abcd"}
+    for key in "abc":
+        assert tier.put(key, kv[key], 0.01)
+    held = _get(tier, "a", 8)  # a request reads a
+    assert held is not None
+    assert tier.stats()["arena_bytes"] == 3 * _bytes(8) and tier.stats()["arena_block_bytes"] == 3 * _bytes(8)
+    tier._entries["a"].priority = -1.0  # a goes first (the request still holds it)
+    assert tier.put("d", kv["d"], 0.01)  # the budget evicts a; no free block: b goes too, and d takes its room
+    assert "a" not in tier and "d" in tier and tier.stats()["evictions"] == 2
+    assert torch.equal(held.keys, kv["a"].keys) and torch.equal(held.values, kv["a"].values)  # never overwritten
+    del held  # the request is done: a's blocks come back
+    assert tier.put("e", _kv(8), 0.01) and tier.stats()["evictions"] == 2
+    assert tier.stats()["arena_block_bytes"] == 3 * _bytes(8)
+    for key in ("c", "d"):
+        got = _get(tier, key, 8)
+        assert got is not None and torch.equal(got.keys, kv[key].keys)
 
 
 def test_an_offer_is_copied_by_the_worker_while_the_caller_goes_on():
