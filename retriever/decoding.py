@@ -6,9 +6,9 @@ numpy: all three release the GIL, so chunks decode side by side. On a GPU host (
 checking 2.1 GB of raw chunks of a 16K-token prompt took 275-351 ms on one thread, a third of
 that request's TTFT from host memory (docs/benchmarks.md, "GPU").
 
-The pool is the process's, shared by every request (a request never waits for a thread it
-started itself, so no request can starve another's decode into a deadlock), and is separate from
-the entropy stage's pool, which a cachegen decode waits on from inside a task here.
+The pools are the process's (one per worker count), shared by every request (a task never waits
+for another task of its pool, so no request can starve another's decode into a deadlock), and are
+separate from the entropy stage's pool, which a cachegen decode waits on from inside a task here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Generic, TypeVar
 
 __all__ = ["DEFAULT_WORKERS", "OrderedDecodes", "decode_all"]
@@ -25,37 +25,44 @@ __all__ = ["DEFAULT_WORKERS", "OrderedDecodes", "decode_all"]
 T = TypeVar("T")
 K = TypeVar("K")
 
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a container's limit, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 # Half the cores, 1 to 8: the other half is left to what runs meanwhile (the fetch thread, a
 # chunk prefilled here, the entropy stage's own pool). On 2 cores that is 1: decodes run inline,
-# as before (two threads measured 1.28-1.5x on raw chunks there, and nothing on cachegen's, whose
-# entropy stage already takes both cores).
-DEFAULT_WORKERS = max(1, min(8, (os.cpu_count() or 1) // 2))
+# as before (two threads measured 1.24x on raw chunks kept as views there, 0.98x converted to bf16
+# and 1.05x on cachegen's, whose entropy stage already takes both cores).
+DEFAULT_WORKERS = max(1, min(8, _cores() // 2))
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
+# One pool per worker count, never shut down: a pool is exactly as wide as the callers asking for
+# it, so ``workers`` bounds the decodes running at once, and no caller can find its pool gone.
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def _forget_pool() -> None:
-    # A forked child inherits the pool object but not its threads: its jobs would wait forever.
-    global _POOL, _POOL_SIZE, _POOL_LOCK
-    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+def _forget_pools() -> None:
+    # A forked child inherits the pool objects but not their threads: its jobs would wait forever.
+    global _POOL_LOCK
+    _POOLS.clear()
+    _POOL_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _pool(workers: int) -> ThreadPoolExecutor:
-    """The shared decode pool, grown to at least ``workers`` threads (an old, smaller pool is left to
-    finish its queued tasks and let go)."""
-    global _POOL, _POOL_SIZE
+    """The shared pool of exactly ``workers`` decode threads."""
     with _POOL_LOCK:
-        if _POOL is None or workers > _POOL_SIZE:
-            old = _POOL
-            _POOL, _POOL_SIZE = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-decode"), workers
-            if old is not None:
-                old.shutdown(wait=False)
-        return _POOL
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ragkv-decode")
+        return pool
 
 
 class OrderedDecodes(Generic[K, T]):
@@ -97,9 +104,14 @@ class OrderedDecodes(Generic[K, T]):
         return [self._take() for _ in range(len(self._pending))]
 
     def cancel(self) -> None:
-        """Forget what is still pending (the query failed): calls not started are not run."""
+        """Forget what is still pending (the query failed): calls not started are not run, and those
+        running are waited for (nothing of the request runs after it has failed)."""
+        running = []
         while self._pending:
-            self._pending.popleft()[1].cancel()
+            future = self._pending.popleft()[1]
+            if not future.cancel():
+                running.append(future)
+        wait(running)
 
     def _take(self) -> tuple[K, T]:
         tag, future = self._pending.popleft()

@@ -31,7 +31,6 @@ from ragkv.gpu.tier import DeviceTier
 from ragkv.model import ModelAdapter
 from ragkv.retriever.chunker import Chunker
 from ragkv.retriever.commit import commit_documents
-from ragkv.retriever.decoding import DEFAULT_WORKERS
 from ragkv.retriever.documents import Document, document_source
 from ragkv.retriever.embedder import Embedder
 from ragkv.retriever.index import FaissIndex
@@ -121,7 +120,7 @@ class KVRetriever:
             store_secret=store_secret,
             device_tier=device_tier,
             host_tier=host_tier,
-            decode_workers=self.config.decode_workers or DEFAULT_WORKERS,
+            decode_workers=self.config.decode_workers,
         )
         self._reconcile()
 

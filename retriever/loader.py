@@ -79,7 +79,9 @@ class ChunkLoader:
         host_tier: decoded chunk caches in pinned host memory, looked up after the device tier and
             before the store (None: none).
         decode_workers: threads that decode a request's chunks side by side (1: on the query
-            thread, one after another; default: half the cores, 1 to 8; see ``ragkv.retriever.decoding``).
+            thread, one after another). None: half the cores, 1 to 8, for a model on a GPU; 1 for a
+            model on the CPU, whose decodes would compete with torch's own threads for no measured
+            gain (``ragkv.retriever.decoding``, docs/benchmarks.md "GPU").
     """
 
     def __init__(
@@ -92,15 +94,17 @@ class ChunkLoader:
         store_secret: bytes | None = None,
         device_tier: DeviceTier | None = None,
         host_tier: HostTier | None = None,
-        decode_workers: int = DEFAULT_WORKERS,
+        decode_workers: int | None = None,
     ) -> None:
-        if decode_workers < 1:
+        if decode_workers is not None and decode_workers < 1:
             raise ValueError(f"decode_workers must be >= 1 thread, got {decode_workers}")
         self.computer, self.catalog = computer, catalog
         self.adapter, self.store = computer.adapter, computer.store
         self.codec, self.stored_codecs = codec, tuple(stored_codecs)
         self.store_secret = store_secret
         self.device_tier, self.host_tier = device_tier, host_tier
+        if decode_workers is None:
+            decode_workers = DEFAULT_WORKERS if self.adapter.device.type == "cuda" else 1
         self.decode_workers = decode_workers
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:

@@ -31,8 +31,8 @@ class RetrieverConfig:
     # stored levels coded in the model's channel transform (default: cachegen levels 1 and 2; see
     # docs/configuration.md); TransformConfig(levels=()) turns it off
     transform: TransformConfig = field(default_factory=TransformConfig)
-    # threads that decode a request's chunk caches side by side (None: half the cores, 1 to 8;
-    # 1: one after another on the query thread; see ragkv.retriever.decoding)
+    # threads that decode a request's chunk caches side by side (None: half the cores, 1 to 8, for
+    # a model on a GPU, 1 on the CPU; 1: one after another on the query thread; ragkv.retriever.decoding)
     decode_workers: int | None = None
 
     def __post_init__(self) -> None:

@@ -76,16 +76,28 @@ class PinnedArena:
             raise ValueError(f"capacity must be >= 0 bytes, got {capacity}")
         self.capacity, self.pin = capacity, pin
         self._sizes = segment_sizes(capacity)  # the segments still to take, largest first
+        self.segment_sizes = tuple(self._sizes)  # every segment the arena may ever hold
+        self.largest_block = max(self._sizes, default=0)  # the largest block it could ever give
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()
         self._returned: collections.deque[tuple[int, int, int]] = collections.deque()  # appended by finalizers
         self._in_use = 0
 
     @property
-    def largest_block(self) -> int:
-        """The largest block the arena could ever give (its largest segment)."""
-        with self._lock:  # a segment being taken is in neither list for a moment
-            return max([s.memory.numel() for s in self._segments] + self._sizes[:1], default=0)
+    def total_bytes(self) -> int:
+        """Bytes of every segment the arena may take: its capacity, less what :func:`segment_sizes` leaves."""
+        return sum(self.segment_sizes)
+
+    def could_hold(self, sizes: list[int]) -> bool:
+        """Whether blocks of ``sizes`` bytes could all be held at once in an empty arena (largest
+        first into the segment with the most room left)."""
+        room = sorted(self.segment_sizes, reverse=True)
+        for size in sorted((self.block_size(n) for n in sizes), reverse=True):
+            best = max(range(len(room)), key=lambda i: room[i], default=None)
+            if best is None or room[best] < size:
+                return False
+            room[best] -= size
+        return True
 
     @staticmethod
     def block_size(nbytes: int) -> int:
@@ -99,10 +111,20 @@ class PinnedArena:
         with self._lock:
             self._take_returns()
             found = self._first_fit(size)
-            if found is None and self._sizes and size <= self._sizes[0]:
-                memory = torch.empty(self._sizes.pop(0), dtype=torch.uint8, pin_memory=self.pin)
+            take = self._sizes.pop(0) if found is None and self._sizes and size <= self._sizes[0] else 0
+        if take:
+            # a new segment (cudaHostAlloc of up to 1 GiB: hundreds of ms) is made outside the lock,
+            # so lookups and stats never wait for it
+            try:
+                memory = torch.empty(take, dtype=torch.uint8, pin_memory=self.pin)
+            except BaseException:
+                with self._lock:  # not taken: its room stays available
+                    self._sizes.insert(0, take)
+                raise
+            with self._lock:
                 self._segments.append(_Segment(memory, memory.numpy(), [(0, memory.numel())]))
                 found = self._first_fit(size)
+        with self._lock:
             if found is None:
                 return None
             seg_index, offset = found

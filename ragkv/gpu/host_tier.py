@@ -104,7 +104,9 @@ class HostTier(BoundedTier):
     """Decoded chunk caches in (page-locked) host memory, at most ``budget_bytes`` (see the module docstring).
 
     Args:
-        budget_bytes: bytes the entries may hold (their pinned footprint).
+        budget_bytes: bytes the entries may hold (their arena blocks). The arena takes segments of
+            powers of two up to it; a rest under 64 MiB is not taken, and the tier's budget is what the
+            segments hold (``ragkv.gpu.arena.segment_sizes``).
         pin: page-locked entries (default: when CUDA is available; a CPU has no pinned memory).
         queue_size: admissions waiting for the copy worker; an offer beyond them is dropped.
     """
@@ -112,11 +114,11 @@ class HostTier(BoundedTier):
     name = "host tier"
 
     def __init__(self, budget_bytes: int, *, pin: bool | None = None, queue_size: int = 64) -> None:
-        super().__init__(budget_bytes)
+        arena = PinnedArena(budget_bytes, pin=torch.cuda.is_available() if pin is None else pin)
+        super().__init__(arena.total_bytes)  # what the arena can really hold (at most budget_bytes)
         if queue_size < 1:
             raise ValueError(f"queue_size must be >= 1 admission, got {queue_size}")
-        self.pin = torch.cuda.is_available() if pin is None else pin
-        self._arena = PinnedArena(budget_bytes, pin=self.pin)
+        self.pin, self._arena = arena.pin, arena
         self._queue: queue.Queue[_Offer] = queue.Queue(maxsize=queue_size)
         self._offered: dict[str, int] = {}  # key -> ticket of its admission waiting for the worker
         self._tickets = 0
@@ -165,7 +167,11 @@ class HostTier(BoundedTier):
         return True
 
     def put(self, key: str, kv: ChunkKV, cost_s: float) -> bool:
-        """Copy ``kv`` into the tier now, on the caller's thread; False: it can never fit."""
+        """Copy ``kv`` into the tier now, on the caller's thread; False: it can never fit.
+
+        Raises:
+            MemoryError: no block is free even with the tier emptied (requests still read them).
+        """
         nbytes = self._footprint(kv)
         with self._lock:
             if not self._fits(kv, nbytes):
@@ -273,17 +279,21 @@ class HostTier(BoundedTier):
             MemoryError: no block fits even with the tier empty (its blocks are still read by requests).
         """
         nbytes = like.numel() * like.element_size()
+        evicted = 0
         while (block := self._arena.alloc(nbytes)) is None:
             with self._lock:
-                if not self._evict_lowest():
+                # an evicted entry a request still reads frees nothing yet: give up after evicting
+                # a few times the room needed rather than emptying the tier
+                freed = self._evict_lowest() if evicted <= 4 * nbytes else 0
+                if not freed:
                     raise MemoryError(f"{self.name}: no free block of {nbytes} bytes (the rest is still being read)")
+                evicted += freed
         return block.view(like.dtype).view(like.shape)
 
     def _fits(self, kv: ChunkKV, nbytes: int) -> bool:
-        """Whether ``kv`` could ever be held: within the budget, each tensor within one segment."""
-        largest = self._arena.largest_block
-        sizes = (t.numel() * t.element_size() for t in (kv.keys, kv.values))
-        return nbytes <= self.budget_bytes and all(self._arena.block_size(n) <= largest for n in sizes)
+        """Whether ``kv`` could ever be held: within the budget, its two blocks in the arena's segments."""
+        sizes = [t.numel() * t.element_size() for t in (kv.keys, kv.values)]
+        return nbytes <= self.budget_bytes and self._arena.could_hold(sizes)
 
     def _footprint(self, kv: ChunkKV) -> int:
         return sum(self._arena.block_size(t.numel() * t.element_size()) for t in (kv.keys, kv.values))

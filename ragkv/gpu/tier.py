@@ -167,19 +167,19 @@ class BoundedTier:
         self._drop(key)
         used = sum(e.nbytes for e in self._entries.values()) + self._pending
         while used + nbytes > self.budget_bytes and self._entries:
-            used -= min(self._entries.values(), key=_Entry.rank).nbytes
-            self._evict_lowest()
+            used -= self._evict_lowest()
         return True
 
-    def _evict_lowest(self) -> bool:
-        """Evict the entry GreedyDual-Size would evict next; False when there is none."""
+    def _evict_lowest(self) -> int:
+        """Evict the entry GreedyDual-Size would evict next; the bytes it held (0: there was none)."""
         if not self._entries:
-            return False
+            return 0
         victim = min(self._entries, key=lambda k: self._entries[k].rank())
         self._clock = self._entries[victim].priority  # GreedyDual: the clock rises to the evicted priority
+        nbytes = self._entries[victim].nbytes
         self._drop(victim)
         self.evictions += 1
-        return True
+        return nbytes
 
     def _drop(self, key: str) -> bool:
         return self._entries.pop(key, None) is not None

@@ -13,7 +13,8 @@ one-query path as the dispatcher would run it.
 
 Only layers whose arithmetic is known are taken (:func:`lean_plan`): the Llama, Mistral, Qwen2 and
 Qwen3 decoder layers with a gated SiLU MLP, no sliding window and standard rotary embeddings.
-Any other model keeps transformers' layers; ``RAGKV_LEAN_DECODE=0`` keeps them everywhere.
+Any other model keeps transformers' layers; ``RAGKV_LEAN_DECODE=0`` keeps them for decode steps
+(the layer parts fusion and :func:`kv_only_last_layer` use are not switched by it).
 """
 
 from __future__ import annotations
@@ -157,11 +158,19 @@ _HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _HOOK_LOCK = threading.Lock()
 
 
-def _stop_here(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """The last layer's pre-hook: stop the pass of the thread that asked for it (no other thread's)."""
-    if getattr(_CUT, "layer", None) is module:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        raise _LastLayerReached(hidden, kwargs["position_embeddings"])
+def _stop_here(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> None:
+    """The last layer's pre-hook: stop the pass of the thread that asked for it (no other thread's).
+
+    A call it cannot read (no keyword arguments: torch registers a hook one step before it marks it
+    as taking them; no ``position_embeddings``) runs the layer whole, as without the hook."""
+    if getattr(_CUT, "layer", None) is not module or kwargs is None:
+        return
+    rope = kwargs.get("position_embeddings")
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if rope is None or hidden is None:
+        _CUT.layer = None  # this pass runs whole
+        return
+    raise _LastLayerReached(hidden, rope)
 
 
 def kv_only_last_layer(model: Any, run: Callable[[], object], cache: Any) -> bool:
@@ -175,26 +184,30 @@ def kv_only_last_layer(model: Any, run: Callable[[], object], cache: Any) -> boo
     writes (tested). ``cache`` must append as transformers' ``DynamicCache`` does. The hook acts only
     on the thread that set it, so other threads' passes through the same model run whole.
 
-    Returns False, having run ``run`` whole, where the layers are not known here (:func:`layer_parts`).
+    Returns whether the last layer was cut; False, having run ``run`` whole, where the layers are
+    not known here (:func:`layer_parts`), where accelerate dispatches the layer (its hooks move
+    tensors between devices), or where the layer was called in a way the hook cannot read.
     """
     parts = layer_parts(model)
-    if not parts:
+    last: nn.Module | None = model.model.layers[-1] if parts else None
+    if parts is None or last is None or hasattr(last, "_hf_hook"):
         run()
         return False
-    last: nn.Module = model.model.layers[-1]
     with _HOOK_LOCK:
         if last not in _HOOKED:
             last.register_forward_pre_hook(_stop_here, with_kwargs=True)
             _HOOKED.add(last)
+    outer = getattr(_CUT, "layer", None)  # a pass inside another's: restored after
     _CUT.layer = last
     try:
         run()
     except _LastLayerReached as stop:
         key, value = layer_kv(parts[-1], stop.hidden, stop.position_embeddings)
         cache.update(key, value, parts[-1].index)
+        return True
     finally:
-        _CUT.layer = None
-    return True
+        _CUT.layer = outer
+    return False
 
 
 def _rotated_kv(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -211,11 +212,14 @@ def test_several_decode_threads_decode_chunks_side_by_side(tmp_path, llama_adapt
         serial = loader.load_many(ids)
         both_in = threading.Barrier(2, timeout=30)
         threads: list[str] = []
+        lock = threading.Lock()
         decode = loader._decode
 
         def spy_decode(*args):
-            threads.append(threading.current_thread().name)
-            if len(threads) <= 2:  # the first two chunks: each waits until the other is decoding too
+            with lock:
+                threads.append(threading.current_thread().name)
+                n = len(threads)
+            if n <= 2:  # the first two chunks: each waits until the other is decoding too
                 both_in.wait()
             return decode(*args)
 
@@ -235,13 +239,26 @@ def test_a_decode_that_fails_fails_the_load_and_leaves_no_decode_running(tmp_pat
         ids = _chunk_ids(rag)
         loader = rag.retriever.loader
         loader.decode_workers = 2
+        running = [0]
+        lock = threading.Lock()
 
         def failing(*args):
-            raise MemoryError("no room for the chunk")
+            with lock:
+                running[0] += 1
+                first = running[0] == 1
+            try:
+                if first:
+                    raise MemoryError("no room for the chunk")
+                time.sleep(0.2)  # the others still decode when the first one fails
+                return None
+            finally:
+                with lock:
+                    running[0] -= 1
 
         monkeypatch.setattr(loader, "_decode", failing)
         with pytest.raises(MemoryError, match="no room"):
             loader.load_many(ids)
+        assert running == [0]  # the load waited for the decodes it had started
         monkeypatch.undo()
         assert all(x.hit for x in loader.load_many(ids))  # nothing was lost or left half-done
 

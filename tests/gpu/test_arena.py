@@ -76,3 +76,28 @@ def test_segments_are_taken_when_needed_and_never_past_the_capacity() -> None:
 def test_capacity_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="capacity must be >= 0"):
         PinnedArena(-1, pin=False)
+
+
+def test_a_segment_that_cannot_be_made_stays_available(monkeypatch) -> None:
+    from ragkv.gpu import arena as arena_mod
+
+    arena = PinnedArena(4 * ALIGN, pin=False)
+    real = torch.empty
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(arena_mod.torch, "empty", no_memory)
+    with pytest.raises(RuntimeError, match="cudaHostAlloc"):
+        arena.alloc(ALIGN)
+    monkeypatch.setattr(arena_mod.torch, "empty", real)
+    assert arena.alloc(4 * ALIGN) is not None  # the segment was not lost
+
+
+def test_could_hold_places_blocks_in_the_segments() -> None:
+    arena = PinnedArena(MAX_SEGMENT + MAX_SEGMENT // 2, pin=False)  # segments of 1 GiB and 512 MiB
+    assert arena.segment_sizes == (MAX_SEGMENT, MAX_SEGMENT // 2) and arena.largest_block == MAX_SEGMENT
+    assert arena.could_hold([600 << 20, 400 << 20])  # one in each segment
+    assert not arena.could_hold([600 << 20, 600 << 20])  # only one segment fits 600 MiB
+    assert not arena.could_hold([MAX_SEGMENT + 1])
+    assert arena.stats()["segment_bytes"] == 0  # asking takes nothing

@@ -115,7 +115,8 @@ def test_entries_live_in_the_arena_and_an_evicted_one_a_request_reads_keeps_its_
     assert held is not None
     assert tier.stats()["arena_bytes"] == 3 * _bytes(8) and tier.stats()["arena_block_bytes"] == 3 * _bytes(8)
     tier._entries["a"].priority = -1.0  # a goes first (the request still holds it)
-    assert tier.put("d", kv["d"], 0.01)  # the budget evicts a; no free block: b goes too, and d takes its room
+    # no free block: a goes (a request still reads it: nothing is freed), then b, whose room d takes
+    assert tier.put("d", kv["d"], 0.01)
     assert "a" not in tier and "d" in tier and tier.stats()["evictions"] == 2
     assert torch.equal(held.keys, kv["a"].keys) and torch.equal(held.values, kv["a"].values)  # never overwritten
     del held  # the request is done: a's blocks come back
@@ -124,6 +125,19 @@ def test_entries_live_in_the_arena_and_an_evicted_one_a_request_reads_keeps_its_
     for key in ("c", "d"):
         got = _get(tier, key, 8)
         assert got is not None and torch.equal(got.keys, kv[key].keys)
+
+
+def test_with_every_block_still_read_an_admission_gives_up_without_emptying_the_tier():
+    tier = HostTier(6 * _bytes(8), pin=False)
+    readers = []
+    for key in "abcdef":
+        assert tier.put(key, _kv(8), 0.01)
+        readers.append(_get(tier, key, 8))  # every entry is being read
+    with pytest.raises(MemoryError, match="still being read"):
+        tier.put("g", _kv(8), 0.01)
+    assert 0 < tier.stats()["evictions"] <= 5 and tier.stats()["entries"] >= 1
+    del readers
+    assert tier.put("g", _kv(8), 0.01)  # once read, the evicted entries' blocks are free again
 
 
 def test_an_offer_is_copied_by_the_worker_while_the_caller_goes_on():

@@ -95,18 +95,25 @@ def test_a_pass_for_its_cache_writes_the_last_layer_as_the_whole_layer_does(tiny
     ids = torch.randint(0, 200, (23,), generator=torch.Generator().manual_seed(2)).tolist()
     cut: list[bool] = []
     real = lean.kv_only_last_layer
+    last = a.model.model.layers[-1]
+    whole_runs = [0]
+    counter = last.register_forward_hook(lambda *_: whole_runs.__setitem__(0, whole_runs[0] + 1))
 
     def spy(*args):
         cut.append(real(*args))
 
     for past in (0, 11):
+        whole_runs[0] = 0
         monkeypatch.setattr(adapter_mod, "kv_only_last_layer", spy)
         fast = _prefill_cache(a, ids, past)
+        assert whole_runs[0] == 0 and last in lean._HOOKED  # the last layer never ran whole
         monkeypatch.setattr(adapter_mod, "kv_only_last_layer", lambda model, run, cache: run())
         slow = _prefill_cache(a, ids, past)
+        assert whole_runs[0] == (2 if past else 1)
         assert len(fast) == len(slow) == 2 * a.spec.num_layers and fast[-1].shape[2] == past + len(ids)
         for f, s in zip(fast, slow, strict=True):
             assert torch.equal(f, s), (family, dtype, past, float((f.float() - s.float()).abs().max()))
+    counter.remove()
     assert cut and all(cut)
 
 
@@ -118,8 +125,9 @@ def test_the_cut_acts_only_on_the_thread_that_asked(tiny_tokenizer):
 
     a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
     ids = list(range(3, 20))
-    want = a.forward(ids, a.build_cache([]), 0, logits="last")  # also hooks the layer (a cut pass ran before)
-    a.prefill_kv(ids)
+    want = a.forward(ids, a.build_cache([]), 0, logits="last")
+    a.prefill_kv(ids)  # a cut pass: the last layer now has the hook
+    assert a.model.model.layers[-1] in lean._HOOKED
     got: list[torch.Tensor] = []
     lean._CUT.layer = a.model.model.layers[-1]  # this thread's pass would stop at the last layer
     try:
@@ -145,3 +153,19 @@ def test_layers_of_unknown_arithmetic_run_a_cache_pass_whole(tiny_tokenizer):
 
     assert not lean.kv_only_last_layer(gelu.model, stack, cache)
     assert cache.get_seq_length() == 3
+
+
+def test_a_call_the_hook_cannot_read_runs_the_layer_whole(tiny_tokenizer):
+    """No position embeddings given to the layer (another transformers' call): no cut, no error."""
+    from ragkv.model import lean
+
+    a = ModelAdapter(make_model("qwen2", len(tiny_tokenizer)), tiny_tokenizer)
+    last = a.model.model.layers[-1]
+    lean._CUT.layer = last
+    try:
+        assert lean._stop_here(last, (torch.zeros(1, 2, 64),), {}) is None  # not raised
+        assert lean._CUT.layer is None  # the rest of the pass runs whole
+        lean._CUT.layer = last
+        assert lean._stop_here(last, (torch.zeros(1, 2, 64),)) is None  # called without kwargs
+    finally:
+        lean._CUT.layer = None

@@ -74,19 +74,31 @@ def test_an_error_is_raised_where_its_result_is_taken_back() -> None:
         decodes.cancel()
 
 
-def test_cancel_drops_what_has_not_started() -> None:
+def test_cancel_drops_what_has_not_started_and_waits_for_what_runs() -> None:
     gate = threading.Event()
-    ran = []
-    decodes: OrderedDecodes[int, None] = OrderedDecodes(2)
-    decodes.submit(0, lambda: gate.wait(timeout=30) and None)
-    decodes.submit(1, lambda: gate.wait(timeout=30) and None)
+    started = threading.Barrier(3, timeout=30)
+    ran: list[int] = []
+    finished: list[int] = []
+
+    def blocking(i: int):
+        def run() -> None:
+            started.wait()
+            gate.wait(timeout=30)
+            finished.append(i)
+
+        return run
+
+    decodes: OrderedDecodes[int, None] = OrderedDecodes(2)  # a pool of exactly 2 threads
+    decodes.submit(0, blocking(0))
+    decodes.submit(1, blocking(1))
+    started.wait()  # both threads are busy: the next calls wait in the queue
     for i in range(2, 4):
         decodes.submit(i, lambda i=i: ran.append(i))
+    threading.Timer(0.2, gate.set).start()
     decodes.cancel()
-    gate.set()
+    assert sorted(finished) == [0, 1]  # cancel returned only once the running calls were done
     time.sleep(0.1)
-    assert decodes.finish() == []
-    assert len(ran) <= 2  # at most the ones a thread had picked up before the cancel
+    assert ran == [] and decodes.finish() == []
 
 
 def test_workers_must_be_positive() -> None:
