@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,33 @@ class _Offer:
     ready: torch.cuda.Event | None  # a device source: recorded after its decode, the copy waits for it
 
 
+def _work(ref: weakref.ReferenceType[HostTier], jobs: queue.Queue[_Offer]) -> None:
+    """The copy worker of the tier ``ref`` names, holding it only while it lands an admission.
+
+    A thread whose target held the tier (a bound method) dropped it when the thread ended; if that
+    was the tier's last reference while the interpreter was exiting, its tensors were freed on a
+    thread Python was tearing down, and torch's destructor, taking the GIL there, aborted the
+    process ("terminate called without an active exception", about 1 run in 8 of the host tier's
+    tests). So the tier is held weakly, and not at all while the worker waits.
+    """
+    while True:
+        try:
+            offer = jobs.get(timeout=_IDLE_S)
+        except queue.Empty:
+            tier = ref()
+            if tier is None or tier._idle():
+                return
+            del tier
+            continue
+        tier = ref()
+        try:
+            if tier is not None:
+                tier._serve(offer)
+        finally:
+            del tier, offer
+            jobs.task_done()
+
+
 class HostTier(BoundedTier):
     """Decoded chunk caches in (page-locked) host memory, at most ``budget_bytes`` (see the module docstring).
 
@@ -162,7 +190,9 @@ class HostTier(BoundedTier):
                 return False
             self._offered[key] = self._tickets
             if self._worker is None:  # started per burst of admissions; it ends when idle
-                self._worker = threading.Thread(target=self._run, name="ragkv-host-tier", daemon=True)
+                # the thread holds the tier weakly (see _work): never the last reference to it
+                args = (weakref.ref(self), self._queue)
+                self._worker = threading.Thread(target=_work, args=args, name="ragkv-host-tier", daemon=True)
                 self._worker.start()
         return True
 
@@ -219,26 +249,23 @@ class HostTier(BoundedTier):
         }
 
     # ---- the worker ------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            try:
-                offer = self._queue.get(timeout=_IDLE_S)
-            except queue.Empty:
-                with self._lock:  # an offer puts under this lock: none can be left without a worker
-                    if self._queue.empty():
-                        self._worker = None
-                        return
-                continue
-            try:
-                self._land(offer)
-            except Exception as e:  # a failed copy (no pinned memory left) is only a missed admission
-                logger.warning("host tier: could not keep %s (%s); it stays in the store", offer.key, e)
-                with self._lock:
-                    if self._offered.get(offer.key) == offer.ticket:
-                        del self._offered[offer.key]
-                    self.refused += 1
-            finally:
-                self._queue.task_done()
+    def _idle(self) -> bool:
+        """The worker found no admission for a while: True if it ends (none waits)."""
+        with self._lock:  # an offer puts under this lock: none can be left without a worker
+            if self._queue.empty():
+                self._worker = None
+                return True
+            return False
+
+    def _serve(self, offer: _Offer) -> None:
+        try:
+            self._land(offer)
+        except Exception as e:  # a failed copy (no pinned memory left) is only a missed admission
+            logger.warning("host tier: could not keep %s (%s); it stays in the store", offer.key, e)
+            with self._lock:
+                if self._offered.get(offer.key) == offer.ticket:
+                    del self._offered[offer.key]
+                self.refused += 1
 
     def _land(self, offer: _Offer) -> None:
         with self._lock:

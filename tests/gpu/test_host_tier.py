@@ -217,6 +217,24 @@ def test_the_worker_ends_when_idle_and_starts_again(monkeypatch):
     assert sorted(tier.keys()) == ["a", "b"]
 
 
+def test_the_waiting_worker_does_not_keep_its_tier_alive():
+    """A worker whose thread held the tier freed the tier's tensors when it ended; at interpreter
+    exit that aborted the process. The tier goes with its last user's reference, the worker after."""
+    import gc
+    import weakref
+
+    tier = HostTier(10 * _bytes(8), pin=False)
+    tier.offer("a", _kv(8), 0.01)
+    tier.drain()
+    worker, ref = tier._worker, weakref.ref(tier)
+    assert worker is not None and worker.is_alive()  # waiting for the next admission
+    del tier
+    gc.collect()
+    assert ref() is None  # freed here, on the thread that let go of it
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+
+
 def test_the_config_is_off_for_a_cpu_model_and_capped_on_a_gpu(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert HostTierConfig().budget_for(cpu) == 0  # host memory has memory:// already
