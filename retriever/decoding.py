@@ -3,7 +3,7 @@
 A request's chunks decode one after another on the query thread otherwise. For raw chunks a
 decode is mostly the payload checksum (xxh3), for entropy-coded ones zstd and a multiply in
 numpy: all three release the GIL, so chunks decode side by side. On a GPU host (16 cores or more)
-checking 2.1 GB of raw chunks of a 16K-token prompt took 275-351 ms on one thread, a third of
+checking 2.1 GB of raw chunks of a 16K-token prompt took 275-351 ms on one thread, over 40% of
 that request's TTFT from host memory (docs/benchmarks.md, "GPU").
 
 The pools are the process's (one per worker count), shared by every request (a task never waits
