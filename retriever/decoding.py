@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Generic, TypeVar
 
-__all__ = ["DEFAULT_WORKERS", "OrderedDecodes", "decode_all"]
+__all__ = ["DEFAULT_WORKERS", "OrderedDecodes", "decode_all", "default_workers"]
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -39,6 +39,14 @@ def _cores() -> int:
 # as before (two threads measured 1.24x on raw chunks kept as views there, 0.98x converted to bf16
 # and 1.05x on cachegen's, whose entropy stage already takes both cores).
 DEFAULT_WORKERS = max(1, min(8, _cores() // 2))
+
+
+def default_workers(device_type: str) -> int:
+    """The decode threads a request gets by default for a model on ``device_type`` ("cuda", "cpu",
+    ...): :data:`DEFAULT_WORKERS` on a GPU; 1 elsewhere, where decodes would compete with torch's
+    own threads for no measured gain (docs/benchmarks.md, "GPU")."""
+    return DEFAULT_WORKERS if device_type == "cuda" else 1
+
 
 # One pool per worker count, never shut down: a pool is exactly as wide as the callers asking for
 # it, so ``workers`` bounds the decodes running at once, and no caller can find its pool gone.

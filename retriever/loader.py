@@ -27,7 +27,7 @@ from ragkv.gpu.host_tier import HostTier
 from ragkv.gpu.tier import DeviceTier
 from ragkv.planner.plan import LOCAL, TEXT, ChunkOptions
 from ragkv.planner.session import LoadPlanning, LoadSession
-from ragkv.retriever.decoding import DEFAULT_WORKERS, OrderedDecodes
+from ragkv.retriever.decoding import OrderedDecodes, default_workers
 from ragkv.retriever.precompute import ChunkComputer, record_stored
 from ragkv.retriever.prefetch import prefetch
 from ragkv.types import ChunkKey, ChunkKV, CodecSpec
@@ -103,9 +103,7 @@ class ChunkLoader:
         self.codec, self.stored_codecs = codec, tuple(stored_codecs)
         self.store_secret = store_secret
         self.device_tier, self.host_tier = device_tier, host_tier
-        if decode_workers is None:
-            decode_workers = DEFAULT_WORKERS if self.adapter.device.type == "cuda" else 1
-        self.decode_workers = decode_workers
+        self.decode_workers = default_workers(self.adapter.device.type) if decode_workers is None else decode_workers
 
     def load(self, token_ids: Sequence[int]) -> LoadedChunk:
         """The chunk's cache: from the store, or computed now (and stored) on a miss."""

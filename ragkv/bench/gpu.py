@@ -57,7 +57,7 @@ from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_atte
 from ragkv.gpu.feed import LayerFeed
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
-from ragkv.retriever.decoding import DEFAULT_WORKERS, decode_all
+from ragkv.retriever.decoding import decode_all, default_workers
 from ragkv.types import ChunkKV, CodecSpec, StorageKey
 
 LLAMA_3_1_8B: dict[str, Any] = {
@@ -178,7 +178,7 @@ def _decode_all(blobs: Sequence[bytes], a: ModelAdapter, spec: CodecSpec) -> lis
     on_host = a.device.type == "cuda" and spec.name == "raw"
     device = "cpu" if on_host else a.device
     calls = [functools.partial(codec.decode, b, expect=None, device=device, dtype=a.dtype, view=on_host) for b in blobs]
-    return decode_all(calls, DEFAULT_WORKERS if a.device.type == "cuda" else 1)  # the loader's default
+    return decode_all(calls, default_workers(a.device.type))
 
 
 def _feed(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], extra: int) -> LayerFeed:

@@ -175,6 +175,8 @@ def bench_qa(
     typer.echo(format_qa_table(result))
     if out is not None:
         out.write_text(json.dumps(result, indent=1))
+        if partial is not None:  # the run finished: its answers are all in the JSON
+            partial.unlink(missing_ok=True)
         typer.echo(f"wrote {len(result['rows'])} rows and {len(result['questions'])} answers to {out}")
 
 

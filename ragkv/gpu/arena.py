@@ -77,7 +77,6 @@ class PinnedArena:
         self.capacity, self.pin = capacity, pin
         self._sizes = segment_sizes(capacity)  # the segments still to take, largest first
         self.segment_sizes = tuple(self._sizes)  # every segment the arena may ever hold
-        self.largest_block = max(self._sizes, default=0)  # the largest block it could ever give
         self._segments: list[_Segment] = []
         self._lock = threading.Lock()
         self._returned: collections.deque[tuple[int, int, int]] = collections.deque()  # appended by finalizers
@@ -119,7 +118,8 @@ class PinnedArena:
                 memory = torch.empty(take, dtype=torch.uint8, pin_memory=self.pin)
             except BaseException:
                 with self._lock:  # not taken: its room stays available
-                    self._sizes.insert(0, take)
+                    self._sizes.append(take)
+                    self._sizes.sort(reverse=True)
                 raise
             with self._lock:
                 self._segments.append(_Segment(memory, memory.numpy(), [(0, memory.numel())]))

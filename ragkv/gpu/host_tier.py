@@ -107,8 +107,8 @@ def _work(ref: weakref.ReferenceType[HostTier], jobs: queue.Queue[_Offer]) -> No
     A thread whose target held the tier (a bound method) dropped it when the thread ended; if that
     was the tier's last reference while the interpreter was exiting, its tensors were freed on a
     thread Python was tearing down, and torch's destructor, taking the GIL there, aborted the
-    process ("terminate called without an active exception", about 1 run in 8 of the host tier's
-    tests). So the tier is held weakly, and not at all while the worker waits.
+    process ("terminate called without an active exception", about 1 run in 6-8 of the host
+    tier's tests). So the tier is held weakly, and not at all while the worker waits.
     """
     while True:
         try:

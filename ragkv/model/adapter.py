@@ -294,9 +294,9 @@ class ModelAdapter:
         ``logits`` says where they are computed: ``"all"`` ``[T, vocab]``; ``"last"`` ``[1, vocab]``
         (a prefill that only samples the next token); ``"none"`` ``[0, vocab]`` (a pass run for its
         cache; on a ``DynamicCache`` its last layer only writes its K/V, bit for bit what the whole
-        layer writes on the CPU, tested: ``ragkv.model.lean.kv_only_last_layer``). The LM head over a 150K vocabulary
-        is about a quarter of a prefill's compute, and its fp32 output at 1.5K tokens about 0.9 GB:
-        computed only where it is read.
+        layer writes on the CPU, tested: ``ragkv.model.lean.kv_only_last_layer``). The LM head over
+        a 150K vocabulary is about a quarter of a prefill's compute, and its fp32 output at 1.5K
+        tokens about 0.9 GB: computed only where it is read.
 
         ``steer``: what the pass does besides (a probe, decode weights, the step kind; see
         :class:`ragkv.model.attention.Steer`). ``rider``: a decode step of a batch that rides on

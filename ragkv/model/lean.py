@@ -189,8 +189,8 @@ def kv_only_last_layer(model: Any, run: Callable[[], object], cache: Any) -> boo
     tensors between devices), or where the layer was called in a way the hook cannot read.
     """
     parts = layer_parts(model)
-    last: nn.Module | None = model.model.layers[-1] if parts else None
-    if parts is None or last is None or hasattr(last, "_hf_hook"):
+    last: nn.Module = model.model.layers[-1]
+    if not parts or hasattr(last, "_hf_hook"):
         run()
         return False
     with _HOOK_LOCK:

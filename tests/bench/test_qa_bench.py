@@ -251,6 +251,7 @@ def test_the_command_runs_the_set_qa_set_names_and_records_it(llama_adapter, mon
     meta = json.loads(out.read_text())["meta"]
     assert meta["qa_set"] == "heldout-v1" and seen == ["heldout-v1"]
     assert json.loads(out.read_text())["questions"][0]["id"] == "h01"
+    assert not (tmp_path / "heldout.json.partial.jsonl").exists()  # a finished run leaves no checkpoint
 
 
 def test_the_command_refuses_a_missing_or_malformed_set_before_loading_a_model(monkeypatch, tmp_path) -> None:

@@ -65,7 +65,7 @@ def test_first_fit_takes_the_earliest_run_that_fits() -> None:
 def test_segments_are_taken_when_needed_and_never_past_the_capacity() -> None:
     arena = PinnedArena(5000, pin=False)
     assert arena.stats()["segment_bytes"] == 0  # nothing taken before the first block
-    assert arena.largest_block == 5000
+    assert arena.segment_sizes == (5000,)
     assert arena.alloc(5001) is None  # larger than any segment
     x = arena.alloc(4000)
     assert x is not None and arena.stats()["segment_bytes"] == 5000
@@ -96,7 +96,7 @@ def test_a_segment_that_cannot_be_made_stays_available(monkeypatch) -> None:
 
 def test_could_hold_places_blocks_in_the_segments() -> None:
     arena = PinnedArena(MAX_SEGMENT + MAX_SEGMENT // 2, pin=False)  # segments of 1 GiB and 512 MiB
-    assert arena.segment_sizes == (MAX_SEGMENT, MAX_SEGMENT // 2) and arena.largest_block == MAX_SEGMENT
+    assert arena.segment_sizes == (MAX_SEGMENT, MAX_SEGMENT // 2)
     assert arena.could_hold([600 << 20, 400 << 20])  # one in each segment
     assert not arena.could_hold([600 << 20, 600 << 20])  # only one segment fits 600 MiB
     assert not arena.could_hold([MAX_SEGMENT + 1])
