@@ -182,15 +182,17 @@ class ChunkLoader:
         seconds: dict[int, float] = {}  # fetch + decode time of each hit (the device tier's cost)
         text: set[int] = set()  # chunks fusion recomputes from their tokens
         local: set[int] = set()  # chunks prefilled here while the next ones were fetched
-        decodes: OrderedDecodes[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float]]
+        spans: list[tuple[float, float]] = []  # (start, end) of each decode
+        decodes: OrderedDecodes[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float, float]]
         decodes = OrderedDecodes(self.decode_workers)
 
-        def landed(done: list[tuple[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float]]]) -> None:
-            for (i, key, got, nbytes), (kv, spent) in done:
+        def landed(done: list[tuple[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float, float]]]) -> None:
+            for (i, key, got, nbytes), (kv, start, end) in done:
                 decoded[i] = kv
-                seconds[i] = got.seconds + spent
+                seconds[i] = got.seconds + end - start
+                spans.append((start, end))
                 if session is not None and kv is not None:
-                    session.decoded(key.codec, nbytes, spent)
+                    session.decoded(key.codec, nbytes, end - start)
 
         # up to 3 ahead: a run of chunks prefilled here leaves room for the read after them to start
         with contextlib.closing(prefetch(range(len(unique)), fetch, ahead=3)) as fetched:
@@ -221,6 +223,8 @@ class ChunkLoader:
                 landed(decodes.finish())
             finally:
                 decodes.cancel()
+        if session is not None and self.decode_workers > 1:
+            session.decodes_overlapped(spans)
         done = self._finish_loads(segments, keys, unique, decoded, sizes, text, local)
         done.update({i: LoadedChunk(kv, True, 0, device=True) for i, kv in on_device.items()})
         done.update({i: LoadedChunk(kv, True, 0, host=True) for i, kv in on_host.items()})
@@ -353,11 +357,12 @@ class ChunkLoader:
             self.catalog.touch_entries(hits)
         return done
 
-    def _timed_decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> tuple[ChunkKV | None, float]:
-        """:meth:`_decode`, and the seconds it took (on a decode thread when there are several)."""
+    def _timed_decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> tuple[ChunkKV | None, float, float]:
+        """:meth:`_decode`, and when it started and ended (``time.perf_counter()``; on a decode thread
+        when there are several)."""
         started = time.perf_counter()
         kv = self._decode(key, num_tokens, blob)
-        return kv, time.perf_counter() - started
+        return kv, started, time.perf_counter()
 
     def _decode(self, key: ChunkKey, num_tokens: int, blob: bytes) -> ChunkKV | None:
         """The stored cache in ``blob``, or None (with a warning) if it is not what ``key`` asks for.

@@ -77,6 +77,9 @@ class Rates:
     decode_bps: Mapping[str, float] = field(default_factory=dict)
     latency_s: float = 0.0  # seconds per read before its first byte
     fusion_ratio: float = 0.0  # share of a loaded chunk's tokens the fusion pass still recomputes
+    # decodes running at once on the loader's decode threads (busy decode seconds per second of a
+    # load's decodes; 1: one after another): the processor's decodes take their sum over this
+    decode_overlap: float = 1.0
 
     def load_seconds(self, spec: CodecSpec, nbytes: int) -> float:
         """Time to have one chunk's cache: a read's latency, then fetching and decoding overlap (the
@@ -85,9 +88,11 @@ class Rates:
         return self.latency_s + max(transfer, self.decode_seconds(spec, nbytes))
 
     def decode_seconds(self, spec: CodecSpec, nbytes: int) -> float:
-        """Time to decode ``nbytes`` stored at ``spec`` (0 while no speed is known for it)."""
+        """Time decoding ``nbytes`` stored at ``spec`` adds to a load (0 while no speed is known for it):
+        its time on one thread over ``decode_overlap`` (decodes running side by side each hold the
+        processor for that share of their time; below 1 counts as 1)."""
         decode = self.decode_bps.get(str(spec)) or self.decode_bps.get(spec.name)
-        return nbytes / decode if decode else 0.0
+        return nbytes / decode / max(1.0, self.decode_overlap) if decode else 0.0
 
     def text_seconds(self, tokens: int) -> float:
         """Time to recompute one chunk from its tokens (in the fusion pass)."""

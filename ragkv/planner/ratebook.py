@@ -4,7 +4,8 @@ A process that starts cold knows nothing of its links: it would plan its first a
 guesses (a remote tier at 1 Gbit/s), or spend its first chunk on a probe. The book keeps, next to
 the catalog (``<data_dir>/load_rates.json``), what the last process measured: each tier's read
 latency and bytes/s keyed by the tier's display URL (no password, no query), each stored level's
-decode speed, and the model's prefill speed and fusion cost keyed by model and device. It is JSON,
+decode speed, and the model's prefill speed, fusion cost and decode overlap (decodes running side
+by side on the loader's threads) keyed by model and device. It is JSON,
 read with ``json.loads`` and checked value by value: a damaged, foreign or partial file is
 ignored (logged) and the process starts from first guesses, never fails. Writes replace the file
 atomically (a temporary file, then ``os.replace``); several processes sharing a data dir each
@@ -100,6 +101,10 @@ class RateBook:
             if fixed is not None and self.estimates.fusion_fixed.samples == 0:
                 self.estimates.fusion_fixed.seed(fixed)
                 taken += 1
+            overlap = _positive(mine.get("decode_overlap"))
+            if overlap is not None and overlap >= 1 and self.estimates.decode_overlap.samples == 0:
+                self.estimates.decode_overlap.seed(overlap)
+                taken += 1
         logger.debug("seeded %d load speed(s) from %s", taken, self.path)
         return taken
 
@@ -144,11 +149,14 @@ class RateBook:
             if link is not None and link.samples > 0:
                 tiers[tier.name] = {"rate_bps": link.rate, "latency_s": link.latency, "samples": link.samples}
         decode.update(self.estimates.decode_rates())
+        mine = _mapping(models.get(self.model))
         if self.estimates.recompute.samples > 0:
-            models[self.model] = {
-                "recompute_tps": self.estimates.recompute.rate,
-                "fusion_fixed_s": self.estimates.fusion_fixed.value,
-            }
+            mine["recompute_tps"] = self.estimates.recompute.rate
+            mine["fusion_fixed_s"] = self.estimates.fusion_fixed.value
+        if self.estimates.decode_overlap.samples > 0:
+            mine["decode_overlap"] = self.estimates.decode_overlap.rate
+        if mine:
+            models[self.model] = mine
         return {"format": FORMAT, "tiers": tiers, "decode": decode, "models": models}
 
 

@@ -59,7 +59,9 @@ class LoadEstimates:
     ``recompute``: the fusion pass's marginal prefill speed (tokens/s), measured on full prefills and
     on fusion passes that compute most of the prompt; ``fusion_fixed``: what a fusion pass costs on
     top (seconds: placing the chunks, the question probe, attention over the loaded tokens),
-    measured on every fusion pass; ``decode(spec)``: encoded bytes/s per stored level.
+    measured on every fusion pass; ``decode(spec)``: encoded bytes/s per stored level, each decode
+    timed on its own thread; ``decode_overlap``: how many decodes run at once on the loader's decode
+    threads (their busy seconds per second of a load's decodes, from 1: one thread).
     """
 
     def __init__(self, config: LoadConfig | None = None) -> None:
@@ -67,6 +69,7 @@ class LoadEstimates:
         self.recompute = RateEstimate(self.config.recompute_tps, self.config.weight)  # tokens/s
         self.fusion_fixed = Average(0.0, self.config.weight)  # seconds per fusion pass
         self._decode: dict[str, RateEstimate] = {}
+        self.decode_overlap = RateEstimate(1.0, self.config.weight)  # decodes at once
         self._lock = threading.Lock()
         self.last_tier: str | None = None  # the tier that served the last chunk read
 
@@ -182,7 +185,8 @@ class LoadSession:
         """The speeds known now (``link``: the tier estimate to plan on; default :meth:`link`)."""
         link = link or self.link()
         decode = {str(spec): self.estimates.decode(str(spec)).rate for spec in self.order}
-        return Rates(link.rate, self.estimates.recompute.rate, decode, link.latency, self.fusion_ratio)
+        overlap = self.estimates.decode_overlap.rate
+        return Rates(link.rate, self.estimates.recompute.rate, decode, link.latency, self.fusion_ratio, overlap)
 
     def fetched(self, n: int, spec: CodecSpec, got: Fetched) -> bool:
         """Record chunk ``n``'s fetch at ``spec``; False if a tier failed and it must be recomputed."""
@@ -202,6 +206,18 @@ class LoadSession:
     def decoded(self, spec: CodecSpec, nbytes: int, seconds: float) -> None:
         """Record a decode's cost."""
         self.estimates.decode(str(spec)).observe(nbytes, seconds)
+
+    def decodes_overlapped(self, spans: Sequence[tuple[float, float]]) -> None:
+        """Record how the load's decodes on several threads overlapped: ``spans`` are their
+        ``(start, end)`` times. Their busy seconds over the seconds from the first start to the last
+        end, at least 1 (decodes starved by their fetches overlap less than they could: a plan then
+        counts them as one after another, as with one thread)."""
+        if len(spans) < 2:
+            return
+        busy = sum(end - start for start, end in spans)
+        wall = max(end for _, end in spans) - min(start for start, _ in spans)
+        if wall > 0:
+            self.estimates.decode_overlap.observe(max(busy, wall), wall)
 
     def prefilled_here(self, n: int, tokens: int, seconds: float) -> None:
         """Record that chunk ``n`` (planned ``LOCAL``) was prefilled here: ``tokens`` in ``seconds``, a

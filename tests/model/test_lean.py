@@ -10,6 +10,10 @@ from ragkv.model.batch import DecodeBatch
 from ragkv.model.lean import layer_parts, lean_plan
 from tests.conftest import make_model
 
+# the bit-for-bit tests also run on a GPU (tools/gpu_check.sh runs this file's CUDA cases with -m gpu)
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])]
+
 
 def _steps(a: ModelAdapter, weights: str, rows: int) -> torch.Tensor:
     """Logits of 4 decode steps of ``rows`` rows (rows of different lengths: a masked batch)."""
@@ -47,17 +51,21 @@ def test_layers_of_unknown_arithmetic_keep_the_transformers_path(tiny_tokenizer,
     assert layer_parts(plain) is not None  # the switch is decode's: fusion still writes K/V alone
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_layers_kv_alone_is_what_the_whole_layer_writes_bit_for_bit(tiny_tokenizer, family, dtype):
-    a = ModelAdapter(make_model(family, len(tiny_tokenizer)).to(dtype), tiny_tokenizer)
+def test_a_layers_kv_alone_is_what_the_whole_layer_writes_bit_for_bit(tiny_tokenizer, family, dtype, device):
+    a = ModelAdapter(make_model(family, len(tiny_tokenizer)).to(device=device, dtype=dtype), tiny_tokenizer)
     assert a.writes_layer_kv
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, 7, a.model.config.hidden_size, generator=g).to(dtype)
+    hidden = torch.randn(1, 7, a.model.config.hidden_size, generator=g).to(device=device, dtype=dtype)
     pos = torch.tensor([3, 4, 9, 10, 11, 20, 30])
     rope = a.position_embeddings(pos, hidden)
     shape = (a.spec.num_layers, a.model.config.num_key_value_heads, 40, a.model.config.head_dim)
-    whole, alone = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(2)]
+    whole, alone = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(2)
+    ]
     with torch.no_grad():
         for layer in range(a.spec.num_layers):
             a.run_layer(layer, hidden, pos, a.scatter_cache(*whole), rope, a.causal_mask(pos, 40, dtype))
@@ -83,15 +91,18 @@ def _prefill_cache(a: ModelAdapter, ids: list[int], past: int) -> list[torch.Ten
     return [t for layer in range(a.spec.num_layers) for t in (cache.layers[layer].keys, cache.layers[layer].values)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_pass_for_its_cache_writes_the_last_layer_as_the_whole_layer_does(tiny_tokenizer, monkeypatch, family, dtype):
+def test_a_pass_for_its_cache_writes_the_last_layer_as_the_whole_layer_does(
+    tiny_tokenizer, monkeypatch, family, dtype, device
+):
     """forward(logits="none") cuts its last layer to the K/V it writes: every layer's cache bit for bit
     what the whole stack writes (after a past of 0 and of 11 tokens)."""
     from ragkv.model import adapter as adapter_mod
     from ragkv.model import lean
 
-    a = ModelAdapter(make_model(family, len(tiny_tokenizer)).to(dtype), tiny_tokenizer)
+    a = ModelAdapter(make_model(family, len(tiny_tokenizer)).to(device=device, dtype=dtype), tiny_tokenizer)
     ids = torch.randint(0, 200, (23,), generator=torch.Generator().manual_seed(2)).tolist()
     cut: list[bool] = []
     real = lean.kv_only_last_layer

@@ -181,3 +181,34 @@ def test_a_chunk_planned_local_is_prefilled_here_while_the_next_one_is_read(tmp_
         assert torch.equal(first.kv.keys, fresh.keys) and torch.equal(first.kv.values, fresh.values)
         assert torch.equal(first.kv.positions, fresh.positions)
         assert loaded[1].hit and not loaded[1].local
+
+
+def test_decodes_on_several_threads_are_measured_for_the_next_plan(tmp_path, llama_adapter, monkeypatch):
+    """A planned load on two decode threads records how its decodes overlapped (here the first two run
+    together: a barrier only two decodes in flight at once can pass); one thread records nothing."""
+    with _engine(tmp_path, llama_adapter) as rag:
+        segments = [c.token_ids for c in _three_chunks(rag)]
+        loader, estimates = rag.retriever.loader, rag.load_estimates
+        overlap = estimates.decode_overlap
+        loader.decode_workers = 1
+        loader.load_planned(segments, LoadPlanning(LoadConfig(), estimates))
+        assert overlap.samples == 0
+        both_in = threading.Barrier(2, timeout=30)
+        seen = [0]
+        lock = threading.Lock()
+        decode = loader._decode
+
+        def together(*args):
+            with lock:
+                seen[0] += 1
+                first_two = seen[0] <= 2
+            if first_two:
+                both_in.wait()
+                time.sleep(0.05)  # both hold their decode for a while after meeting
+            return decode(*args)
+
+        monkeypatch.setattr(loader, "_decode", together)
+        loader.decode_workers = 2
+        loaded, report = loader.load_planned(segments, LoadPlanning(LoadConfig(), estimates))
+        assert report is not None and all(x.hit for x in loaded) and seen[0] == 3
+        assert overlap.samples == 1 and overlap.rate > 1.0

@@ -99,18 +99,22 @@ def test_measured_speeds_are_kept_for_the_next_process(tmp_path):
         estimates.decode("cachegen:2").observe(1e6, 0.02)
         estimates.observe_prefill(1000, 1000, 2.5)
         estimates.observe_prefill(300, 1600, 1.0)  # mostly loaded: only the fixed cost moves
+        estimates.decode_overlap.observe(3.0, 1.0)  # three decodes at once
         _book(tmp_path, store, estimates).save()
     data = json.loads((tmp_path / "load_rates.json").read_text())
     assert data["format"] == FORMAT and set(data["tiers"]) == {"memory://"}
     with open_store("memory://") as store:  # "the next process": fresh estimates, the same file
         fresh = LoadEstimates()
-        assert _book(tmp_path, store, fresh).load() == 4
+        assert _book(tmp_path, store, fresh).load() == 5
         link = store.read_estimates()["memory://"]
         assert link.rate == pytest.approx(50e6, rel=1e-3) and link.latency == pytest.approx(0.002, rel=1e-3)
         assert fresh.decode("cachegen:2").rate == pytest.approx(estimates.decode("cachegen:2").rate)
         assert fresh.recompute.rate == pytest.approx(estimates.recompute.rate)
         assert estimates.fusion_fixed.value > 0
         assert fresh.fusion_fixed.value == pytest.approx(estimates.fusion_fixed.value)
+        assert (
+            fresh.decode_overlap.rate == pytest.approx(estimates.decode_overlap.rate) and fresh.decode_overlap.rate > 1
+        )
 
 
 @pytest.mark.parametrize(
@@ -124,7 +128,7 @@ def test_measured_speeds_are_kept_for_the_next_process(tmp_path):
                 "format": FORMAT,
                 "tiers": {"memory://": {"rate_bps": -5.0, "latency_s": 0}},
                 "decode": {"cachegen:0": "fast"},
-                "models": {"tiny@cpu": {"recompute_tps": 0, "fusion_fixed_s": -1}},
+                "models": {"tiny@cpu": {"recompute_tps": 0, "fusion_fixed_s": -1, "decode_overlap": 0.5}},
             }
         ),
         json.dumps({"format": FORMAT, "tiers": [1, 2], "decode": None, "models": "x"}),
@@ -159,3 +163,17 @@ def test_an_unwritable_data_dir_only_loses_the_speeds(tmp_path, caplog):
         book.save()  # the folder does not exist: logged, nothing raised
         assert book.load() == 0
     assert "could not save load speeds" in caplog.text
+
+
+def test_decodes_that_overlap_raise_the_overlap_estimate_and_starved_ones_count_as_one():
+    session = _session(LinkEstimate(125e6, 0.001))
+    overlap = session.estimates.decode_overlap
+    assert overlap.rate == 1.0 and session.rates().decode_overlap == 1.0
+    session.decodes_overlapped([(0.0, 1.0)])  # one decode says nothing about overlap
+    assert overlap.samples == 0
+    for _ in range(40):
+        session.decodes_overlapped([(0.0, 1.0), (0.0, 1.0), (1.0, 2.0), (1.0, 2.0)])  # two at a time
+    assert overlap.rate == pytest.approx(2.0, rel=1e-3) and session.rates().decode_overlap == overlap.rate
+    for _ in range(40):
+        session.decodes_overlapped([(0.0, 1.0), (3.0, 4.0)])  # waiting on their fetches: busy 2 s of 4
+    assert overlap.rate == pytest.approx(1.0, rel=1e-3)

@@ -180,3 +180,17 @@ def test_prefills_already_queued_here_are_not_double_booked():
     queued = plan_load([chunk] * 2, ORDER, rates, 0.7, busy_s=0.5)
     assert queued.choices == (ORDER[3], ORDER[3]) and not queued.fits
     assert queued.seconds == pytest.approx(0.8 + 2 * 0.5 * 0.15)
+
+
+def test_decodes_running_side_by_side_add_their_overlap_less_to_a_load():
+    """Slow decodes on a fast link: the decodes bound the load. Two at a time (``decode_overlap`` 2)
+    halve what they add, and make a level worth loading that one thread would leave as text."""
+    chunk = ChunkOptions(400, {ORDER[0]: 2_000_000})
+    one = Rates(1e12, 1000.0, {str(ORDER[0]): 6e6})  # a decode 0.33 s, the read ~0, text 0.4 s
+    two = Rates(1e12, 1000.0, {str(ORDER[0]): 6e6}, decode_overlap=2.0)
+    assert plan_seconds([chunk] * 4, [ORDER[0]] * 4, one) == pytest.approx(4 / 3)
+    assert plan_seconds([chunk] * 4, [ORDER[0]] * 4, two) == pytest.approx(2 / 3)
+    slower = Rates(1e12, 1000.0, {str(ORDER[0]): 4e6})  # a decode 0.5 s on one thread: text is faster
+    assert plan_load([chunk] * 2, ORDER, slower).choices == (TEXT, TEXT)
+    assert plan_load([chunk] * 2, ORDER, replace(slower, decode_overlap=2.0)).choices == (ORDER[0], ORDER[0])
+    assert replace(two, decode_overlap=0.5).decode_seconds(ORDER[0], 6_000_000) == pytest.approx(1.0)  # as 1
