@@ -12,17 +12,19 @@ prefill runs in pieces); loading runs outside it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, PieceBudget, Pieces, drain, fuse_steps
 from ragkv.gpu.feed import DeviceSink
+from ragkv.gpu.tier import release
 from ragkv.model.threads import adapt_threads
 from ragkv.planner.session import LoadEstimates, LoadPlanning
 from ragkv.types import CachedText, Chunk, ChunkKV, GenerationResult, GenerationStats
@@ -33,8 +35,11 @@ if TYPE_CHECKING:
     from ragkv.model.attention import DecodeWeights
     from ragkv.model.batch import Rider
     from ragkv.retriever.kv_retriever import KVRetriever
+    from ragkv.retriever.loader import LoadedChunk
 
 __all__ = ["AnswerPath", "AnswerStream", "Prefilled", "PromptParts", "Riders"]
+
+logger = logging.getLogger(__name__)
 
 PREFIX_LRU = 8  # framework prompt prefixes kept (their templates repeat one on every call)
 Riders = Callable[[], "Rider | None"]  # asked before each prefill piece: the decode step that may ride on it
@@ -237,6 +242,7 @@ class AnswerPath:
         plan = self._load_planning(prompt, fusion, started)
         got_all, load_report = p.retriever.loader.load_planned([seg for seg, cached in middle if cached], plan)
         fetched = iter(got_all)
+        got: LoadedChunk | None = None
         for seg, cached in middle:
             if not cached:  # plain text between chunks: computed in place by fusion
                 loaded.append(a.empty_kv(len(seg)))
@@ -265,12 +271,17 @@ class AnswerPath:
         if load_report is not None:
             stats.extra["load"] = {**load_report, "deadline_ms": p.config.load.slo_ms}
         inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced, sinks=sinks)
+        # the sinks live in `inp` alone from here: a retry out of memory drops them, and their memory
+        del got_all, fetched, sinks
+        got = None
         if budget is not None:
             yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()
         paused = _Pauses()
-        fused = yield from paused.through(
-            fuse_steps(a, inp, fusion, prefill_suffix=True, step_tokens=budget, logits="last")
+        fused = yield from _fuse_or_retry(
+            a.device,
+            inp,
+            lambda i: paused.through(fuse_steps(a, i, fusion, prefill_suffix=True, step_tokens=budget, logits="last")),
         )
         computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
         total = sum(len(seg) for seg, _ in middle) + len(suffix)
@@ -376,6 +387,24 @@ class AnswerStream:
         if self._result is None:
             raise RuntimeError("iterate the stream to the end before reading .result")
         return self._result
+
+
+def _fuse_or_retry(device: torch.device, inp: FusionInput, run: Callable[[FusionInput], Pieces[Any]]) -> Pieces[Any]:
+    """``run(inp)``; out of device memory anywhere in the pass, once more without this request's
+    device-tier admissions (``inp.sinks``) and with the device tier emptied (``ragkv.gpu.release``).
+
+    The retry starts only once the failed pass is gone (outside the handler: the exception's
+    traceback holds its buffers). A second failure goes to the caller. The chunks themselves stay
+    where they were loaded, so a device-tier hit is still used; the pass is the same, only its
+    memory differs.
+    """
+    try:
+        return (yield from run(inp))
+    except torch.OutOfMemoryError as e:
+        logger.warning("out of device memory in a fused prefill (%s); emptying the device tier and retrying once", e)
+    inp = replace(inp, sinks=())
+    release(device)
+    return (yield from run(inp))
 
 
 class _Pauses:

@@ -211,3 +211,91 @@ def test_on_cuda_a_device_hit_answers_as_a_store_hit(tmp_path, tiny_tokenizer, l
     plain, _, first, second = answers
     assert plain.text == first.text == second.text
     assert second.stats.extra.get("device_hits") == second.stats.cache_hits > 0
+
+
+def test_out_of_device_memory_in_a_fused_prefill_empties_the_tier_and_runs_it_once_more(
+    tmp_path, llama_adapter, monkeypatch, caplog
+):
+    """An out-of-memory error mid-pass (injected in a decoder layer: the probe and the recompute run
+    there) empties the device tier and runs the pass once more: the same answer, the request's own
+    device hits still used. A second failure reaches the caller, and the engine goes on."""
+    question = "Where do apples grow?"
+    with _engine(tmp_path, llama_adapter, device_tier=DeviceTierConfig(budget_bytes=64 << 20)) as rag:
+        rag.index(DOCS, progress=False)
+        want = rag.answer(question, generation=GEN)  # store hits, admitted to the tier
+        tier = rag.device_tier
+        assert tier is not None and tier.stats()["entries"] > 0
+        real = llama_adapter.run_layer
+        calls = [0]
+
+        def failing_once(*args, **kw):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(llama_adapter, "run_layer", failing_once)
+        with caplog.at_level("WARNING", logger="ragkv.answering"):
+            got = rag.answer(question, generation=GEN)
+        assert got.text == want.text and calls[0] > 3
+        assert got.stats.extra["device_hits"] == got.stats.cache_hits > 0  # loaded before the failure, still used
+        assert tier.stats()["entries"] == 0 and "retrying once" in caplog.text
+
+        def failing(*args, **kw):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected, every time)")
+
+        monkeypatch.setattr(llama_adapter, "run_layer", failing)
+        with pytest.raises(torch.OutOfMemoryError, match="every time"):
+            rag.answer(question, generation=GEN)
+        monkeypatch.undo()
+        assert rag.answer(question, generation=GEN).text == want.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_pass_retried_out_of_memory_drops_its_tier_admissions(tmp_path, tiny_tokenizer, monkeypatch):
+    """raw chunks staged from the host fill device-tier sinks as they land; a pass that runs out of
+    memory mid-way is run once more without them: the answer is the plain one, no half-filled entry
+    is ever served, and the next answer admits the chunks as usual."""
+    from ragkv.model import load_model
+    from ragkv.retriever.chunker import ChunkerConfig
+    from ragkv.retriever.embedder import HashingEmbedder
+    from ragkv.retriever.kv_retriever import RetrieverConfig
+    from ragkv.types import CodecSpec
+    from tests.conftest import make_model
+
+    a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
+    retr = RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120), codec=CodecSpec("raw", 0))
+    question = "Where do apples grow?"
+    cfg = EngineConfig(data_dir=tmp_path / "plain", retriever=retr, store=("memory://",))
+    with RagKV(_with_tier(cfg, 0), adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
+        rag.index(DOCS, progress=False)
+        want = rag.answer(question, generation=GEN)
+    cfg = EngineConfig(data_dir=tmp_path / "tier", retriever=retr, store=("memory://",))
+    with RagKV(_with_tier(cfg, 256 << 20), adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
+        rag.index(DOCS, progress=False)
+        real, calls = a.run_layer, [0]
+
+        def failing_once(*args, **kw):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(a, "run_layer", failing_once)
+        first = rag.answer(question, generation=GEN)
+        monkeypatch.undo()
+        gc.collect()
+        tier = rag.device_tier
+        assert tier is not None and first.text == want.text
+        assert tier.stats()["entries"] == 0 and tier.stats()["pending_bytes"] == 0
+        second, third = (rag.answer(question, generation=GEN) for _ in range(2))
+    assert second.text == third.text == want.text
+    assert "device_hits" not in second.stats.extra and third.stats.extra["device_hits"] == third.stats.cache_hits > 0
+
+
+def _with_tier(cfg: EngineConfig, budget: int) -> EngineConfig:
+    """``cfg`` with a device tier of ``budget`` bytes (0: none)."""
+    from dataclasses import replace
+
+    return replace(cfg, device_tier=DeviceTierConfig(budget_bytes=budget))
