@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 
 from ragkv.gpu.feed import DeviceSink, LayerFeed
+from ragkv.gpu.graphs import probe_layers
 from ragkv.gpu.tier import release
 from ragkv.model import AttentionProbe, ModelAdapter, ScatterCache, Steer
 from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
@@ -589,6 +590,18 @@ def _question_attention_steps(
     pos = host_pos.to(adapter.device, non_blocking=True)
     pe = adapter.position_embeddings(pos, hidden)
     probe = AttentionProbe(None)  # every layer's weights
+    # on a GPU the layers replay as CUDA graphs (ragkv.gpu.graphs), unless the probe may pause
+    # between layers: another request could then run the model's graphs in between
+    graphs = probe_layers(adapter, len(suffix)) if budget is None or budget.seconds() is None else None
+    if graphs is not None:
+        with graphs.lock:
+            graphs.start(hidden, pe)
+            for layer in range(adapter.spec.num_layers):
+                if feed is not None:
+                    feed.ready(layer)
+                layer_k, layer_v = probe_cache.layer_kv(layer)
+                graphs.layer(layer, len(suffix), layer_k, layer_v, pos, mask, probe)
+        return _normalized(probe, slots, adapter.spec.num_layers)
     steer = replace(adapter.scattered(host_pos), probe=probe)  # on the CPU kernel where it runs
     clock = _LayerClock(budget, adapter.spec.num_layers, by_tokens=False, report=False)
     for layer in range(adapter.spec.num_layers):
@@ -598,5 +611,10 @@ def _question_attention_steps(
             feed.ready(layer)
         hidden = adapter.run_layer(layer, hidden, pos, probe_cache, pe, mask, steer)
         clock.ran(len(suffix))
-    per_layer = torch.stack([probe.weights[i][slots].float() for i in range(adapter.spec.num_layers)])
+    return _normalized(probe, slots, adapter.spec.num_layers)
+
+
+def _normalized(probe: AttentionProbe, slots: torch.Tensor, layers: int) -> torch.Tensor:
+    """The probe's weights at the chunk ``slots``, normalized per layer: ``[layers, n_chunk]`` on the host."""
+    per_layer = torch.stack([probe.weights[i][slots].float() for i in range(layers)])
     return (per_layer / per_layer.sum(dim=1, keepdim=True).clamp_min(1e-12)).cpu()

@@ -23,7 +23,9 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   decoded chunks would cost: no checksum, no slab copy);
 - the parts: the stored bytes' decode as the loader does it (checksums included; raw stays on the
   host), staging + placement from the host (the copy), placement from the device tier, the
-  question probe, and the recompute (device-tier TTFT minus placement and probe);
+  question probe (as fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``;
+  and through transformers' eager layers, ``RAGKV_PROBE_GRAPHS=0``), and the recompute
+  (device-tier TTFT minus placement and probe);
 - the bounds: the probe's weight reads at the measured HBM copy rate, the recompute's FLOPs
   (linear layers over the recomputed tokens, attention over the context) at the measured bf16
   matmul rate; the work bound counts the token passes the method ran (its focus share and check
@@ -41,6 +43,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -251,7 +254,9 @@ def _row(
     tier = [codec.decode(b, expect=None, device=dev, dtype=a.dtype) for b in blobs]  # the device tier's entries
     tier_s, tier_peak, ctx = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
     place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
-    probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
+    probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)  # CUDA graphs where they run
+    with mock.patch.dict(os.environ, {"RAGKV_PROBE_GRAPHS": "0"}):  # transformers' eager layers
+        probe_eager_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
     tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question)
     recomputed = config.ratio * sum(len(c) for c in p.chunks) + len(p.question)
@@ -280,6 +285,7 @@ def _row(
         "pinned_copy_gb_s": kv_bytes / pinned_copy_s / 1e9,
         "place_ms": place_s * 1e3,
         "probe_ms": probe_s * 1e3,
+        "probe_eager_ms": probe_eager_s * 1e3,
         "probe_bound_ms": weight_bytes / rates[0] * 1e3,
         "recompute_ms": max(tier_s - place_s - probe_s, 0.0) * 1e3,
         "recompute_bound_ms": (2 * linear * recomputed + attn_flops) / rates[1] * 1e3,
@@ -309,6 +315,7 @@ COLUMNS = (
     Column("pinned_copy_gb_s", "pinned copy GB/s", "{:.1f}"),
     Column("place_ms", "place ms", "{:,.1f}"),
     Column("probe_ms", "probe ms", "{:,.1f}"),
+    Column("probe_eager_ms", "probe eager ms", "{:,.1f}"),
     Column("probe_bound_ms", "probe bound ms", "{:,.1f}"),
     Column("recompute_ms", "recompute ms", "{:,.0f}"),
     Column("recompute_bound_ms", "recompute bound ms", "{:,.0f}"),

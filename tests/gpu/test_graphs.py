@@ -1,0 +1,172 @@
+"""ragkv.gpu.graphs: the question probe's layers replayed from static buffers equal the eager probe.
+
+On the CPU the replays are the functions run again (``RAGKV_PROBE_GRAPHS=eager``): the buffers,
+padding and order are the CUDA path's; the CUDA tests at the end capture real graphs. The eager
+reference is the probe through transformers' layers with the attention ragkv's dispatcher runs on
+a GPU (``_probe_attention``; on the CPU the native kernel is switched off for it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragkv.fusion import FusionConfig, FusionInput, _question_attention, fuse
+from ragkv.gpu import graphs
+from ragkv.model import ModelAdapter, load_model
+from ragkv.model.attention import PLAIN
+from tests.conftest import make_model
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])]
+
+
+def _adapter(family: str, vocab: int, tokenizer, device: str, dtype: torch.dtype) -> ModelAdapter:
+    return load_model((make_model(family, vocab), tokenizer), device=device, dtype=dtype)
+
+
+def _buffer(a: ModelAdapter, n_ctx: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    s = a.spec
+    shape = (s.num_layers, s.num_kv_heads, n_ctx + extra, s.head_dim)
+    keys, values = (torch.randn(shape, generator=g).to(device=a.device, dtype=a.dtype) for _ in range(2))
+    keys[:, :, n_ctx:].zero_()
+    values[:, :, n_ctx:].zero_()
+    return keys, values
+
+
+def _probe(a: ModelAdapter, monkeypatch, setting: str, n_ctx: int, question: list[int]):
+    """The probe's weights and the buffer after it (its question K/V in the free slots)."""
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", setting)
+    monkeypatch.setattr(a, "scattered", lambda pos: PLAIN)  # the GPU's attention on the CPU too
+    keys, values = _buffer(a, n_ctx, len(question))
+    slots = torch.arange(4, n_ctx, device=a.device)
+    with torch.inference_mode():
+        weights = _question_attention(a, keys, values, torch.tensor(question), n_ctx, slots)
+    return weights, keys, values
+
+
+@pytest.fixture(autouse=True)
+def _fresh_graphs():
+    graphs._MODELS.clear()
+    yield
+    graphs._MODELS.clear()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replayed_layers_equal_the_eager_probe_bit_for_bit_when_the_question_fills_its_bucket(
+    tiny_tokenizer, monkeypatch, device, family, dtype
+):
+    a = _adapter(family, len(tiny_tokenizer), tiny_tokenizer, device, dtype)
+    question = torch.randint(0, 200, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    replay = "eager" if device == "cpu" else "auto"
+    want = _probe(a, monkeypatch, "0", 50, question)
+    got = _probe(a, monkeypatch, replay, 50, question)
+    assert graphs._MODELS[a.model].buckets.keys() == {16}
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g), (family, dtype, float((w.float() - g.float()).abs().max()))
+    again = _probe(a, monkeypatch, replay, 50, question)  # the second use replays what the first made
+    assert all(torch.equal(w, g) for w, g in zip(want, again, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_shorter_question_padded_to_its_bucket_ranks_as_the_eager_probe(tiny_tokenizer, monkeypatch, device):
+    """11 rows in the 16-row bucket: a product over more rows may round its last bits otherwise; the
+    weights stay within rounding, the ranking the same, and a longer question after a shorter one
+    (stale padding) changes nothing."""
+    a = _adapter("qwen2", len(tiny_tokenizer), tiny_tokenizer, device, torch.float32)
+    replay = "eager" if device == "cpu" else "auto"
+    for n in (11, 16, 3):
+        question = torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        want, wk, wv = _probe(a, monkeypatch, "0", 40, question)
+        got, gk, gv = _probe(a, monkeypatch, replay, 40, question)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(gk, wk, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gv, wv, rtol=1e-4, atol=1e-5)
+        assert torch.equal(got.sum(0).argsort(descending=True)[:10], want.sum(0).argsort(descending=True)[:10])
+    assert set(graphs._MODELS[a.model].buckets) == {8, 16}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fusion_with_the_replayed_probe_equals_the_eager_one(tiny_tokenizer, monkeypatch, device):
+    """On CUDA the chunks come from the host, staged by the feed's worker thread while the graphs are
+    captured (the capture is thread-local: the worker's copies go on)."""
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, device, torch.bfloat16)
+    monkeypatch.setattr(a, "scattered", lambda pos: PLAIN)
+    g = torch.Generator().manual_seed(5)
+    prefix_ids = torch.randint(0, 200, (6,), generator=g).tolist()
+    chunk_ids = [torch.randint(0, 200, (30,), generator=g).tolist() for _ in range(3)]
+    question = torch.randint(0, 200, (16,), generator=g).tolist()
+    prefix = a.prefill_kv(prefix_ids)
+    chunks = [a.prefill_kv(c, past=[prefix]) for c in chunk_ids]
+    chunks = [type(kv)(kv.keys.cpu(), kv.values.cpu(), kv.positions, kv.model_fingerprint) for kv in chunks]
+    fused = {}
+    for setting in ("0", "eager" if device == "cpu" else "auto"):
+        monkeypatch.setenv("RAGKV_PROBE_GRAPHS", setting)
+        out = fuse(a, FusionInput(prefix, chunks, chunk_ids, question), FusionConfig(ratio=0.3), prefill_suffix=True)
+        fused[setting] = out
+    plain, replayed = fused.values()
+    assert graphs._MODELS[a.model].buckets.keys() == {16}
+    assert torch.equal(plain.selected, replayed.selected)
+    assert torch.equal(plain.suffix_logits, replayed.suffix_logits)
+
+
+def test_the_eager_layers_run_where_replays_do_not_apply(tiny_tokenizer, monkeypatch):
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    monkeypatch.delenv("RAGKV_PROBE_GRAPHS", raising=False)
+    assert graphs.probe_layers(a, 16) is None  # a CPU model by default
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "eager")
+    assert graphs.probe_layers(a, 16) is not None
+    assert graphs.probe_layers(a, graphs.BUCKETS[-1] + 1) is None  # a question longer than every bucket
+    assert graphs.probe_layers(a, 0) is None
+    gelu = ModelAdapter(make_model("llama", len(tiny_tokenizer), hidden_act="gelu"), tiny_tokenizer)
+    assert graphs.probe_layers(gelu, 16) is None  # arithmetic ragkv does not know
+
+
+def test_a_capture_that_fails_leaves_the_model_on_the_eager_layers(tiny_tokenizer, monkeypatch, caplog):
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "eager")
+    question = list(range(1, 17))
+    want = _probe(a, monkeypatch, "0", 40, question)[0]
+
+    def refused(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs._MODELS[a.model] = graphs._ModelGraphs(refused)
+    with caplog.at_level("WARNING", logger="ragkv.gpu.graphs"):
+        got = _probe(a, monkeypatch, "eager", 40, question)[0]
+    assert torch.equal(got, want) and "runs eagerly" in caplog.text
+    assert graphs._MODELS[a.model].failed and graphs.probe_layers(a, 8) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_buffers_made_in_inference_mode_serve_a_probe_run_outside_it(tiny_tokenizer, monkeypatch, device):
+    """The answer path probes in inference mode, a benchmark may not: the model's buffers serve both."""
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, device, torch.float32)
+    replay = "eager" if device == "cpu" else "auto"
+    question = list(range(1, 17))
+    want = _probe(a, monkeypatch, "0", 40, question)[0]
+    assert torch.equal(_probe(a, monkeypatch, replay, 40, question)[0], want)  # made in inference mode
+    keys, values = _buffer(a, 40, 16)
+    got = _question_attention(a, keys, values, torch.tensor(question), 40, torch.arange(4, 40, device=a.device))
+    assert torch.equal(got, want)
+
+
+def test_probes_on_several_threads_each_get_their_own_answer(tiny_tokenizer, monkeypatch):
+    """The buffers are the model's: engines that share a model but not a lock probe one at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    questions = [torch.randint(0, 200, (16,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    alone = [_probe(a, monkeypatch, "eager", 40, q)[0] for q in questions]
+
+    def one(i: int) -> torch.Tensor:
+        keys, values = _buffer(a, 40, 16)
+        with torch.inference_mode():
+            return _question_attention(a, keys, values, torch.tensor(questions[i]), 40, torch.arange(4, 40))
+
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert all(torch.equal(got, want) for got, want in zip(pool.map(one, range(4)), alone, strict=True))
