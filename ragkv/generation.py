@@ -52,7 +52,7 @@ class GenerationConfig:
     """How to pick answer tokens."""
 
     max_new_tokens: int = 128  # hard cap on answer tokens
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy (as is anything below 1e-30, its limit)
     top_p: float = 1.0  # nucleus sampling mass (sampling only)
     top_k: int = 0  # keep the k most likely tokens (0 = all; sampling only)
     stop: tuple[str, ...] = ()  # stop before any of these strings appears in the answer
@@ -68,9 +68,12 @@ class GenerationConfig:
             raise ValueError("top_p must be in (0, 1]")
 
 
+_GREEDY_BELOW = 1e-30  # temperatures below this pick as greedy (the limit as the temperature goes to 0)
+
+
 def _pick(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator | None) -> int:
     # logits: [vocab] fp32
-    if cfg.temperature == 0:
+    if cfg.temperature < _GREEDY_BELOW:  # 0, or so small that float32 would divide by 0: its limit, greedy
         return int(torch.argmax(logits))
     # the largest logit moved to 0 first: a tiny temperature then gives -inf to the others, never
     # inf (whose softmax is NaN and would fail the pick)

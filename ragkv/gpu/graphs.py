@@ -105,37 +105,28 @@ class ProbeLayers:
         lock: threading.RLock | None = None,
     ) -> None:
         self.lock = lock or threading.RLock()
-        # normal tensors, not inference ones: a probe run outside inference mode writes them too
-        with torch.inference_mode(False), torch.no_grad():
-            self._make(adapter, parts, rows, capture)
-
-    def _make(
-        self,
-        adapter: ModelAdapter,
-        parts: tuple[LeanLayer, ...],
-        rows: int,
-        capture: Callable[[Callable[[], None]], _Replay],
-    ) -> None:
         first = parts[0]
         dev, dt = adapter.device, adapter.dtype
         hidden_size = int(adapter.model.config.hidden_size)
         self.rows, self.parts = rows, parts
-        self.hidden = torch.zeros(1, rows, hidden_size, dtype=dt, device=dev)
-        self.cos = torch.ones(1, rows, 1, first.head_dim, dtype=dt, device=dev)
-        self.sin = torch.zeros(1, rows, 1, first.head_dim, dtype=dt, device=dev)
-        half = first.head_dim // 2
-        self.swap = torch.cat([torch.arange(half, first.head_dim), torch.arange(0, half)]).to(dev)
-        self.q = torch.zeros(1, rows, first.heads, first.head_dim, dtype=dt, device=dev)
-        self.k = torch.zeros(1, rows, first.kv_heads, first.head_dim, dtype=dt, device=dev)
-        self.v = torch.zeros_like(self.k)
-        self.attn = torch.zeros(1, rows, first.heads * first.head_dim, dtype=dt, device=dev)
-        self.before: list[_Replay] = []
-        self.after: list[_Replay] = []
-        for layer in parts:  # the buffers hold zeros and finite tables while capturing: nothing overflows
-            self.before.append(capture(functools.partial(self._before, layer)))
-            self.after.append(capture(functools.partial(self._after, layer)))
-        self.hidden.zero_()
-        self.attn.zero_()
+        # normal tensors, not inference ones: a probe run outside inference mode writes them too
+        with torch.inference_mode(False), torch.no_grad():
+            self.hidden = torch.zeros(1, rows, hidden_size, dtype=dt, device=dev)
+            self.cos = torch.ones(1, rows, 1, first.head_dim, dtype=dt, device=dev)
+            self.sin = torch.zeros(1, rows, 1, first.head_dim, dtype=dt, device=dev)
+            half = first.head_dim // 2
+            self.swap = torch.cat([torch.arange(half, first.head_dim), torch.arange(0, half)]).to(dev)
+            self.q = torch.zeros(1, rows, first.heads, first.head_dim, dtype=dt, device=dev)
+            self.k = torch.zeros(1, rows, first.kv_heads, first.head_dim, dtype=dt, device=dev)
+            self.v = torch.zeros_like(self.k)
+            self.attn = torch.zeros(1, rows, first.heads * first.head_dim, dtype=dt, device=dev)
+            self.before: list[_Replay] = []
+            self.after: list[_Replay] = []
+            for layer in parts:  # the buffers hold zeros and finite tables while capturing: nothing overflows
+                self.before.append(capture(functools.partial(self._before, layer)))
+                self.after.append(capture(functools.partial(self._after, layer)))
+            self.hidden.zero_()
+            self.attn.zero_()
 
     def _before(self, layer: LeanLayer) -> None:
         rows = (1, self.rows)

@@ -141,9 +141,10 @@ def test_ignore_eos_decodes_exactly_max_new_tokens(llama_adapter):
     assert list(decode_loop(model, cache, first, 36, cfg)) == full
 
 
-@pytest.mark.parametrize("temperature", [1e-45, 1e-37, 1e-6])
+@pytest.mark.parametrize("temperature", [4.5857840228634444e-92, 1e-46, 1e-45, 1e-37, 1e-6])
 def test_a_tiny_temperature_samples_the_top_token_instead_of_failing_on_nan(temperature):
-    """Regression: logits / 1e-37 overflowed to inf, softmax gave NaN and the pick raised."""
+    """Regression: logits / 1e-37 overflowed to inf, softmax gave NaN and the pick raised; below
+    float32's smallest number the temperature itself rounded to 0 (found by the server's fuzz test)."""
     from ragkv.generation import pick_token
 
     logits = torch.tensor([3.0, 40.0, 39.9, -5.0])

@@ -213,6 +213,20 @@ def test_on_cuda_a_device_hit_answers_as_a_store_hit(tmp_path, tiny_tokenizer, l
     assert second.stats.extra.get("device_hits") == second.stats.cache_hits > 0
 
 
+def _fail_third_layer(adapter, monkeypatch) -> list[int]:
+    """Make the adapter's third decoder-layer call (and only it) run out of device memory; the calls so far."""
+    real, calls = adapter.run_layer, [0]
+
+    def failing_once(*args, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(adapter, "run_layer", failing_once)
+    return calls
+
+
 def test_out_of_device_memory_in_a_fused_prefill_empties_the_tier_and_runs_it_once_more(
     tmp_path, llama_adapter, monkeypatch, caplog
 ):
@@ -225,16 +239,7 @@ def test_out_of_device_memory_in_a_fused_prefill_empties_the_tier_and_runs_it_on
         want = rag.answer(question, generation=GEN)  # store hits, admitted to the tier
         tier = rag.device_tier
         assert tier is not None and tier.stats()["entries"] > 0
-        real = llama_adapter.run_layer
-        calls = [0]
-
-        def failing_once(*args, **kw):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return real(*args, **kw)
-
-        monkeypatch.setattr(llama_adapter, "run_layer", failing_once)
+        calls = _fail_third_layer(llama_adapter, monkeypatch)
         with caplog.at_level("WARNING", logger="ragkv.answering"):
             got = rag.answer(question, generation=GEN)
         assert got.text == want.text and calls[0] > 3
@@ -274,15 +279,7 @@ def test_on_cuda_a_pass_retried_out_of_memory_drops_its_tier_admissions(tmp_path
     cfg = EngineConfig(data_dir=tmp_path / "tier", retriever=retr, store=("memory://",))
     with RagKV(_with_tier(cfg, 256 << 20), adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
         rag.index(DOCS, progress=False)
-        real, calls = a.run_layer, [0]
-
-        def failing_once(*args, **kw):
-            calls[0] += 1
-            if calls[0] == 3:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return real(*args, **kw)
-
-        monkeypatch.setattr(a, "run_layer", failing_once)
+        _fail_third_layer(a, monkeypatch)
         first = rag.answer(question, generation=GEN)
         monkeypatch.undo()
         gc.collect()
