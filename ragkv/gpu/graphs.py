@@ -16,9 +16,12 @@ them eager:
 
 The graphs read and write static buffers of one row bucket (8, 16, ..., 256 rows); a question of
 fewer rows is padded with zero rows, which no real row reads (every operation in the graphs is per
-row; the attention runs on the real rows only). Graphs are captured on first use of a bucket
-(``capture_error_mode="thread_local"``: the staging thread keeps copying meanwhile), share one
-memory pool per model, and live as long as the model. Anything else runs eagerly as before:
+row; the attention runs on the real rows only). Graphs are captured on first use of a bucket, on a
+high-priority stream of their own that no worker thread draws (``capture_error_mode="thread_local"``:
+the staging thread keeps copying meanwhile), one capture at a time in the process
+(:data:`CAPTURE_LOCK`, which ``ragkv.gpu.release`` takes too); they share one memory pool per
+model and live as long as the model. The first request of a bucket pays its captures: two per
+layer, each with the device synchronized and torch's cache emptied (``torch.cuda.graph``). Anything else runs eagerly as before:
 a CPU, a layer whose arithmetic ragkv does not know (:func:`ragkv.model.lean.layer_parts`), a
 question of over 256 rows, a probe run in timed pieces (another request could run between them,
 and the buffers are the model's), ``RAGKV_PROBE_GRAPHS=0``, or a capture that failed (logged once;
@@ -32,6 +35,7 @@ runs on more rows). On the CPU the same buffers and order run without graphs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -48,7 +52,7 @@ from ragkv.model.lean import LeanLayer, _norm, _rotate, _rotated_kv, _rotation, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUCKETS", "ProbeLayers", "probe_layers"]
+__all__ = ["BUCKETS", "CAPTURE_LOCK", "ProbeLayers", "probe_layers"]
 
 BUCKETS = (8, 16, 32, 64, 128, 256)  # question rows a set of graphs is captured for
 _ENV = "RAGKV_PROBE_GRAPHS"
@@ -69,16 +73,40 @@ class _Eager:
         self.fn()
 
 
-def _cuda_graph(pool: Any) -> Callable[[Callable[[], None]], _Replay]:
+# One capture at a time in the process: a capture and an empty_cache() elsewhere (``ragkv.gpu.release``)
+# must not overlap, nor two captures (the allocator routes a capture's allocations by stream).
+CAPTURE_LOCK = threading.Lock()
+_STREAMS: dict[torch.device, Any] = {}
+
+
+def _capture_stream(device: torch.device) -> Any:
+    """The stream graphs are captured on: one per device, of high priority. ragkv's other streams
+    (the feed's and the host tier's copies) take default-priority streams from torch's pool, so no
+    worker thread can queue work on this one while it captures."""
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return stream
+
+
+def _cuda_graph(device: torch.device, pool: Any) -> Callable[[Callable[[], None]], _Replay]:
     def capture(fn: Callable[[], None]) -> _Replay:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, lazy inits
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            fn()
+        stream = _capture_stream(device)
+        with torch.cuda.device(device):  # the model's device, whichever is current
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: cuBLAS workspaces, lazy inits
+                fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    fn()
+            except BaseException:
+                # an invalidated capture can leave the allocator routing to the pool (torch checks the
+                # capture's end before it stops routing, in the versions before the fix): stop it here
+                with contextlib.suppress(Exception):
+                    torch._C._cuda_endAllocateToPool(device.index or 0, pool)
+                raise
         return graph
 
     return capture
@@ -198,6 +226,12 @@ _MODELS: weakref.WeakKeyDictionary[Any, _ModelGraphs] = weakref.WeakKeyDictionar
 _MODELS_LOCK = threading.Lock()
 
 
+def _plain(part: LeanLayer) -> bool:
+    """Whether a layer's projections are plain ``nn.Linear`` modules (what the graphs were written for)."""
+    projections = (part.q_proj, part.k_proj, part.v_proj, part.o_proj, part.gate_proj, part.up_proj, part.down_proj)
+    return all(type(m) is torch.nn.Linear for m in projections)
+
+
 def _wanted(adapter: ModelAdapter) -> bool:
     setting = os.environ.get(_ENV, "auto").strip().lower()
     if setting in ("0", "false", "no", "off"):
@@ -214,14 +248,17 @@ def probe_layers(adapter: ModelAdapter, rows: int) -> ProbeLayers | None:
     parts = layer_parts(adapter.model)
     if not parts or any(hasattr(layer, "_hf_hook") for layer in adapter.model.model.layers):
         return None
+    if not all(_plain(part) for part in parts):
+        return None  # quantized or wrapped projections: their kernels were never captured here
     if getattr(adapter.model.config, "partial_rotary_factor", 1.0) != 1.0:
         return None  # the buffers rotate whole heads
     with _MODELS_LOCK:
         graphs = _MODELS.get(adapter.model)
         if graphs is None:
             cuda = adapter.device.type == "cuda"
+            device = adapter.device if adapter.device.index is not None else torch.device("cuda", 0)
             graphs = _MODELS[adapter.model] = _ModelGraphs(
-                _cuda_graph(torch.cuda.graph_pool_handle()) if cuda else None
+                _cuda_graph(device, torch.cuda.graph_pool_handle()) if cuda else None
             )
     bucket = next(b for b in BUCKETS if b >= rows)
     with graphs.lock:
@@ -230,8 +267,12 @@ def probe_layers(adapter: ModelAdapter, rows: int) -> ProbeLayers | None:
         made = graphs.buckets.get(bucket)
         if made is None:
             try:
-                with graphs.running:  # not while another probe replays from the pool
+                # not while another probe replays from the pool, nor during another capture
+                with graphs.running, CAPTURE_LOCK:
                     made = ProbeLayers(adapter, parts, bucket, graphs.capture or _Eager, graphs.running)
+            except torch.OutOfMemoryError as e:  # no room now: eager this time, a capture again later
+                logger.info("no device memory to capture the question probe (%s); it runs eagerly this time", e)
+                return None
             except Exception as e:  # a capture the device refuses: the eager layers, as before
                 graphs.failed = True
                 logger.warning("capturing the question probe as CUDA graphs failed (%s); it runs eagerly", e)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ragkv.gpu.feed import DeviceSink
+from ragkv.gpu.graphs import CAPTURE_LOCK
 from ragkv.types import ChunkKV
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,8 @@ def release(device: torch.device) -> int:
     """Drop every device tier entry on ``device`` (out of memory); the bytes freed."""
     freed = sum(tier.clear() for tier in list(_TIERS) if tier.device == device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        with CAPTURE_LOCK:  # not while a CUDA graph is captured: the allocator forbids it
+            torch.cuda.empty_cache()
     return freed
 
 
