@@ -224,31 +224,35 @@ def fuse_steps(
     adapter.check_context(inp.prefix.num_tokens + sum(len(ids) for ids in inp.chunk_ids) + suffix.numel())
     probe = strategy.wants_query_attention and suffix.numel() > 0
     placed = _place(adapter, inp, suffix.numel() if (probe or prefill_suffix) else 0)
-    state = SelectionState.start([len(ids) for ids in inp.chunk_ids])
-    state.stored_scores = _stored_scores(inp)
-    if strategy.wants_numbers and placed.ids.numel():
-        state.number_runs = adapter.number_runs(placed.ids)
-    if probe and placed.slots.numel() > 0:
-        slots = placed.slots.to(adapter.device, non_blocking=True)
-        keys, values, n_ctx = placed.keys, placed.values, placed.n_ctx
-        state.query_attention = yield from _question_attention_steps(
-            adapter, keys, values, suffix, n_ctx, slots, placed.feed, budget
-        )
-    forced = _forced_tokens(inp)
-    active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
-    tail = suffix if prefill_suffix else suffix[:0]  # rides along after the active tokens
-    if (placed.slots.numel() == 0 or active.numel() == 0) and not tail.numel():
-        return _reused(adapter, placed)
-    if placed.slots.numel() == 0:
-        active = active[:0]
-    # With no chunk token active the tail alone runs the layers, writing its K/V into the slots
-    # kept free for it: no cache grows by concatenation (a copy of the whole context per layer).
-    if budget is not None:
-        yield  # placement and the question probe were this piece
-    active, hidden, passes = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
-    fused = _finish(adapter, placed, active, forced, hidden, tail.numel(), passes, logits)
-    fused.wanted_share, fused.selection_capped = state.wanted_share, state.capped
-    return fused
+    try:
+        state = SelectionState.start([len(ids) for ids in inp.chunk_ids])
+        state.stored_scores = _stored_scores(inp)
+        if strategy.wants_numbers and placed.ids.numel():
+            state.number_runs = adapter.number_runs(placed.ids)
+        if probe and placed.slots.numel() > 0:
+            slots = placed.slots.to(adapter.device, non_blocking=True)
+            keys, values, n_ctx = placed.keys, placed.values, placed.n_ctx
+            state.query_attention = yield from _question_attention_steps(
+                adapter, keys, values, suffix, n_ctx, slots, placed.feed, budget
+            )
+        forced = _forced_tokens(inp)
+        active = _union(strategy.initial(state), forced)  # indices into the chunk tokens
+        tail = suffix if prefill_suffix else suffix[:0]  # rides along after the active tokens
+        if (placed.slots.numel() == 0 or active.numel() == 0) and not tail.numel():
+            return _reused(adapter, placed)
+        if placed.slots.numel() == 0:
+            active = active[:0]
+        # With no chunk token active the tail alone runs the layers, writing its K/V into the slots
+        # kept free for it: no cache grows by concatenation (a copy of the whole context per layer).
+        if budget is not None:
+            yield  # placement and the question probe were this piece
+        active, hidden, passes = yield from _recompute(adapter, strategy, state, placed, active, forced, tail, budget)
+        fused = _finish(adapter, placed, active, forced, hidden, tail.numel(), passes, logits)
+        fused.wanted_share, fused.selection_capped = state.wanted_share, state.capped
+        return fused
+    except BaseException:  # failed or closed: the staging thread stops and lets the buffer go
+        placed.feed.cancel()
+        raise
 
 
 def _place(adapter: ModelAdapter, inp: FusionInput, extra: int) -> _Placed:

@@ -62,8 +62,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0 (0 means greedy)")
+        if not self.temperature >= 0:  # NaN too
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
 

@@ -317,6 +317,7 @@ class ChunkLoader:
             reserve_s=plan.reserve_s,
             fusion_ratio=plan.fusion_ratio,
             slack=plan.config.ttft_slack,
+            decode_workers=self.decode_workers,
         )
 
     def _finish_loads(

@@ -172,6 +172,12 @@ class LayerFeed:
         if all(self._done):
             self._filled()
 
+    def cancel(self) -> None:
+        """Stop staging (a pass that failed or was abandoned): the worker ends after the layer it is
+        on and drops its hold on the buffer; returns once it has."""
+        if self._worker is not None:
+            self._worker.stop()
+
     def all_ready(self) -> None:
         """Every layer complete (what a caller that reads the whole buffer needs)."""
         for layer in range(self.num_layers):
@@ -220,6 +226,7 @@ class _Stager:
         self.landed = [threading.Event() for _ in range(feed.num_layers)]
         self.events: list[torch.cuda.Event | None] = [None] * feed.num_layers
         self.error: BaseException | None = None
+        self.stopped = False  # set by stop(): the run ends before its next layer
         # inference mode is per thread: the worker writes the buffer in the mode it was made in
         self.inference = torch.is_inference_mode_enabled()
         self.thread = threading.Thread(target=self._run, name="ragkv-stage", daemon=True)
@@ -238,11 +245,22 @@ class _Stager:
     def start(self) -> None:
         self.thread.start()
 
+    def stop(self) -> None:
+        """End the run after the layer it is on (the rest never land) and wait for it."""
+        self.stopped = True
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join()
+
     def wait(self, layer: int) -> None:
         """Block until ``layer`` was issued, then order the compute stream after its copy."""
         self.landed[layer].wait()
         if self.error is not None:
-            raise RuntimeError(f"staging chunk caches to {self.device} failed: {self.error}") from self.error
+            why = f"staging chunk caches to {self.device} failed: {self.error}"
+            if isinstance(self.error, torch.OutOfMemoryError):  # the answer path retries these
+                raise torch.OutOfMemoryError(why) from self.error
+            raise RuntimeError(why) from self.error
+        if self.stopped:
+            raise RuntimeError("staging was stopped: the pass that read this buffer ended")
         event = self.events[layer]
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
@@ -273,6 +291,8 @@ class _Stager:
                 # orders each layer's landing after the previous layer's conversion
                 landing = torch.empty(layer_shape, dtype=src, device=self.device) if src != keys.dtype else None
                 for layer in range(len(self.landed)):
+                    if self.stopped:
+                        break
                     if direct:
                         self._cross_direct(layer, keys, values, landing)
                     else:

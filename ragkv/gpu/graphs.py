@@ -21,11 +21,13 @@ high-priority stream of their own that no worker thread draws (``capture_error_m
 the staging thread keeps copying meanwhile), one capture at a time in the process
 (:data:`CAPTURE_LOCK`, which ``ragkv.gpu.release`` takes too); they share one memory pool per
 model and live as long as the model. The first request of a bucket pays its captures: two per
-layer, each with the device synchronized and torch's cache emptied (``torch.cuda.graph``). Anything else runs eagerly as before:
-a CPU, a layer whose arithmetic ragkv does not know (:func:`ragkv.model.lean.layer_parts`), a
+layer, each with the device synchronized and torch's cache emptied (``torch.cuda.graph``).
+
+Anything else runs eagerly as before: a CPU, a layer whose arithmetic ragkv does not know
+(:func:`ragkv.model.lean.layer_parts`) or whose projections are not plain ``nn.Linear``, a
 question of over 256 rows, a probe run in timed pieces (another request could run between them,
 and the buffers are the model's), ``RAGKV_PROBE_GRAPHS=0``, or a capture that failed (logged once;
-the model's probes stay eager).
+the model's probes stay eager; out of memory while capturing: eager this time only).
 
 The replays compute what the eager layers compute for the same rows (tested on CUDA against the
 eager probe: bit for bit where the question fills its bucket, within rounding where a product

@@ -124,6 +124,8 @@ class LoadSession:
         reserve_s: estimated seconds the fusion pass needs after loading (subtracted from the budget).
         fusion_ratio: share of a loaded chunk's tokens the fusion pass recomputes anyway.
         slack: without a deadline, the TTFT share traded for quality (``LoadConfig.ttft_slack``).
+        decode_workers: the loader's decode threads: a plan counts at most that many decodes at once
+            (the overlap measured, or read back, with more threads does not apply to fewer).
     """
 
     def __init__(
@@ -137,8 +139,10 @@ class LoadSession:
         reserve_s: float = 0.0,
         fusion_ratio: float = 0.0,
         slack: float | None = None,
+        decode_workers: int = 1,
     ) -> None:
         self.chunks, self.order, self.estimates = list(chunks), list(order), estimates
+        self.decode_workers = decode_workers
         self._links, self.deadline, self.reserve_s = links, deadline, reserve_s
         self.fusion_ratio, self.slack = fusion_ratio, slack
         self.probed: int | None = None  # the chunk loaded at its smallest level to measure an unmeasured link
@@ -185,7 +189,7 @@ class LoadSession:
         """The speeds known now (``link``: the tier estimate to plan on; default :meth:`link`)."""
         link = link or self.link()
         decode = {str(spec): self.estimates.decode(str(spec)).rate for spec in self.order}
-        overlap = self.estimates.decode_overlap.rate
+        overlap = min(self.estimates.decode_overlap.rate, float(self.decode_workers))
         return Rates(link.rate, self.estimates.recompute.rate, decode, link.latency, self.fusion_ratio, overlap)
 
     def fetched(self, n: int, spec: CodecSpec, got: Fetched) -> bool:

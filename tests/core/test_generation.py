@@ -151,3 +151,8 @@ def test_a_tiny_temperature_samples_the_top_token_instead_of_failing_on_nan(temp
     gen = torch.Generator().manual_seed(0)
     cfg = GenerationConfig(temperature=temperature, seed=0)
     assert {pick_token(logits, cfg, gen) for _ in range(20)} == {1}
+
+
+def test_a_temperature_that_is_not_a_number_is_refused():
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        GenerationConfig(temperature=float("nan"))

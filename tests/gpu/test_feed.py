@@ -255,3 +255,48 @@ def test_a_finished_staged_feed_is_freed_without_the_garbage_collector(llama_ada
         assert gone() is None  # no reference cycle holds the buffer
     finally:
         gc.enable()
+
+
+def test_a_pass_that_fails_stops_its_staging_and_lets_the_buffer_go(llama_adapter, monkeypatch):
+    """A fused pass that raises (out of memory, say) stops its feed's worker after the layer it is on:
+    the thread ends and no longer holds the buffer, so a retry can have the memory. A stopped feed
+    refuses layers that never landed; the worker's own out-of-memory error keeps its type."""
+    import weakref
+
+    import ragkv.fusion
+
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    feeds: list[LayerFeed] = []
+    real = ragkv.fusion.LayerFeed
+
+    def staged(*args, **kw):
+        feeds.append(real(*args, **kw, stage=True))
+        return feeds[-1]
+
+    monkeypatch.setattr(ragkv.fusion, "LayerFeed", staged)
+    monkeypatch.setattr(a, "run_layer", lambda *args, **kw: (_ for _ in ()).throw(torch.OutOfMemoryError("injected")))
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        fuse(a, inp, FusionConfig(), prefill_suffix=True)
+    (feed,) = feeds
+    worker = feed._worker
+    assert worker is not None and worker.stopped and not worker.thread.is_alive()
+    buffer = weakref.ref(feed.keys)
+    feeds.clear()
+    del feed
+    assert buffer() is None  # nothing else held the fused buffer
+
+    plain = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+    plain.ready(0)
+    plain.cancel()
+    last = a.spec.num_layers - 1
+    if not plain._done[last]:
+        with pytest.raises(RuntimeError, match="staging was stopped"):
+            plain.ready(last)
+
+    class NoRoom(PinnedPool):
+        def take(self, nbytes: int) -> torch.Tensor:
+            raise torch.OutOfMemoryError("no room for a slab")
+
+    with pytest.raises(torch.OutOfMemoryError, match="no room for a slab"):
+        LayerFeed(a, inp.prefix, inp.chunks, stage=True, pool=NoRoom()).ready(0)

@@ -166,7 +166,7 @@ def test_an_unwritable_data_dir_only_loses_the_speeds(tmp_path, caplog):
 
 
 def test_decodes_that_overlap_raise_the_overlap_estimate_and_starved_ones_count_as_one():
-    session = _session(LinkEstimate(125e6, 0.001))
+    session = _session(LinkEstimate(125e6, 0.001), decode_workers=4)
     overlap = session.estimates.decode_overlap
     assert overlap.rate == 1.0 and session.rates().decode_overlap == 1.0
     session.decodes_overlapped([(0.0, 1.0)])  # one decode says nothing about overlap
@@ -174,6 +174,9 @@ def test_decodes_that_overlap_raise_the_overlap_estimate_and_starved_ones_count_
     for _ in range(40):
         session.decodes_overlapped([(0.0, 1.0), (0.0, 1.0), (1.0, 2.0), (1.0, 2.0)])  # two at a time
     assert overlap.rate == pytest.approx(2.0, rel=1e-3) and session.rates().decode_overlap == overlap.rate
+    one_thread = _session(LinkEstimate(125e6, 0.001))  # an overlap measured with more threads does not apply
+    one_thread.estimates.decode_overlap = overlap
+    assert one_thread.rates().decode_overlap == 1.0
     for _ in range(40):
         session.decodes_overlapped([(0.0, 1.0), (3.0, 4.0)])  # waiting on their fetches: busy 2 s of 4
     assert overlap.rate == pytest.approx(1.0, rel=1e-3)
