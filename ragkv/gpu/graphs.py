@@ -208,10 +208,6 @@ class ProbeLayers:
         self.attn[:, :n].copy_(out.reshape(1, n, -1))
         self.after[index].replay()
 
-    def output(self, n: int) -> torch.Tensor:
-        """The last layer's hidden rows ``[1, n, hidden]`` (a copy)."""
-        return self.hidden[:, :n].clone()
-
 
 class _ModelGraphs:
     """A model's probe layers by bucket, made on first use; disabled for good once a capture fails."""
