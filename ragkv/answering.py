@@ -270,22 +270,20 @@ class AnswerPath:
                 stats.prefilled_chunk_tokens += len(seg)
         if load_report is not None:
             stats.extra["load"] = {**load_report, "deadline_ms": p.config.load.slo_ms}
-        # the sinks live in the fusion input alone from here (the box, then the pass): a retry out of
-        # memory drops them, and with them their memory
-        box = [FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced, sinks=sinks)]
-        del got_all, fetched, sinks
-        got = None
+        inp = FusionInput(prefix_kv, loaded, [seg for seg, _ in middle], suffix, forced=forced, sinks=sinks)
         if budget is not None:
             yield  # loading the chunk caches was this piece
         fuse_started = time.perf_counter()
         paused = _Pauses()
-        retried: list[bool] = []
-        fused = yield from _fuse_or_retry(
+        pieces = _fuse_or_retry(
             a.device,
-            box,
+            inp,
             lambda i: paused.through(fuse_steps(a, i, fusion, prefill_suffix=True, step_tokens=budget, logits="last")),
-            retried,
         )
+        # the sinks live in the pass alone from here: a retry out of memory drops them, and their memory
+        del inp, got_all, fetched, sinks
+        got = None
+        fused, retried = yield from pieces
         computed = fused.recomputed_tokens + fused.forced_tokens + len(suffix)
         total = sum(len(seg) for seg, _ in middle) + len(suffix)
         if not retried:  # a pass run twice (out of memory) measures nothing the planner should learn
@@ -394,27 +392,25 @@ class AnswerStream:
 
 
 def _fuse_or_retry(
-    device: torch.device, box: list[FusionInput], run: Callable[[FusionInput], Pieces[Any]], retried: list[bool]
-) -> Pieces[Any]:
-    """``run`` on the fusion input in ``box`` (taken out: nothing else keeps it); out of device memory
-    anywhere in the pass, once more without this request's device-tier admissions (its sinks) and
-    with the device tier emptied (``ragkv.gpu.release``); ``retried`` then gets True.
+    device: torch.device, inp: FusionInput, run: Callable[[FusionInput], Pieces[Any]]
+) -> Pieces[tuple[Any, bool]]:
+    """``(run(inp)'s result, whether it was retried)``: out of device memory anywhere in the pass, it
+    runs once more without this request's device-tier admissions (``inp.sinks``) and with the
+    device tier emptied (``ragkv.gpu.release``). The caller keeps no reference to ``inp``.
 
     The retry starts only once the failed pass is gone (outside the handler: the exception's
     traceback holds its buffers; the pass stops its staging thread as it fails). A second failure
     goes to the caller. The chunks themselves stay where they were loaded, so a device-tier hit is
     still used; the pass is the same, only its memory differs.
     """
-    inp = box.pop()
     try:
-        return (yield from run(inp))
+        return (yield from run(inp)), False
     except torch.OutOfMemoryError as e:
         why = str(e)  # not the exception: a handler keeping the log record would keep its buffers
     logger.warning("out of device memory in a fused prefill (%s); emptying the device tier and retrying once", why)
     inp = replace(inp, sinks=())
-    retried.append(True)
     release(device)
-    return (yield from run(inp))
+    return (yield from run(inp)), True
 
 
 class _Pauses:

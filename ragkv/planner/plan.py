@@ -78,7 +78,7 @@ class Rates:
     latency_s: float = 0.0  # seconds per read before its first byte
     fusion_ratio: float = 0.0  # share of a loaded chunk's tokens the fusion pass still recomputes
     # decodes running at once on the loader's decode threads (busy decode seconds per second of a
-    # load's decodes; 1: one after another): the processor's decodes take their sum over this
+    # load's decodes; 1: one after another): a decode adds its time over this to a load
     decode_overlap: float = 1.0
 
     def load_seconds(self, spec: CodecSpec, nbytes: int) -> float:
