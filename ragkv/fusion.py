@@ -16,6 +16,7 @@ Shapes: K/V are ``[layers, kv_heads, tokens, head_dim]``; hidden states ``[1, q,
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Generator, Sequence
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 
 from ragkv.gpu.feed import DeviceSink, LayerFeed
-from ragkv.gpu.graphs import probe_layers
+from ragkv.gpu.graphs import layer_graphs, probe_attend
 from ragkv.gpu.tier import release
 from ragkv.model import AttentionProbe, ModelAdapter, ScatterCache, Steer
 from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
@@ -337,7 +338,7 @@ def _recompute(
             whole = int(hidden.shape[1])
         else:
             whole = int(hidden.shape[1])
-            hidden = adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
+            hidden = _run_layer(adapter, layer, hidden, step, cache)
         clock.ran(whole)
         if active.numel() == 0 and not tail.numel():
             break
@@ -447,7 +448,21 @@ class _Rows:
             return hidden, None
         slots = torch.cat([step.host_pos[run], self.tail_pos])
         step = _Step.at(self.adapter, slots, self.placed.keys.shape[2], hidden)
-        return self.adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer), step
+        return _run_layer(self.adapter, layer, hidden, step, cache), step
+
+
+def _run_layer(
+    adapter: ModelAdapter, layer: int, hidden: torch.Tensor, step: _Step, cache: ScatterCache
+) -> torch.Tensor:
+    """Decoder layer ``layer`` for the rows ``hidden`` ``[1, q, hidden]`` at ``step``: on a GPU replayed
+    as CUDA graphs around the attention (:mod:`ragkv.gpu.graphs`), else the model's own layer."""
+    graphs = layer_graphs(adapter, int(hidden.shape[1]), "recompute")
+    if graphs is None:
+        return adapter.run_layer(layer, hidden, step.pos, cache, step.rope, step.mask, step.steer)
+    attend = functools.partial(
+        adapter.layer_attention, layer, positions=step.pos, cache=cache, mask=step.mask, steer=step.steer
+    )
+    return graphs.run(layer, hidden, step.rope, attend)
 
 
 def _checked_layer(
@@ -596,15 +611,16 @@ def _question_attention_steps(
     probe = AttentionProbe(None)  # every layer's weights
     # on a GPU the layers replay as CUDA graphs (ragkv.gpu.graphs), unless the probe may pause
     # between layers: another request could then run the model's graphs in between
-    graphs = probe_layers(adapter, len(suffix)) if budget is None or budget.seconds() is None else None
+    graphs = layer_graphs(adapter, len(suffix), "probe") if budget is None or budget.seconds() is None else None
     if graphs is not None:
-        with graphs.lock:
+        with graphs.lock:  # the question's rows stay in the model's buffers from the first layer to the last
             graphs.start(hidden, pe)
             for layer in range(adapter.spec.num_layers):
                 if feed is not None:
                     feed.ready(layer)
                 layer_k, layer_v = probe_cache.layer_kv(layer)
-                graphs.layer(layer, len(suffix), layer_k, layer_v, pos, mask, probe)
+                scaling = graphs.parts[layer].scaling
+                graphs.layer(layer, len(suffix), probe_attend(probe, layer, scaling, layer_k, layer_v, pos, mask))
         return _normalized(probe, slots, adapter.spec.num_layers)
     steer = replace(adapter.scattered(host_pos), probe=probe)  # on the CPU kernel where it runs
     clock = _LayerClock(budget, adapter.spec.num_layers, by_tokens=False, report=False)

@@ -25,7 +25,9 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   host), staging + placement from the host (the copy), placement from the device tier, the
   question probe (as fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``;
   and through transformers' eager layers, ``RAGKV_PROBE_GRAPHS=0``), and the recompute
-  (device-tier TTFT minus placement and probe);
+  (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
+  recomputed rows fit a bucket); the device-tier fusion again with every layer eager
+  (``RAGKV_RECOMPUTE_GRAPHS=0`` as well) and its recompute;
 - the bounds: the probe's weight reads at the measured HBM copy rate, the recompute's FLOPs
   (linear layers over the recomputed tokens, attention over the context) at the measured bf16
   matmul rate; the work bound counts the token passes the method ran (its focus share and check
@@ -257,6 +259,8 @@ def _row(
     probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)  # CUDA graphs where they run
     with mock.patch.dict(os.environ, {"RAGKV_PROBE_GRAPHS": "0"}):  # transformers' eager layers
         probe_eager_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
+        with mock.patch.dict(os.environ, {"RAGKV_RECOMPUTE_GRAPHS": "0"}):  # the whole fusion eager
+            tier_eager_s = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)[0]
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
     tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question)
     recomputed = config.ratio * sum(len(c) for c in p.chunks) + len(p.question)
@@ -288,6 +292,8 @@ def _row(
         "probe_eager_ms": probe_eager_s * 1e3,
         "probe_bound_ms": weight_bytes / rates[0] * 1e3,
         "recompute_ms": max(tier_s - place_s - probe_s, 0.0) * 1e3,
+        "tier_eager_ms": tier_eager_s * 1e3,
+        "recompute_eager_ms": max(tier_eager_s - place_s - probe_eager_s, 0.0) * 1e3,
         "recompute_bound_ms": (2 * linear * recomputed + attn_flops) / rates[1] * 1e3,
         "token_passes": passes,
         "recompute_work_bound_ms": work_flops / rates[1] * 1e3,
@@ -318,6 +324,8 @@ COLUMNS = (
     Column("probe_eager_ms", "probe eager ms", "{:,.1f}"),
     Column("probe_bound_ms", "probe bound ms", "{:,.1f}"),
     Column("recompute_ms", "recompute ms", "{:,.0f}"),
+    Column("tier_eager_ms", "device tier eager ms", "{:,.0f}"),
+    Column("recompute_eager_ms", "recompute eager ms", "{:,.0f}"),
     Column("recompute_bound_ms", "recompute bound ms", "{:,.0f}"),
     Column("recompute_work_bound_ms", "work bound ms", "{:,.0f}"),
     Column("full_peak_gib", "peak GiB full", "{:.1f}"),

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 from torch.nn.attention.bias import causal_lower_right
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ragkv.digests import sha256_hex
 from ragkv.errors import ContextTooLongError
@@ -470,6 +471,42 @@ class ModelAdapter:
             **self._steering(steer),
         )
         return out[0] if isinstance(out, tuple) else out
+
+    def layer_attention(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        positions: torch.Tensor,
+        cache: ScatterCache,
+        mask: torch.Tensor,
+        steer: Steer = PLAIN,
+    ) -> torch.Tensor:
+        """What decoder layer ``layer_idx``'s attention module does in :meth:`run_layer` once it has its
+        rotated ``query`` ``[1, heads, q, D]`` and ``key``/``value`` ``[1, kv_heads, q, D]``: the key and
+        value written at slots ``positions`` (on the device) of ``cache``, then the model's attention
+        function over every slot ``mask`` allows, called as the module calls it. Returns its output,
+        ``[1, q, heads, D]``. For a layer run in parts (``ragkv.gpu.graphs``); the layers must be ones
+        :attr:`writes_layer_kv` knows."""
+        attn = self._inner.layers[layer_idx].self_attn
+        cache.set_write_slots(layer_idx, positions)
+        keys, values = cache.update(key, value, layer_idx)
+        out, _ = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation](
+            attn,
+            query,
+            keys,
+            values,
+            mask,
+            dropout=0.0,
+            scaling=attn.scaling,
+            sliding_window=getattr(attn, "sliding_window", None),  # None wherever the layers are known
+            position_ids=positions.reshape(1, -1),
+            use_cache=True,
+            **self._steering(steer),
+        )
+        return out
 
     @property
     def writes_layer_kv(self) -> bool:

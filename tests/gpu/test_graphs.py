@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragkv.fusion import FusionConfig, FusionInput, _question_attention, fuse
+from ragkv.fusion import FusionConfig, FusionInput, _question_attention, _run_layer, _Step, fuse, fuse_steps
 from ragkv.gpu import graphs
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.attention import PLAIN
@@ -117,13 +117,13 @@ def test_a_fusion_with_the_replayed_probe_equals_the_eager_one(tiny_tokenizer, m
 def test_the_eager_layers_run_where_replays_do_not_apply(tiny_tokenizer, monkeypatch):
     a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
     monkeypatch.delenv("RAGKV_PROBE_GRAPHS", raising=False)
-    assert graphs.probe_layers(a, 16) is None  # a CPU model by default
+    assert graphs.layer_graphs(a, 16, "probe") is None  # a CPU model by default
     monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "eager")
-    assert graphs.probe_layers(a, 16) is not None
-    assert graphs.probe_layers(a, graphs.BUCKETS[-1] + 1) is None  # a question longer than every bucket
-    assert graphs.probe_layers(a, 0) is None
+    assert graphs.layer_graphs(a, 16, "probe") is not None
+    assert graphs.layer_graphs(a, graphs.BUCKETS[-1] + 1, "probe") is None  # a question longer than every bucket
+    assert graphs.layer_graphs(a, 0, "probe") is None
     gelu = ModelAdapter(make_model("llama", len(tiny_tokenizer), hidden_act="gelu"), tiny_tokenizer)
-    assert graphs.probe_layers(gelu, 16) is None  # arithmetic ragkv does not know
+    assert graphs.layer_graphs(gelu, 16, "probe") is None  # arithmetic ragkv does not know
 
 
 def test_a_capture_that_fails_leaves_the_model_on_the_eager_layers(tiny_tokenizer, monkeypatch, caplog):
@@ -132,14 +132,14 @@ def test_a_capture_that_fails_leaves_the_model_on_the_eager_layers(tiny_tokenize
     question = list(range(1, 17))
     want = _probe(a, monkeypatch, "0", 40, question)[0]
 
-    def refused(fn):
+    def refused(fns):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs._MODELS[a.model] = graphs._ModelGraphs(refused)
+    graphs._MODELS[a.model] = graphs._ModelGraphs(refused, graphs._replayable(a.model))
     with caplog.at_level("WARNING", logger="ragkv.gpu.graphs"):
         got = _probe(a, monkeypatch, "eager", 40, question)[0]
-    assert torch.equal(got, want) and "runs eagerly" in caplog.text
-    assert graphs._MODELS[a.model].failed and graphs.probe_layers(a, 8) is None
+    assert torch.equal(got, want) and "run eagerly" in caplog.text
+    assert graphs._MODELS[a.model].failed and graphs.layer_graphs(a, 8, "probe") is None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -171,3 +171,109 @@ def test_probes_on_several_threads_each_get_their_own_answer(tiny_tokenizer, mon
     with ThreadPoolExecutor(4) as pool:
         for _ in range(5):
             assert all(torch.equal(got, want) for got, want in zip(pool.map(one, range(4)), alone, strict=True))
+
+
+# --- the recompute's layers -------------------------------------------------------------------------
+
+
+def _recompute_case(a: ModelAdapter, rows: int, n_ctx: int, seed: int):
+    """Rows at sorted distinct slots of an ``n_ctx``-slot buffer, their hidden states, and the buffer."""
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.randperm(n_ctx, generator=g)[:rows].sort().values
+    hidden = torch.randn(1, rows, a.model.config.hidden_size, generator=g).to(device=a.device, dtype=a.dtype)
+    keys, values = _buffer(a, n_ctx, 0)
+    return pos, hidden, keys, values
+
+
+def _layers(a: ModelAdapter, monkeypatch, setting: str, pos, hidden, keys, values):
+    """Every decoder layer through fusion's layer call (``setting``: RAGKV_RECOMPUTE_GRAPHS): the last
+    hidden states and the buffer they wrote into."""
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", setting)
+    keys, values = keys.clone(), values.clone()
+    cache = a.scatter_cache(keys, values)
+    with torch.inference_mode():
+        step = _Step.at(a, pos, keys.shape[2], hidden)
+        for layer in range(a.spec.num_layers):
+            hidden = _run_layer(a, layer, hidden, step, cache)
+    return hidden, keys, values
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replayed_recompute_layers_equal_the_models_layers_bit_for_bit_when_the_rows_fill_their_bucket(
+    tiny_tokenizer, monkeypatch, device, family, dtype
+):
+    """The attention goes through the model's attention function as its layer calls it (on the CPU
+    ragkv's kernel where it runs, from the rows' positions)."""
+    a = _adapter(family, len(tiny_tokenizer), tiny_tokenizer, device, dtype)
+    replay = "eager" if device == "cpu" else "auto"
+    case = _recompute_case(a, 32, 80, seed=7)
+    want = _layers(a, monkeypatch, "0", *case)
+    got = _layers(a, monkeypatch, replay, *case)
+    assert graphs._MODELS[a.model].buckets.keys() == {32}
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g), (family, dtype, float((w.float() - g.float()).abs().max()))
+    assert all(torch.equal(w, g) for w, g in zip(want, _layers(a, monkeypatch, replay, *case), strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_recompute_rows_padded_to_their_bucket_stay_within_rounding(tiny_tokenizer, monkeypatch, device):
+    """Rows that do not fill a bucket, fewer after more (stale rows in the shared buffers), and a
+    bucket above the powers of two (300 rows in 384)."""
+    a = _adapter("qwen2", len(tiny_tokenizer), tiny_tokenizer, device, torch.float32)
+    replay = "eager" if device == "cpu" else "auto"
+    for rows, n_ctx in ((300, 400), (11, 40), (16, 40), (5, 40)):
+        case = _recompute_case(a, rows, n_ctx, seed=rows)
+        want = _layers(a, monkeypatch, "0", *case)
+        got = _layers(a, monkeypatch, replay, *case)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert set(graphs._MODELS[a.model].buckets) == {8, 16, 384}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fusion_with_replayed_layers_selects_as_the_eager_one(tiny_tokenizer, monkeypatch, device):
+    """The probe and the recompute replayed; the recompute in pieces, another request's fusion run
+    between them (the buffers are the model's): the same tokens selected, the fused cache and the
+    logits within rounding of the eager fusion's, and equal to the same fusion run alone."""
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, device, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    prefix = a.prefill_kv(torch.randint(0, 200, (6,), generator=g).tolist())
+
+    def request(seed: int) -> FusionInput:
+        g = torch.Generator().manual_seed(seed)
+        chunk_ids = [torch.randint(0, 200, (40,), generator=g).tolist() for _ in range(3)]
+        chunks = [a.prefill_kv(c, past=[prefix]) for c in chunk_ids]
+        return FusionInput(prefix, chunks, chunk_ids, torch.randint(0, 200, (13,), generator=g).tolist())
+
+    config = FusionConfig(ratio=0.3)
+    first, second = request(1), request(2)
+    replay = "eager" if device == "cpu" else "auto"
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "0")
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "0")
+    plain = [fuse(a, r, config, prefill_suffix=True) for r in (first, second)]
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", replay)
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", replay)
+    alone = [fuse(a, r, config, prefill_suffix=True) for r in (first, second)]
+    assert len(graphs._MODELS[a.model].buckets) >= 2  # the probe's bucket and the recompute's
+    for want, got in zip(plain, alone, strict=True):
+        assert torch.equal(want.selected, got.selected)
+        torch.testing.assert_close(got.suffix_logits, want.suffix_logits, rtol=1e-4, atol=1e-4)
+        for layer in range(a.spec.num_layers):
+            for w, o in zip(want.cache.layers[layer].keys, got.cache.layers[layer].keys, strict=True):
+                torch.testing.assert_close(o, w, rtol=1e-4, atol=1e-5)
+    # both in pieces of one layer each, interleaved
+    steps = [fuse_steps(a, r, config, prefill_suffix=True, step_tokens=1) for r in (first, second)]
+    done: dict[int, object] = {}
+    while len(done) < 2:
+        for i, s in enumerate(steps):
+            if i not in done:
+                try:
+                    next(s)
+                except StopIteration as stop:
+                    done[i] = stop.value
+    for i, want in enumerate(alone):
+        got = done[i]
+        assert torch.equal(want.selected, got.selected)
+        assert torch.equal(want.suffix_logits, got.suffix_logits)
