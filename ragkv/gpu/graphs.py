@@ -22,25 +22,29 @@ every bucket (:data:`BUCKETS`: 8 to 2,048 rows); fewer rows are padded with zero
 real row reads (every operation in the graphs is per row; the attention runs on the real rows
 only). The probe keeps its rows in the buffers from its first layer to its last; the recompute,
 which may pause between layers (another request's pass can run in between), loads its rows into
-them for each layer and takes them out after it. Graphs are captured on first use of a bucket, all
-of its layers in one go on a high-priority stream of their own that no worker thread draws
-(``capture_error_mode="thread_local"``: the staging thread keeps copying meanwhile), with that
-stream synchronized once and nothing else: ``torch.cuda.graph`` would synchronize the whole device
-and empty torch's device and pinned-host caches before every graph (two per layer). One capture
-runs at a time in the process (:data:`CAPTURE_LOCK`, which ``ragkv.gpu.release`` takes too); they
-share one memory pool per model (each graph's memory is its own temporaries, dead at its end) and
-live as long as the model.
+them for each layer and takes them out after it. The model's lock orders the passes on the host;
+on the device they are ordered because every pass runs on the device's default stream (ragkv
+computes on no other). Graphs are captured on first use of a bucket (or all at a server's start,
+:func:`capture_all`), all of its layers in one go on a high-priority stream of the model's own
+that no worker thread draws (``capture_error_mode="thread_local"``: the staging thread keeps
+copying meanwhile), with that stream synchronized and torch's device cache emptied once per
+bucket: ``torch.cuda.graph`` would synchronize the whole device and empty torch's device and
+pinned-host caches before every graph (two per layer). One capture runs at a time in the process
+(:data:`CAPTURE_LOCK`, which ``ragkv.gpu.release`` takes too); a model's graphs share one memory
+pool (each graph's memory is its own temporaries, dead at its end) and live as long as the model.
 
 Anything else runs eagerly as before: a CPU, a layer whose arithmetic ragkv does not know
 (:func:`ragkv.model.lean.layer_parts`) or whose projections are not plain ``nn.Linear``, more rows
 than the largest bucket (the pass is then bound by the device, not by launches), a probe run in
 timed pieces (its rows stay in the model's buffers between layers), ``RAGKV_PROBE_GRAPHS=0`` or
 ``RAGKV_RECOMPUTE_GRAPHS=0``, or a capture that failed (logged once; the model's passes stay
-eager; out of memory while capturing: eager this time only).
+eager; out of memory while capturing: eager for half a minute, then a capture is tried again).
 
 The replays compute what the eager layers compute for the same rows (tested on CUDA against the
 eager layers: bit for bit where the rows fill their bucket, within rounding where a product runs on
-more rows). On the CPU the same buffers and order run without graphs (:class:`_Eager`,
+more rows: a request that ran eagerly, out of memory to capture, and the same request replayed
+may differ in their last bits, as batches of other sizes do). On the CPU the same buffers and
+order run without graphs (:class:`_Eager`,
 ``RAGKV_PROBE_GRAPHS=eager``), which is how the tests check the plumbing there.
 """
 
@@ -51,6 +55,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
@@ -63,7 +68,7 @@ from ragkv.model.lean import LeanLayer, _norm, _rotate, _rotated_kv, _rotation, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUCKETS", "CAPTURE_LOCK", "Attend", "LayerGraphs", "layer_graphs", "probe_attend"]
+__all__ = ["BUCKETS", "CAPTURE_LOCK", "Attend", "LayerGraphs", "capture_all", "layer_graphs", "probe_attend"]
 
 # rows a set of graphs is captured for: powers of two while the rows are few (launch-bound: padding
 # costs nothing), then steps of 128 and 256, where padded rows cost device time (a quarter at most)
@@ -101,22 +106,20 @@ def _eager(fns: Sequence[Callable[[], None]]) -> list[_Replay]:
 # One capture at a time in the process: a capture and an empty_cache() elsewhere (``ragkv.gpu.release``)
 # must not overlap, nor two captures (the allocator routes a capture's allocations by stream).
 CAPTURE_LOCK = threading.Lock()
-_STREAMS: dict[torch.device, Any] = {}
-
-
-def _capture_stream(device: torch.device) -> Any:
-    """The stream graphs are captured on: one per device, of high priority. ragkv's other streams
-    (the feed's and the host tier's copies) take default-priority streams from torch's pool, so no
-    worker thread can queue work on this one while it captures."""
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return stream
+_OOM_BACKOFF_S = 30.0  # after running out of memory while capturing, the passes stay eager this long
 
 
 def _cuda_graphs(device: torch.device, pool: Any) -> Capture:
+    """Captures for one model. Its stream is its own (cuBLAS keys workspaces by stream, and graphs
+    bake theirs in: two models' graphs must not share one) and of high priority: ragkv's other
+    streams (the feed's and the host tier's copies) come from torch's default-priority pool, so no
+    worker thread can queue work on it while it captures."""
+    streams: list[Any] = []
+
     def capture(fns: Sequence[Callable[[], None]]) -> list[_Replay]:
-        stream = _capture_stream(device)
+        if not streams:
+            streams.append(torch.cuda.Stream(device, priority=-1))
+        stream = streams[0]
         made: list[_Replay] = []
         with torch.cuda.device(device):  # the model's device, whichever is current
             stream.wait_stream(torch.cuda.current_stream())
@@ -124,20 +127,23 @@ def _cuda_graphs(device: torch.device, pool: Any) -> Capture:
                 for fn in fns:  # warm-up: cuBLAS workspaces, lazy inits
                     fn()
                 stream.synchronize()  # the warm-up done; the device's other streams go on
+                # the warm-up's temporaries are cached for this stream only, and a capture cannot take
+                # the cache's blocks: give them back once (torch.cuda.graph does so before every graph)
+                torch.cuda.empty_cache()
                 for fn in fns:
                     graph = torch.cuda.CUDAGraph()
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                     try:
+                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                         fn()
+                        graph.capture_end()
                     except BaseException:
                         with contextlib.suppress(Exception):
                             graph.capture_end()  # the stream leaves capture mode (the capture is invalid)
-                        # an invalidated capture can leave the allocator routing to the pool (torch checks
-                        # the capture's end before it stops routing, in the versions before the fix)
+                        # a capture invalid at its end (or before) can leave the allocator routing to the
+                        # pool: capture_end checks the capture before it stops the routing
                         with contextlib.suppress(Exception):
                             torch._C._cuda_endAllocateToPool(device.index or 0, pool)
                         raise
-                    graph.capture_end()
                     made.append(graph)
             torch.cuda.current_stream().wait_stream(stream)
         return made
@@ -282,6 +288,7 @@ class _ModelGraphs:
         self.buffers: _Buffers | None = None
         self.buckets: dict[int, LayerGraphs] = {}
         self.failed = parts is None
+        self.retry_at = 0.0  # time.monotonic() before which no capture is tried (out of memory)
         self.lock = threading.Lock()  # making buckets
         self.running = threading.RLock()  # a pass running on the buffers: every bucket's (one memory pool)
 
@@ -346,7 +353,7 @@ def layer_graphs(adapter: ModelAdapter, rows: int, use: Use) -> LayerGraphs | No
         return made
     with graphs.lock:
         made = graphs.buckets.get(bucket)
-        if made is not None or graphs.failed or graphs.parts is None:
+        if made is not None or graphs.failed or graphs.parts is None or time.monotonic() < graphs.retry_at:
             return made
         try:
             # not while another pass replays from the pool, nor during another capture
@@ -355,8 +362,11 @@ def layer_graphs(adapter: ModelAdapter, rows: int, use: Use) -> LayerGraphs | No
                     graphs.buffers = _Buffers(adapter, graphs.parts[0], BUCKETS[-1])
                 capture = graphs.capture or _eager
                 made = LayerGraphs(adapter, graphs.buffers, graphs.parts, bucket, capture, graphs.running)
-        except torch.OutOfMemoryError as e:  # no room now: eager this time, a capture again later
-            logger.info("no device memory to capture the decoder layers (%s); they run eagerly this time", e)
+        except torch.OutOfMemoryError as e:  # no room now: eager for a while, then a capture again
+            graphs.retry_at = time.monotonic() + _OOM_BACKOFF_S
+            logger.info(
+                "no device memory to capture the decoder layers (%s); they run eagerly for %.0f s", e, _OOM_BACKOFF_S
+            )
             return None
         except Exception as e:  # a capture the device refuses: the eager layers, as before
             graphs.failed = True
@@ -364,3 +374,13 @@ def layer_graphs(adapter: ModelAdapter, rows: int, use: Use) -> LayerGraphs | No
             return None
         graphs.buckets[bucket] = made
         return made
+
+
+def capture_all(adapter: ModelAdapter, buckets: Sequence[int] = BUCKETS) -> int:
+    """Capture the layer graphs of every bucket in ``buckets`` now (a server's start), so that no
+    request pays a bucket's first capture (two graphs a layer). Returns the buckets ready; 0 where
+    neither pass replays (a CPU model, both settings ``0``, layers not known here)."""
+    use: Use | None = next((u for u in ("probe", "recompute") if _wanted(adapter, u)), None)  # type: ignore[misc]
+    if use is None:
+        return 0
+    return sum(layer_graphs(adapter, b, use) is not None for b in buckets)

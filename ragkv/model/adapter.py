@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -493,7 +494,10 @@ class ModelAdapter:
         attn = self._inner.layers[layer_idx].self_attn
         cache.set_write_slots(layer_idx, positions)
         keys, values = cache.update(key, value, layer_idx)
-        out, _ = ALL_ATTENTION_FUNCTIONS[self.model.config._attn_implementation](
+        impl = self.model.config._attn_implementation
+        # as the module looks it up: a registered implementation, else its modeling file's eager one
+        fn = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else _eager_attention(attn)
+        out, _ = fn(
             attn,
             query,
             keys,
@@ -574,6 +578,11 @@ class ModelAdapter:
         """fp32 logits ``[B, q, vocab]`` of the last layer's ``hidden`` ``[B, q, hidden]`` (the LM head of
         :meth:`model_for` ``weights``)."""
         return self.model_for(weights).lm_head(self._inner.norm(hidden)).float()
+
+
+def _eager_attention(module: Any) -> Any:
+    """The modeling file's own eager attention function for an attention ``module``."""
+    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def load_model(

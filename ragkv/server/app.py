@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -51,6 +52,7 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(_capture_graphs, engine)
         state.scheduler.start()
         yield
         await asyncio.to_thread(state.close)  # finishes (or cancels) in-flight requests
@@ -63,6 +65,19 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
     _service(app, state)
     app.add_middleware(Guard, state=state)  # type: ignore[arg-type]
     return app
+
+
+def _capture_graphs(engine: Any) -> None:
+    """On a GPU, the fused prefill's layer graphs for every row bucket before the first request
+    (``ragkv.gpu.graphs``): otherwise the first request of each bucket pays its captures."""
+    adapter = getattr(engine, "adapter", None)
+    if adapter is None or adapter.device.type != "cuda":
+        return
+    from ragkv.gpu.graphs import capture_all
+
+    began = time.perf_counter()
+    made = capture_all(adapter)
+    logger.info("captured the layer graphs of %d row buckets in %.1f s", made, time.perf_counter() - began)
 
 
 def error_body(message: str, kind: str) -> dict[str, Any]:

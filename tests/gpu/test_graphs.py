@@ -8,6 +8,9 @@ a GPU (``_probe_attention``; on the CPU the native kernel is switched off for it
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
@@ -277,3 +280,79 @@ def test_a_fusion_with_replayed_layers_selects_as_the_eager_one(tiny_tokenizer, 
         got = done[i]
         assert torch.equal(want.selected, got.selected)
         assert torch.equal(want.suffix_logits, got.suffix_logits)
+
+
+def test_capture_all_makes_every_bucket_where_a_pass_replays(tiny_tokenizer, monkeypatch):
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    monkeypatch.delenv("RAGKV_PROBE_GRAPHS", raising=False)
+    monkeypatch.delenv("RAGKV_RECOMPUTE_GRAPHS", raising=False)
+    assert graphs.capture_all(a) == 0 and a.model not in graphs._MODELS  # a CPU model by default
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "eager")
+    assert graphs.capture_all(a, (8, 640)) == 2
+    assert set(graphs._MODELS[a.model].buckets) == {8, 640}
+    assert graphs.layer_graphs(a, 600, "recompute") is graphs._MODELS[a.model].buckets[640]  # made, not remade
+
+
+def test_out_of_memory_while_capturing_runs_eagerly_for_a_while_then_captures(tiny_tokenizer, monkeypatch):
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "eager")
+    calls = []
+
+    def tight(fns):
+        calls.append(len(fns))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return graphs._eager(fns)
+
+    graphs._MODELS[a.model] = model = graphs._ModelGraphs(tight, graphs._replayable(a.model))
+    assert graphs.layer_graphs(a, 16, "recompute") is None and not model.failed
+    assert graphs.layer_graphs(a, 16, "recompute") is None and len(calls) == 1  # no capture while backing off
+    model.retry_at = 0.0  # the time has passed
+    assert graphs.layer_graphs(a, 16, "recompute") is not None and len(calls) == 2
+
+
+class _FakeGraph:
+    """A CUDA graph whose capture fails where asked (fault injection: no GPU here)."""
+
+    fail: str = ""
+    log: list[str] = []
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.log.append("begin")
+
+    def capture_end(self):
+        self.log.append("end")
+        if self.fail == "end":
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    def replay(self):
+        pass
+
+
+@pytest.mark.parametrize("where", ["fn", "end"])
+def test_a_capture_that_fails_stops_the_allocators_routing_and_leaves_capture_mode(monkeypatch, where):
+    """Wherever the capture fails (in the captured function or at its end), the stream leaves capture
+    mode and the allocator stops routing to the pool before the error goes on."""
+    ended = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: mock.MagicMock())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: mock.MagicMock())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda dev, pool: ended.append(pool), raising=False)
+    monkeypatch.setattr(_FakeGraph, "fail", where)
+    monkeypatch.setattr(_FakeGraph, "log", [])
+    capture = graphs._cuda_graphs(torch.device("cuda", 0), "pool")
+    ran = []
+
+    def fn():
+        ran.append(1)
+        if where == "fn" and len(ran) > 1:  # the warm-up passes; the capture fails
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError):
+        capture([fn])
+    assert ended == ["pool"]
+    assert _FakeGraph.log[-1] == "end"  # capture mode left
+    assert _FakeGraph.log.count("end") == (1 if where == "fn" else 2)
