@@ -356,3 +356,20 @@ def test_a_capture_that_fails_stops_the_allocators_routing_and_leaves_capture_mo
     assert ended == ["pool"]
     assert _FakeGraph.log[-1] == "end"  # capture mode left
     assert _FakeGraph.log.count("end") == (1 if where == "fn" else 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_replayed_layer_launches_under_half_the_kernels_of_the_models_layer(family):
+    """Counted, not timed (experiments/graph_launches.py): the kernels a layer issues outside its
+    graphs, each replay counted as one launch. The eager counts are the GPU profile's (44 a probe layer)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "graph_launches.py"
+    spec = importlib.util.spec_from_file_location("graph_launches", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    got = module.measure(family, rows=32, context=128)
+    assert got["probe_eager"] >= 40 and got["recompute_eager"] >= 35
+    assert got["probe_replayed"] <= 20 and got["recompute_replayed"] <= 14
