@@ -19,6 +19,7 @@ No timing: the counts are exact and the same on any machine. docs/benchmarks.md 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -71,11 +72,10 @@ def counting() -> Iterator[_Count]:
 
 
 def _model(family: str) -> ModelAdapter:
-    from tests.conftest import make_model, make_tokenizer
-
-    tok = make_tokenizer()
-    a = load_model((make_model(family, len(tok)), tok), device="cpu", dtype=torch.float32)
-    a.scattered = lambda pos: PLAIN  # type: ignore[method-assign]  # torch's attention, as on a GPU
+    conftest = importlib.import_module("tests.conftest")  # the tests' tiny random models
+    tok = conftest.make_tokenizer()
+    a = load_model((conftest.make_model(family, len(tok)), tok), device="cpu", dtype=torch.float32)
+    a.scattered = lambda query_pos: PLAIN  # type: ignore[method-assign]  # torch's attention, as on a GPU
     return a
 
 
