@@ -619,8 +619,9 @@ def _question_attention_steps(
                 if feed is not None:
                     feed.ready(layer)
                 layer_k, layer_v = probe_cache.layer_kv(layer)
-                scaling = graphs.parts[layer].scaling
-                graphs.layer(layer, len(suffix), probe_attend(probe, layer, scaling, layer_k, layer_v, pos, mask))
+                attend = probe_attend(probe, layer, graphs.parts[layer].scaling, layer_k, layer_v, pos, mask)
+                # the last layer's output projection and MLP are not run: only its attention is read
+                graphs.layer(layer, len(suffix), attend, whole=layer < adapter.spec.num_layers - 1)
         return _normalized(probe, slots, adapter.spec.num_layers)
     steer = replace(adapter.scattered(host_pos), probe=probe)  # on the CPU kernel where it runs
     clock = _LayerClock(budget, adapter.spec.num_layers, by_tokens=False, report=False)

@@ -238,12 +238,14 @@ class LayerGraphs:
             self.buffers.load_rope(position_embeddings, n)
 
     @torch.no_grad()
-    def layer(self, index: int, n: int, attend: Attend) -> None:
-        """Decoder layer ``index`` for the first ``n`` rows of the buffers, ``attend`` between the replays."""
+    def layer(self, index: int, n: int, attend: Attend, *, whole: bool = True) -> None:
+        """Decoder layer ``index`` for the first ``n`` rows of the buffers, ``attend`` between the replays;
+        without ``whole``, the layer up to its attention only (a pass that reads nothing after it)."""
         self.before[index].replay()
         out = attend(self.q[:, :n].transpose(1, 2), self.k[:, :n].transpose(1, 2), self.v[:, :n].transpose(1, 2))
-        self.attn[:, :n].copy_(out.reshape(1, n, -1))
-        self.after[index].replay()
+        if whole:
+            self.attn[:, :n].copy_(out.reshape(1, n, -1))
+            self.after[index].replay()
 
     @torch.no_grad()
     def run(
