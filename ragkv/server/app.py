@@ -76,7 +76,11 @@ def _capture_graphs(engine: Any) -> None:
     from ragkv.gpu.graphs import capture_all
 
     began = time.perf_counter()
-    made = capture_all(adapter)
+    try:
+        made = capture_all(adapter)
+    except Exception:  # the server runs without them: each pass then captures (or runs eagerly) on first use
+        logger.exception("capturing the layer graphs at start failed; requests capture them on first use")
+        return
     logger.info("captured the layer graphs of %d row buckets in %.1f s", made, time.perf_counter() - began)
 
 
