@@ -12,6 +12,7 @@ import gc
 import pytest
 import torch
 
+import ragkv.fusion
 from ragkv.engine import EngineConfig, RagKV
 from ragkv.gpu.tier import DeviceTier, DeviceTierConfig, release
 from ragkv.types import ChunkKV
@@ -214,8 +215,10 @@ def test_on_cuda_a_device_hit_answers_as_a_store_hit(tmp_path, tiny_tokenizer, l
 
 
 def _fail_third_layer(adapter, monkeypatch) -> list[int]:
-    """Make the adapter's third decoder-layer call (and only it) run out of device memory; the calls so far."""
-    real, calls = adapter.run_layer, [0]
+    """Make the recompute's third decoder layer (and only it) run out of device memory; the layers so far.
+    Injected where fusion runs a layer (``ragkv.fusion._run_layer``): the model's layers or, on a
+    GPU, their CUDA graphs."""
+    real, calls = ragkv.fusion._run_layer, [0]
 
     def failing_once(*args, **kw):
         calls[0] += 1
@@ -223,16 +226,16 @@ def _fail_third_layer(adapter, monkeypatch) -> list[int]:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return real(*args, **kw)
 
-    monkeypatch.setattr(adapter, "run_layer", failing_once)
+    monkeypatch.setattr(ragkv.fusion, "_run_layer", failing_once)
     return calls
 
 
 def test_out_of_device_memory_in_a_fused_prefill_empties_the_tier_and_runs_it_once_more(
     tmp_path, llama_adapter, monkeypatch, caplog
 ):
-    """An out-of-memory error mid-pass (injected in a decoder layer: the probe and the recompute run
-    there) empties the device tier and runs the pass once more: the same answer, the request's own
-    device hits still used. A second failure reaches the caller, and the engine goes on."""
+    """An out-of-memory error mid-pass (injected in a decoder layer of the recompute) empties the
+    device tier and runs the pass once more: the same answer, the request's own device hits still
+    used. A second failure reaches the caller, and the engine goes on."""
     question = "Where do apples grow?"
     with _engine(tmp_path, llama_adapter, device_tier=DeviceTierConfig(budget_bytes=64 << 20)) as rag:
         rag.index(DOCS, progress=False)
@@ -251,7 +254,7 @@ def test_out_of_device_memory_in_a_fused_prefill_empties_the_tier_and_runs_it_on
         def failing(*args, **kw):
             raise torch.OutOfMemoryError("CUDA out of memory (injected, every time)")
 
-        monkeypatch.setattr(llama_adapter, "run_layer", failing)
+        monkeypatch.setattr(ragkv.fusion, "_run_layer", failing)
         with pytest.raises(torch.OutOfMemoryError, match="every time"):
             rag.answer(question, generation=GEN)
         monkeypatch.undo()

@@ -92,13 +92,20 @@ def test_a_fused_answer_on_the_device_equals_the_cpu_one(tiny_tokenizer, cuda_ad
     _close(got.suffix_logits.cpu(), want.suffix_logits, cuda_adapter.dtype)
 
 
-def test_the_layer_loop_never_waits_for_the_device(cuda_adapter, monkeypatch):
-    """torch's sync debug mode warns at every synchronizing call: none between the first and last layer."""
+@pytest.mark.parametrize("graphs", ["0", "auto"])
+def test_the_layer_loop_never_waits_for_the_device(cuda_adapter, monkeypatch, graphs):
+    """torch's sync debug mode warns at every synchronizing call: none between the first and last
+    layer, through the model's layers and through the replayed ones (captured by a first fusion)."""
     import warnings
 
+    import ragkv.fusion
+
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", graphs)
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", graphs)
     *_, inp = _prompt(cuda_adapter)
+    fuse(cuda_adapter, inp, FusionConfig(method="full", ratio=1.0), prefill_suffix=True)  # captures the graphs
     events: list[str] = []
-    run_layer = cuda_adapter.run_layer
+    run_layer = ragkv.fusion._run_layer
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
 
@@ -110,7 +117,7 @@ def test_the_layer_loop_never_waits_for_the_device(cuda_adapter, monkeypatch):
             events.append("layer")
             return run_layer(*args, **kwargs)
 
-        monkeypatch.setattr(cuda_adapter, "run_layer", marked)
+        monkeypatch.setattr(ragkv.fusion, "_run_layer", marked)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fuse(cuda_adapter, inp, FusionConfig(method="full", ratio=1.0), prefill_suffix=True)
