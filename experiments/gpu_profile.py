@@ -3,7 +3,8 @@
     python experiments/gpu_profile.py [--context 16384] [--out DIR]
 
 Prints the largest allocations made during one fused request from the device tier (with the
-Python frames that made them), the operators that synchronize the host with the device (``item``,
+Python frames that made them; the layers replayed as CUDA graphs allocate nothing there: their
+pool is ``ragkv bench gpu``'s "graphs GiB"), the operators that synchronize the host with the device (``item``,
 ``nonzero``, device-to-host copies) in the question probe and in a whole fused request, and the
 probe's operators by host time. Needs a CUDA device.
 """
@@ -63,7 +64,9 @@ def main() -> None:
         for r in rows:
             if r.key in _SYNCING:
                 print(f"  {r.key:32s} {r.count:6d} {r.cpu_time_total / 1e3:9.2f}")
-        print(f"--- {name}: kernels launched {sum(r.count for r in rows if r.key == 'cudaLaunchKernel')}")
+        kernels = sum(r.count for r in rows if r.key == "cudaLaunchKernel")
+        replays = sum(r.count for r in rows if r.key == "cudaGraphLaunch")
+        print(f"--- {name}: kernels launched {kernels}, CUDA graphs replayed {replays}")
         if name == "probe":
             print(rows.table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=48))
         else:  # where a fused request's device time goes (the recompute's kernels)

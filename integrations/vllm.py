@@ -186,9 +186,25 @@ def _build_side(cfg: EngineConfig) -> RagkvSide:
     from ragkv.model import load_model
 
     adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
+    if adapter.device.type == "cuda":
+        _graphs_in_vllm(adapter)
     side = build_side(adapter, open_store(cfg.store_urls()), Catalog(cfg.catalog_url()), cfg)
     logger.info("ragkv vLLM connector: model %s on %s, store %s", adapter.name, adapter.device, cfg.store_urls())
     return side
+
+
+def _graphs_in_vllm(adapter: Any) -> None:
+    """Fusion's CUDA graphs (``ragkv.gpu.graphs``) inside vLLM's process: off unless asked for by
+    ``RAGKV_PROBE_GRAPHS`` / ``RAGKV_RECOMPUTE_GRAPHS``. Their buffers and memory pool sit outside
+    vLLM's ``gpu_memory_utilization``, and a capture empties torch's device cache, which vLLM's
+    own allocator accounting does not expect; asked for, every bucket is captured here, not in a
+    step."""
+    from ragkv.gpu.graphs import capture_all, keep_eager
+
+    if not any(os.environ.get(name) for name in ("RAGKV_PROBE_GRAPHS", "RAGKV_RECOMPUTE_GRAPHS")):
+        keep_eager(adapter)
+        return
+    logger.info("ragkv vLLM connector: captured the layer graphs of %d row buckets", capture_all(adapter))
 
 
 class RagkvConnector(KVConnectorBase_V1):  # type: ignore[misc]

@@ -15,9 +15,9 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-timeout "${BENCH_TIMEOUT:-300}" python3 -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+timeout "${BENCH_TIMEOUT:-280}" python3 -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
+timeout "${TEST_TIMEOUT:-190}" python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/model/test_lean.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
-timeout "${DECODE_TIMEOUT:-60}" python3 experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"
-timeout "${PROFILE_TIMEOUT:-80}" python3 experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
+timeout "${DECODE_TIMEOUT:-50}" python3 experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"
+timeout "${PROFILE_TIMEOUT:-70}" python3 experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
 head -30 "$OUT/profile.txt"

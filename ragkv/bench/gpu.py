@@ -34,7 +34,10 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   layers run more tokens through the early layers than the final 15%).
 
 Peak memory is ``torch.cuda.max_memory_allocated`` during each run, weights included (and, for
-the device tier, the tier's chunks). KL is the first answer token's distribution, fused against
+the device tier, the tier's chunks). The layer graphs of every row bucket are captured before any
+timing, as ``ragkv serve`` does at its start; replays allocate nothing, so their memory (static
+buffers and the pool of their temporaries: the reserved memory the captures added) is a column
+of its own, "graphs GiB", not in the peaks. KL is the first answer token's distribution, fused against
 full prefill (a random model: a check that fusion ran, not a quality figure). Without CUDA the
 command refuses, unless ``--tiny``.
 """
@@ -60,6 +63,7 @@ from ragkv import codec
 from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
 from ragkv.gpu.feed import LayerFeed
+from ragkv.gpu.graphs import capture_all
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
 from ragkv.retriever.decoding import decode_all, default_workers
@@ -216,13 +220,28 @@ def measure(a: ModelAdapter, contexts: Sequence[int], args: argparse.Namespace) 
     prefix = a.prefill_kv(longest.prefix)
     blobs = [codec.encode(a.prefill_kv(c, past=[prefix]), spec, key=_KEY).data for c in longest.chunks]
     rates = device_rates(a.device)
+    graphs_gib = _capture_graphs(a)
     rows = []
     for context in contexts:
         n = len(_prompt(a.spec.vocab_size, context, args.chunk).chunks)
         p = _Prompt(longest.prefix, longest.chunks[:n], longest.question)
         config = FusionConfig(method=args.method, ratio=args.ratio)
-        rows.append(_row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates))
+        rows.append({**_row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates), "graphs_gib": graphs_gib})
     return rows
+
+
+def _capture_graphs(a: ModelAdapter) -> float:
+    """Every row bucket's layer graphs captured before any timing, as ``ragkv serve`` does at its
+    start; their memory (the static buffers and the pool of their temporaries), in GiB. Replays
+    allocate nothing, so the peaks measured after this leave the pool out: it is this figure."""
+    if a.device.type != "cuda":
+        return 0.0
+    _sync(a.device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(a.device)
+    capture_all(a)
+    _sync(a.device)
+    return (torch.cuda.memory_reserved(a.device) - before) / 2**30
 
 
 def _row(
@@ -331,6 +350,7 @@ COLUMNS = (
     Column("full_peak_gib", "peak GiB full", "{:.1f}"),
     Column("tier_peak_gib", "peak GiB fused (tier)", "{:.1f}"),
     Column("tier_gib", "tier GiB", "{:.2f}"),
+    Column("graphs_gib", "graphs GiB", "{:.2f}"),
     Column("kl", "KL fused vs full", "{:.4f}"),
 )
 

@@ -45,7 +45,8 @@ eager layers: bit for bit where the rows fill their bucket, within rounding wher
 more rows: a request that ran eagerly, out of memory to capture, and the same request replayed
 may differ in their last bits, as batches of other sizes do). On the CPU the same buffers and
 order run without graphs (:class:`_Eager`,
-``RAGKV_PROBE_GRAPHS=eager``), which is how the tests check the plumbing there.
+``RAGKV_PROBE_GRAPHS=eager`` on a CPU model; on a GPU it captures as ``auto`` does), which is how
+the tests check the plumbing there.
 """
 
 from __future__ import annotations
@@ -68,7 +69,16 @@ from ragkv.model.lean import LeanLayer, _norm, _rotate, _rotated_kv, _rotation, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BUCKETS", "CAPTURE_LOCK", "Attend", "LayerGraphs", "capture_all", "layer_graphs", "probe_attend"]
+__all__ = [
+    "BUCKETS",
+    "CAPTURE_LOCK",
+    "Attend",
+    "LayerGraphs",
+    "capture_all",
+    "keep_eager",
+    "layer_graphs",
+    "probe_attend",
+]
 
 # rows a set of graphs is captured for: powers of two while the rows are few (launch-bound: padding
 # costs nothing), then steps of 128 and 256, where padded rows cost device time (a quarter at most)
@@ -181,8 +191,7 @@ class LayerGraphs:
     """One model's layers for passes of up to ``rows`` rows: two replays a layer over static buffers.
 
     Args:
-        adapter: the model (on the device the buffers are on).
-        buffers: the model's static buffers (at least ``rows`` rows).
+        buffers: the model's static buffers (at least ``rows`` rows), on its device.
         parts: its decoder layers as parts (:func:`ragkv.model.lean.layer_parts`).
         rows: the bucket: rows the replays hold.
         capture: turns functions over the buffers into replays (CUDA graphs, or :class:`_Eager`).
@@ -192,7 +201,6 @@ class LayerGraphs:
 
     def __init__(
         self,
-        adapter: ModelAdapter,
         buffers: _Buffers,
         parts: tuple[LeanLayer, ...],
         rows: int,
@@ -200,7 +208,8 @@ class LayerGraphs:
         lock: threading.RLock | None = None,
     ) -> None:
         self.lock = lock or threading.RLock()
-        self.adapter, self.buffers, self.rows, self.parts = adapter, buffers, rows, parts
+        # no reference to the adapter or the model: the model is the key of a weak mapping (_MODELS)
+        self.buffers, self.rows, self.parts = buffers, rows, parts
         b = buffers
         self.hidden, self.q, self.k, self.v, self.attn = (t[:, :rows] for t in (b.hidden, b.q, b.k, b.v, b.attn))
         self.cos, self.sin = b.cos[:, :rows], b.sin[:, :rows]
@@ -363,7 +372,7 @@ def layer_graphs(adapter: ModelAdapter, rows: int, use: Use) -> LayerGraphs | No
                 if graphs.buffers is None:
                     graphs.buffers = _Buffers(adapter, graphs.parts[0], BUCKETS[-1])
                 capture = graphs.capture or _eager
-                made = LayerGraphs(adapter, graphs.buffers, graphs.parts, bucket, capture, graphs.running)
+                made = LayerGraphs(graphs.buffers, graphs.parts, bucket, capture, graphs.running)
         except torch.OutOfMemoryError as e:  # no room now: eager for a while, then a capture again
             graphs.retry_at = time.monotonic() + _OOM_BACKOFF_S
             logger.info(
@@ -376,6 +385,13 @@ def layer_graphs(adapter: ModelAdapter, rows: int, use: Use) -> LayerGraphs | No
             return None
         graphs.buckets[bucket] = made
         return made
+
+
+def keep_eager(adapter: ModelAdapter) -> None:
+    """Run ``adapter``'s model's passes through its own layers whatever the settings: for a host
+    process whose GPU memory budget, streams and cache ragkv must not touch (vLLM's workers)."""
+    with _MODELS_LOCK:
+        _MODELS[adapter.model] = _ModelGraphs(None, None)
 
 
 def capture_all(adapter: ModelAdapter, buckets: Sequence[int] = BUCKETS) -> int:

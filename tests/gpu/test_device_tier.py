@@ -14,6 +14,7 @@ import torch
 
 import ragkv.fusion
 from ragkv.engine import EngineConfig, RagKV
+from ragkv.fusion import FusionConfig
 from ragkv.gpu.tier import DeviceTier, DeviceTierConfig, release
 from ragkv.types import ChunkKV
 from tests.core.test_engine import DOCS, GEN, _engine
@@ -277,11 +278,13 @@ def test_on_cuda_a_pass_retried_out_of_memory_drops_its_tier_admissions(tmp_path
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
     retr = RetrieverConfig(top_k=2, chunker=ChunkerConfig(min_tokens=40, max_tokens=120), codec=CodecSpec("raw", 0))
     question = "Where do apples grow?"
-    cfg = EngineConfig(data_dir=tmp_path / "plain", retriever=retr, store=("memory://",))
+    # no question probe (it would make every layer ready first): the failure comes while staging
+    blend = FusionConfig(method="blend")
+    cfg = EngineConfig(data_dir=tmp_path / "plain", retriever=retr, store=("memory://",), fusion=blend)
     with RagKV(_with_tier(cfg, 0), adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
         rag.index(DOCS, progress=False)
         want = rag.answer(question, generation=GEN)
-    cfg = EngineConfig(data_dir=tmp_path / "tier", retriever=retr, store=("memory://",))
+    cfg = EngineConfig(data_dir=tmp_path / "tier", retriever=retr, store=("memory://",), fusion=blend)
     with RagKV(_with_tier(cfg, 256 << 20), adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
         rag.index(DOCS, progress=False)
         _fail_third_layer(a, monkeypatch)

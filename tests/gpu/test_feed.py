@@ -277,9 +277,10 @@ def test_a_pass_that_fails_stops_its_staging_and_lets_the_buffer_go(llama_adapte
     monkeypatch.setattr(ragkv.fusion, "LayerFeed", staged)
     failing = lambda *args, **kw: (_ for _ in ()).throw(torch.OutOfMemoryError("injected"))  # noqa: E731
     monkeypatch.setattr(ragkv.fusion, "_run_layer", failing)  # a recompute layer, eager or replayed
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        fuse(a, inp, FusionConfig(), prefill_suffix=True)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):  # no probe: the first layer fails
+        fuse(a, inp, FusionConfig(method="blend"), prefill_suffix=True)
     (feed,) = feeds
+    assert not all(feed._done)  # the pass ended part-way
     worker = feed._worker
     assert worker is not None and worker.stopped and not worker.thread.is_alive()
     buffer = weakref.ref(feed.keys)

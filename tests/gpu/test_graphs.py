@@ -374,3 +374,24 @@ def test_a_replayed_layer_launches_under_half_the_kernels_of_the_models_layer(fa
     got = module.measure(family, rows=32, context=128)
     assert got["probe_eager"] >= 40 and got["recompute_eager"] >= 35
     assert got["probe_replayed"] <= 20 and got["recompute_replayed"] <= 14
+
+
+def test_the_graphs_do_not_keep_their_model_alive(tiny_tokenizer, monkeypatch):
+    import gc
+    import weakref
+
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "eager")
+    assert graphs.capture_all(a, (8, 16)) == 2
+    model = weakref.ref(a.model)
+    del a
+    gc.collect()
+    assert model() is None and len(graphs._MODELS) == 0
+
+
+def test_keep_eager_holds_whatever_the_settings(tiny_tokenizer, monkeypatch):
+    a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, "cpu", torch.float32)
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "eager")
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "eager")
+    graphs.keep_eager(a)
+    assert graphs.layer_graphs(a, 16, "probe") is None and graphs.capture_all(a) == 0

@@ -77,9 +77,13 @@ def _prompt(adapter: ModelAdapter) -> tuple[list[int], list[list[int]], list[int
     )
 
 
+@pytest.mark.parametrize("graphs", ["0", "auto"])
 @pytest.mark.parametrize("method", ["full", "naive", "blend", "query_focus"])
-def test_a_fused_answer_on_the_device_equals_the_cpu_one(tiny_tokenizer, cuda_adapter, method):
-    """Suffix logits of a fused prompt: fp32 within 1e-4, bf16 within 4e-2 of the CPU fp32 (relative to the max)."""
+def test_a_fused_answer_on_the_device_equals_the_cpu_one(tiny_tokenizer, cuda_adapter, method, graphs, monkeypatch):
+    """Suffix logits of a fused prompt: fp32 within 1e-4, bf16 within 4e-2 of the CPU fp32 (relative to the max);
+    through the model's layers and through their CUDA graphs (``ragkv.gpu.graphs``)."""
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", graphs)
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", graphs)
     cpu = ModelAdapter(make_model("llama", len(tiny_tokenizer)), tiny_tokenizer)
     config = FusionConfig(method=method, ratio=0.3)
     *_, cpu_inp = _prompt(cpu)
