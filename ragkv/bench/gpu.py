@@ -22,7 +22,9 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   page-locked host memory, crossing by DMA from where they are (what a pinned host tier of
   decoded chunks would cost: no checksum, no slab copy);
 - the parts: the stored bytes' decode as the loader does it (checksums included; raw stays on the
-  host), staging + placement from the host (the copy), placement from the device tier, the
+  host), staging + placement from the host (the copy), the host half of staging alone (every
+  layer of every host chunk into a staging slab on one thread, torch's threads inside each copy:
+  "host slab GB/s", to tell a host-bound staging from a PCIe-bound one), placement from the device tier, the
   question probe (as fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``;
   and through transformers' eager layers, ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
@@ -62,7 +64,7 @@ import torch
 from ragkv import codec
 from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
-from ragkv.gpu.feed import LayerFeed
+from ragkv.gpu.feed import LayerFeed, pinned_pool
 from ragkv.gpu.graphs import capture_all
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
@@ -196,6 +198,35 @@ def _feed(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], extra: int) -
     return feed
 
 
+def _slab_copy(chunks: list[ChunkKV]) -> None:
+    """The host half of staging alone: every layer of every host chunk copied into a staging slab
+    (page-locked with CUDA) as the feed's worker copies it, on this thread; nothing crosses."""
+    host = [kv for kv in chunks if kv.keys.device.type == "cpu"]
+    if not host:
+        return
+    first = host[0].keys
+    columns = sum(kv.num_tokens for kv in host)
+    shape = (2, first.shape[1], columns, first.shape[3])
+    nbytes = math.prod(shape) * first.element_size()
+    pool = pinned_pool()
+    slab = pool.take(nbytes)
+    try:
+        view = slab[:nbytes].view(first.dtype).view(shape)
+        for layer in range(first.shape[0]):
+            col = 0
+            for kv in host:
+                view[0, :, col : col + kv.num_tokens].copy_(kv.keys[layer])
+                view[1, :, col : col + kv.num_tokens].copy_(kv.values[layer])
+                col += kv.num_tokens
+    finally:
+        pool.give(slab)
+
+
+def _stored_bytes(chunks: list[ChunkKV]) -> int:
+    """Bytes of the host chunks' K and V as stored (what staging copies on the host)."""
+    return sum(kv.keys.nbytes + kv.values.nbytes for kv in chunks if kv.keys.device.type == "cpu")
+
+
 def _probe(a: ModelAdapter, feed: LayerFeed, p: _Prompt) -> torch.Tensor:
     slots = torch.arange(feed.n_prefix, feed.n_ctx, device=a.device)
     return _question_attention(a, feed.keys, feed.values, torch.tensor(p.question), feed.n_ctx, slots)
@@ -263,6 +294,7 @@ def _row(
     decode_s, _, decoded = _timed(lambda: _decode_all(blobs, a, spec), dev, repeats)
     # [0]: a result held past its timing (a feed is the whole context) would count in the next peak
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
+    slab_s = _timed(lambda: _slab_copy(decoded), dev, repeats)[0]  # its host half: is staging bound by the host?
     # what a host tier of decoded chunks in page-locked memory would cost (no decode, no slab copy)
     pinned_s = pinned_copy_s = math.nan
     if dev.type == "cuda" and all(kv.keys.device.type == "cpu" for kv in decoded):
@@ -303,6 +335,7 @@ def _row(
         "decode_ms": decode_s * 1e3,
         "copy_ms": copy_s * 1e3,
         "copy_gb_s": kv_bytes / copy_s / 1e9,
+        "slab_gb_s": _stored_bytes(decoded) / slab_s / 1e9 if _stored_bytes(decoded) else math.nan,
         "pinned_ms": pinned_s * 1e3,
         "pinned_speedup": full_s / pinned_s,
         "pinned_copy_gb_s": kv_bytes / pinned_copy_s / 1e9,
@@ -335,6 +368,7 @@ COLUMNS = (
     Column("decode_ms", "decode from host ms", "{:,.0f}"),
     Column("copy_ms", "copy+place from host ms", "{:,.0f}"),
     Column("copy_gb_s", "copy GB/s", "{:.1f}"),
+    Column("slab_gb_s", "host slab GB/s", "{:.1f}"),
     Column("pinned_ms", "fused from pinned host ms", "{:,.0f}"),
     Column("pinned_speedup", "vs full", "{:.1f}x"),
     Column("pinned_copy_gb_s", "pinned copy GB/s", "{:.1f}"),
@@ -393,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     head = (
         f"{'tiny' if args.tiny else 'Llama-3.1-8B shape'}, random weights, {dtype} on {name}; "
         f"weights {weights:.1f} GiB; chunks of {args.chunk} stored as {args.codec}; "
-        f"{args.method} at {args.ratio:.0%}; best of {args.repeats}; torch {torch.__version__}"
+        f"{args.method} at {args.ratio:.0%}; best of {args.repeats}; torch {torch.__version__}; "
+        f"{torch.get_num_threads()} torch threads, {default_workers(device.type)} decode threads"
     )
     print(head, flush=True)
     rows = measure(a, contexts, args)
