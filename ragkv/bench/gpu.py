@@ -24,7 +24,8 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
 - the parts: the stored bytes' decode as the loader does it (checksums included; raw stays on the
   host), staging + placement from the host (the copy), the host half of staging alone (every
   layer of every host chunk into a staging slab on one thread, torch's threads inside each copy:
-  "host slab GB/s", to tell a host-bound staging from a PCIe-bound one), placement from the device tier, the
+  "host slab GB/s", to tell a host-bound staging from a PCIe-bound one; and split over as many
+  threads as the loader decodes on: what parallel staging would reach), placement from the device tier, the
   question probe (as fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``;
   and through transformers' eager layers, ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
@@ -54,6 +55,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,9 +200,11 @@ def _feed(a: ModelAdapter, prefix: ChunkKV, chunks: list[ChunkKV], extra: int) -
     return feed
 
 
-def _slab_copy(chunks: list[ChunkKV]) -> None:
+def _slab_copy(chunks: list[ChunkKV], threads: int = 1) -> None:
     """The host half of staging alone: every layer of every host chunk copied into a staging slab
-    (page-locked with CUDA) as the feed's worker copies it, on this thread; nothing crosses."""
+    (page-locked with CUDA) as the feed's worker copies it; nothing crosses. ``threads`` > 1 splits
+    each layer's chunks over that many threads (torch's copies release the GIL): what parallel
+    staging would reach."""
     host = [kv for kv in chunks if kv.keys.device.type == "cpu"]
     if not host:
         return
@@ -208,16 +212,28 @@ def _slab_copy(chunks: list[ChunkKV]) -> None:
     columns = sum(kv.num_tokens for kv in host)
     shape = (2, first.shape[1], columns, first.shape[3])
     nbytes = math.prod(shape) * first.element_size()
+    starts = [0]
+    for kv in host:
+        starts.append(starts[-1] + kv.num_tokens)
     pool = pinned_pool()
     slab = pool.take(nbytes)
     try:
         view = slab[:nbytes].view(first.dtype).view(shape)
-        for layer in range(first.shape[0]):
-            col = 0
-            for kv in host:
+
+        def copy(layer: int, part: range) -> None:
+            for i in part:
+                kv, col = host[i], starts[i]
                 view[0, :, col : col + kv.num_tokens].copy_(kv.keys[layer])
                 view[1, :, col : col + kv.num_tokens].copy_(kv.values[layer])
-                col += kv.num_tokens
+
+        parts = [range(i, len(host), threads) for i in range(min(threads, len(host)))]
+        if len(parts) == 1:  # on this thread, as the feed's worker copies
+            for layer in range(first.shape[0]):
+                copy(layer, parts[0])
+            return
+        with ThreadPoolExecutor(len(parts)) as workers:
+            for layer in range(first.shape[0]):
+                list(workers.map(functools.partial(copy, layer), parts))
     finally:
         pool.give(slab)
 
@@ -295,6 +311,8 @@ def _row(
     # [0]: a result held past its timing (a feed is the whole context) would count in the next peak
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
     slab_s = _timed(lambda: _slab_copy(decoded), dev, repeats)[0]  # its host half: is staging bound by the host?
+    threads = default_workers(dev.type)
+    slab_threads_s = _timed(lambda: _slab_copy(decoded, threads), dev, repeats)[0]
     # what a host tier of decoded chunks in page-locked memory would cost (no decode, no slab copy)
     pinned_s = pinned_copy_s = math.nan
     if dev.type == "cuda" and all(kv.keys.device.type == "cpu" for kv in decoded):
@@ -336,6 +354,7 @@ def _row(
         "copy_ms": copy_s * 1e3,
         "copy_gb_s": kv_bytes / copy_s / 1e9,
         "slab_gb_s": _stored_bytes(decoded) / slab_s / 1e9 if _stored_bytes(decoded) else math.nan,
+        "slab_threads_gb_s": _stored_bytes(decoded) / slab_threads_s / 1e9 if _stored_bytes(decoded) else math.nan,
         "pinned_ms": pinned_s * 1e3,
         "pinned_speedup": full_s / pinned_s,
         "pinned_copy_gb_s": kv_bytes / pinned_copy_s / 1e9,
@@ -369,6 +388,7 @@ COLUMNS = (
     Column("copy_ms", "copy+place from host ms", "{:,.0f}"),
     Column("copy_gb_s", "copy GB/s", "{:.1f}"),
     Column("slab_gb_s", "host slab GB/s", "{:.1f}"),
+    Column("slab_threads_gb_s", "on decode threads GB/s", "{:.1f}"),
     Column("pinned_ms", "fused from pinned host ms", "{:,.0f}"),
     Column("pinned_speedup", "vs full", "{:.1f}x"),
     Column("pinned_copy_gb_s", "pinned copy GB/s", "{:.1f}"),
