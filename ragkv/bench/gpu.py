@@ -25,9 +25,11 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   host), staging + placement from the host (the copy), the host half of staging alone (every
   layer of every host chunk into a staging slab on one thread, torch's threads inside each copy:
   "host slab GB/s", to tell a host-bound staging from a PCIe-bound one; and split over as many
-  threads as the loader decodes on: what parallel staging would reach), placement from the device tier, the
-  question probe (as fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``;
-  and through transformers' eager layers, ``RAGKV_PROBE_GRAPHS=0``), and the recompute
+  threads as the loader decodes on, at least 2: what parallel staging would reach; and fused from
+  host memory with the feed's slab copies on as many threads, ``RAGKV_STAGE_THREADS``),
+  placement from the device tier, the question probe (as fusion runs it: its layers replayed as
+  CUDA graphs, ``ragkv.gpu.graphs``; and through transformers' eager layers,
+  ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
   recomputed rows fit a bucket); the device-tier fusion again with every layer eager
   (``RAGKV_RECOMPUTE_GRAPHS=0`` as well) and its recompute;
@@ -238,6 +240,11 @@ def _slab_copy(chunks: list[ChunkKV], threads: int = 1) -> None:
         pool.give(slab)
 
 
+def _stage_threads(device: torch.device) -> int:
+    """Threads the parallel staging measurements copy on: the loader's decode threads, at least 2."""
+    return max(2, default_workers(device.type))
+
+
 def _stored_bytes(chunks: list[ChunkKV]) -> int:
     """Bytes of the host chunks' K and V as stored (what staging copies on the host)."""
     return sum(kv.keys.nbytes + kv.values.nbytes for kv in chunks if kv.keys.device.type == "cpu")
@@ -311,8 +318,13 @@ def _row(
     # [0]: a result held past its timing (a feed is the whole context) would count in the next peak
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
     slab_s = _timed(lambda: _slab_copy(decoded), dev, repeats)[0]  # its host half: is staging bound by the host?
-    threads = default_workers(dev.type)
+    threads = _stage_threads(dev)
     slab_threads_s = _timed(lambda: _slab_copy(decoded, threads), dev, repeats)[0]
+    host_threads_s = math.nan  # fused from host memory with the slab copies on that many threads
+    if _stored_bytes(decoded):
+        with mock.patch.dict(os.environ, {"RAGKV_STAGE_THREADS": str(threads)}):
+            fn = lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config)  # noqa: E731
+            host_threads_s = _timed(fn, dev, repeats)[0]
     # what a host tier of decoded chunks in page-locked memory would cost (no decode, no slab copy)
     pinned_s = pinned_copy_s = math.nan
     if dev.type == "cuda" and all(kv.keys.device.type == "cpu" for kv in decoded):
@@ -348,6 +360,7 @@ def _row(
         "full_ms": full_s * 1e3,
         "host_ms": host_s * 1e3,
         "host_speedup": full_s / host_s,
+        "host_threads_ms": host_threads_s * 1e3,
         "tier_ms": tier_s * 1e3,
         "tier_speedup": full_s / tier_s,
         "decode_ms": decode_s * 1e3,
@@ -382,13 +395,14 @@ COLUMNS = (
     Column("full_ms", "full prefill ms", "{:,.0f}"),
     Column("host_ms", "fused from host ms", "{:,.0f}"),
     Column("host_speedup", "vs full", "{:.1f}x"),
+    Column("host_threads_ms", "from host, staging on threads ms", "{:,.0f}"),
     Column("tier_ms", "fused from device tier ms", "{:,.0f}"),
     Column("tier_speedup", "vs full", "{:.1f}x"),
     Column("decode_ms", "decode from host ms", "{:,.0f}"),
     Column("copy_ms", "copy+place from host ms", "{:,.0f}"),
     Column("copy_gb_s", "copy GB/s", "{:.1f}"),
     Column("slab_gb_s", "host slab GB/s", "{:.1f}"),
-    Column("slab_threads_gb_s", "on decode threads GB/s", "{:.1f}"),
+    Column("slab_threads_gb_s", "host slab on threads GB/s", "{:.1f}"),
     Column("pinned_ms", "fused from pinned host ms", "{:,.0f}"),
     Column("pinned_speedup", "vs full", "{:.1f}x"),
     Column("pinned_copy_gb_s", "pinned copy GB/s", "{:.1f}"),
@@ -448,7 +462,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"{'tiny' if args.tiny else 'Llama-3.1-8B shape'}, random weights, {dtype} on {name}; "
         f"weights {weights:.1f} GiB; chunks of {args.chunk} stored as {args.codec}; "
         f"{args.method} at {args.ratio:.0%}; best of {args.repeats}; torch {torch.__version__}; "
-        f"{torch.get_num_threads()} torch threads, {default_workers(device.type)} decode threads"
+        f"{torch.get_num_threads()} torch threads, {default_workers(device.type)} decode threads, "
+        f"{_stage_threads(device)} staging threads where staging is split"
     )
     print(head, flush=True)
     rows = measure(a, contexts, args)

@@ -9,7 +9,8 @@ chunks' K/V need only be in place one layer before it. :class:`LayerFeed` alloca
   once, one copy per chunk;
 - chunks on the host (a model on a GPU) are staged by a worker thread, layer by layer: every
   host chunk's layer-``l`` K/V into a page-locked slab (:class:`PinnedPool`, reused across
-  requests: pinning per request costs more than the copy) in their stored dtype (a memcpy), then
+  requests: pinning per request costs more than the copy) in their stored dtype (a memcpy; with
+  ``RAGKV_STAGE_THREADS`` > 1 split over that many threads, off until measured), then
   across in one copy and converted into the buffer on a copy stream, with an event per layer.
   ``ready(l)`` makes the compute stream wait for layer ``l``'s event only, so later layers
   cross PCIe while earlier ones compute (CacheBlend's loading pipeline, LMCache's layer-wise
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +113,9 @@ class LayerFeed:
         stage: stage every chunk through the worker (True), none (False), or the chunks not on the
             model's device (None).
         pool: where staging slabs come from (the process's pool by default).
+        stage_threads: threads that copy a layer's host chunks into the slab side by side (None:
+            ``RAGKV_STAGE_THREADS``, default 1: the worker alone). Off by default until measured on
+            a GPU host (``ragkv bench gpu``'s "host slab GB/s" against "on decode threads GB/s").
     """
 
     def __init__(
@@ -122,6 +128,7 @@ class LayerFeed:
         sinks: Sequence[DeviceSink | None] = (),
         stage: bool | None = None,
         pool: PinnedPool | None = None,
+        stage_threads: int | None = None,
     ) -> None:
         s, dev = adapter.spec, adapter.device
         self.adapter, self.num_layers = adapter, s.num_layers
@@ -152,7 +159,7 @@ class LayerFeed:
         self._worker: _Stager | None = None
         host = [(kv, span) for kv, span, st in zip(chunks, spans, staged, strict=True) if st]
         if host:
-            self._worker = _Stager(self, host, pool or _POOL)
+            self._worker = _Stager(self, host, pool or _POOL, _stage_threads(stage_threads))
             self._worker.start()
 
     def ready(self, layer: int) -> None:
@@ -217,7 +224,9 @@ def _rotation_runs(
 class _Stager:
     """The worker that moves host chunks into a feed's buffer, layer by layer, through pinned slabs."""
 
-    def __init__(self, feed: LayerFeed, host: list[tuple[ChunkKV, tuple[int, int]]], pool: PinnedPool) -> None:
+    def __init__(
+        self, feed: LayerFeed, host: list[tuple[ChunkKV, tuple[int, int]]], pool: PinnedPool, threads: int = 1
+    ) -> None:
         # the buffer's tensors, not the feed: a stager that held its feed would make a reference
         # cycle, and the buffer (gigabytes on a GPU) would wait for the garbage collector
         self.keys, self.values, self.host, self.pool = feed.keys, feed.values, host, pool
@@ -232,8 +241,10 @@ class _Stager:
         self.thread = threading.Thread(target=self._run, name="ragkv-stage", daemon=True)
         # runs of host chunks next to each other in the buffer: one copy each per layer
         self.runs: list[tuple[int, int, int]] = []  # (buffer start, buffer end, slab column)
+        self.slab_columns: list[int] = []  # each host chunk's first slab column
         col = 0
         for kv, (a, b) in host:
+            self.slab_columns.append(col)
             if self.runs and self.runs[-1][1] == a:
                 s, _, c = self.runs[-1]
                 self.runs[-1] = (s, b, c)
@@ -241,6 +252,9 @@ class _Stager:
                 self.runs.append((a, b, col))
             col += kv.num_tokens
         self.columns = col
+        # with copy threads, each takes every threads-th host chunk of a layer
+        self.copiers = _copiers(threads) if threads > 1 and len(host) > 1 else None
+        self.parts = [range(i, len(host), threads) for i in range(min(threads, len(host)))]
 
     def start(self) -> None:
         self.thread.start()
@@ -299,12 +313,7 @@ class _Stager:
                         if layer >= 2 and self.events[layer - 2] is not None:
                             self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # slab's last copy done
                         view = slabs[layer % 2][:nbytes].view(src).view(layer_shape)
-                        col = 0
-                        for kv, _ in self.host:  # host -> slab
-                            t = kv.num_tokens
-                            view[0, :, col : col + t].copy_(kv.keys[layer])
-                            view[1, :, col : col + t].copy_(kv.values[layer])
-                            col += t
+                        self._to_slab(layer, view)
                         crossed = view
                         if landing is not None:
                             landing.copy_(view, non_blocking=True)
@@ -328,6 +337,24 @@ class _Stager:
                 self.pool.give(slab)
             self.host = []  # the host chunks' memory is theirs again
 
+    def _to_slab(self, layer: int, view: torch.Tensor) -> None:
+        """Layer ``layer`` of every host chunk into the slab ``view`` ``[2, H, columns, D]``: on this
+        thread, or split over the copy threads (disjoint columns; torch's copies release the GIL)."""
+        if self.copiers is None:
+            self._copy_part(layer, view, range(len(self.host)))
+            return
+        done = [self.copiers.submit(self._copy_part, layer, view, part) for part in self.parts]
+        wait(done)  # all of them, failed or not, before the slab may go back to the pool
+        for f in done:
+            f.result()
+
+    def _copy_part(self, layer: int, view: torch.Tensor, part: range) -> None:
+        with torch.inference_mode(self.inference):
+            for i in part:
+                kv, col = self.host[i][0], self.slab_columns[i]
+                view[0, :, col : col + kv.num_tokens].copy_(kv.keys[layer])
+                view[1, :, col : col + kv.num_tokens].copy_(kv.values[layer])
+
     def _convert(self, layer: int, keys: torch.Tensor, values: torch.Tensor, crossed: torch.Tensor) -> None:
         """Layer ``layer`` of the host runs, from ``crossed`` ``[2, H, columns, D]`` into the buffer."""
         for a, b, c in self.runs:  # converted to the model's dtype on the way (on the device)
@@ -348,6 +375,31 @@ class _Stager:
             landing[1, :, col : col + t].copy_(kv.values[layer], non_blocking=True)
             col += t
         self._convert(layer, keys, values, landing)
+
+
+_COPIERS: dict[int, ThreadPoolExecutor] = {}
+_COPIERS_LOCK = threading.Lock()
+
+
+def _copiers(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` slab-copy threads (shared by every feed)."""
+    with _COPIERS_LOCK:
+        pool = _COPIERS.get(threads)
+        if pool is None:
+            pool = _COPIERS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="ragkv-slab")
+        return pool
+
+
+def _stage_threads(threads: int | None) -> int:
+    if threads is None:
+        raw = os.environ.get("RAGKV_STAGE_THREADS", "1").strip()
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise ValueError(f"RAGKV_STAGE_THREADS must be a whole number of threads, got {raw!r}") from None
+    if threads < 1:
+        raise ValueError(f"stage_threads must be at least 1, got {threads}")
+    return threads
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

@@ -302,3 +302,44 @@ def test_a_pass_that_fails_stops_its_staging_and_lets_the_buffer_go(llama_adapte
 
     with pytest.raises(torch.OutOfMemoryError, match="no room for a slab"):
         LayerFeed(a, inp.prefix, inp.chunks, stage=True, pool=NoRoom()).ready(0)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_slab_copies_split_over_threads_fill_the_buffer_as_one_worker_does(tiny_adapter, monkeypatch, threads):
+    """``stage_threads``: each copy thread takes every n-th host chunk of a layer (disjoint slab columns)."""
+    a = tiny_adapter
+    _, _, _, inp = _prompt(a)
+    half = [type(kv)(kv.keys.half(), kv.values.half(), kv.positions, kv.model_fingerprint) for kv in inp.chunks]
+    for chunks in (inp.chunks, half):
+        one = LayerFeed(a, inp.prefix, chunks, extra=2, stage=True)
+        one.all_ready()
+        split = LayerFeed(a, inp.prefix, chunks, extra=2, stage=True, stage_threads=threads)
+        split.all_ready()
+        assert split._worker is not None and split._worker.copiers is not None
+        assert torch.equal(split.keys, one.keys) and torch.equal(split.values, one.values)
+    monkeypatch.setenv("RAGKV_STAGE_THREADS", str(threads))
+    from_env = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+    from_env.all_ready()
+    assert from_env._worker is not None and from_env._worker.copiers is not None
+    monkeypatch.setenv("RAGKV_STAGE_THREADS", "many")
+    with pytest.raises(ValueError, match="RAGKV_STAGE_THREADS"):
+        LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+
+
+def test_a_failing_slab_copy_fails_the_layer_after_every_copy_has_ended(tiny_adapter, monkeypatch):
+    import ragkv.gpu.feed as feed_mod
+
+    a = tiny_adapter
+    _, _, _, inp = _prompt(a)
+    real = feed_mod._Stager._copy_part
+
+    def failing(self, layer, view, part):
+        if layer == 1 and part.start == 0:
+            raise RuntimeError("copy failed (injected)")
+        return real(self, layer, view, part)
+
+    monkeypatch.setattr(feed_mod._Stager, "_copy_part", failing)
+    feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True, stage_threads=2)
+    feed.ready(0)
+    with pytest.raises(RuntimeError, match="injected"):
+        feed.ready(1)
