@@ -115,7 +115,7 @@ class LayerFeed:
         pool: where staging slabs come from (the process's pool by default).
         stage_threads: threads that copy a layer's host chunks into the slab side by side (None:
             ``RAGKV_STAGE_THREADS``, default 1: the worker alone). Off by default until measured on
-            a GPU host (``ragkv bench gpu``'s "host slab GB/s" against "on decode threads GB/s").
+            a GPU host (``ragkv bench gpu``'s "host slab GB/s" against "host slab on threads GB/s").
     """
 
     def __init__(
@@ -391,14 +391,16 @@ def _copiers(threads: int) -> ThreadPoolExecutor:
 
 
 def _stage_threads(threads: int | None) -> int:
+    """``threads``, or ``RAGKV_STAGE_THREADS`` (default 1) where None; at least 1."""
+    name = "stage_threads"
     if threads is None:
-        raw = os.environ.get("RAGKV_STAGE_THREADS", "1").strip()
+        name, raw = "RAGKV_STAGE_THREADS", os.environ.get("RAGKV_STAGE_THREADS", "1").strip()
         try:
             threads = int(raw)
         except ValueError:
-            raise ValueError(f"RAGKV_STAGE_THREADS must be a whole number of threads, got {raw!r}") from None
+            raise ValueError(f"RAGKV_STAGE_THREADS must be a whole number of threads (1: none), got {raw!r}") from None
     if threads < 1:
-        raise ValueError(f"stage_threads must be at least 1, got {threads}")
+        raise ValueError(f"{name} must be at least 1 (the staging worker alone), got {threads}")
     return threads
 
 

@@ -321,9 +321,10 @@ def test_slab_copies_split_over_threads_fill_the_buffer_as_one_worker_does(tiny_
     from_env = LayerFeed(a, inp.prefix, inp.chunks, stage=True)
     from_env.all_ready()
     assert from_env._worker is not None and from_env._worker.copiers is not None
-    monkeypatch.setenv("RAGKV_STAGE_THREADS", "many")
-    with pytest.raises(ValueError, match="RAGKV_STAGE_THREADS"):
-        LayerFeed(a, inp.prefix, inp.chunks, stage=True)
+    for bad in ("many", "0"):
+        monkeypatch.setenv("RAGKV_STAGE_THREADS", bad)
+        with pytest.raises(ValueError, match="RAGKV_STAGE_THREADS"):
+            LayerFeed(a, inp.prefix, inp.chunks, stage=True)
 
 
 def test_a_failing_slab_copy_fails_the_layer_after_every_copy_has_ended(tiny_adapter, monkeypatch):
@@ -339,7 +340,11 @@ def test_a_failing_slab_copy_fails_the_layer_after_every_copy_has_ended(tiny_ada
         return real(self, layer, view, part)
 
     monkeypatch.setattr(feed_mod._Stager, "_copy_part", failing)
-    feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True, stage_threads=2)
-    feed.ready(0)
-    with pytest.raises(RuntimeError, match="injected"):
-        feed.ready(1)
+    pool = feed_mod.PinnedPool()
+    feed = LayerFeed(a, inp.prefix, inp.chunks, stage=True, stage_threads=2, pool=pool)
+    with pytest.raises(RuntimeError, match="injected"):  # at layer 1, or at 0 if the worker failed first
+        feed.all_ready()
+    worker = feed._worker
+    assert worker is not None
+    worker.thread.join()
+    assert pool.idle_bytes > 0  # the slabs went back once every copy had ended
