@@ -240,7 +240,7 @@ def _slab_copy(chunks: list[ChunkKV], threads: int = 1) -> None:
         pool.give(slab)
 
 
-def _stage_threads(device: torch.device) -> int:
+def _split_threads(device: torch.device) -> int:
     """Threads the parallel staging measurements copy on: the loader's decode threads, at least 2."""
     return max(2, default_workers(device.type))
 
@@ -318,7 +318,7 @@ def _row(
     # [0]: a result held past its timing (a feed is the whole context) would count in the next peak
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
     slab_s = _timed(lambda: _slab_copy(decoded), dev, repeats)[0]  # its host half: is staging bound by the host?
-    threads = _stage_threads(dev)
+    threads = _split_threads(dev)
     slab_threads_s = _timed(lambda: _slab_copy(decoded, threads), dev, repeats)[0]
     host_threads_s = math.nan  # fused from host memory with the slab copies on that many threads
     if _stored_bytes(decoded):
@@ -463,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"weights {weights:.1f} GiB; chunks of {args.chunk} stored as {args.codec}; "
         f"{args.method} at {args.ratio:.0%}; best of {args.repeats}; torch {torch.__version__}; "
         f"{torch.get_num_threads()} torch threads, {default_workers(device.type)} decode threads, "
-        f"{_stage_threads(device)} staging threads where staging is split"
+        f"{_split_threads(device)} staging threads where staging is split"
     )
     print(head, flush=True)
     rows = measure(a, contexts, args)

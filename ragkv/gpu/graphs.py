@@ -205,9 +205,9 @@ class LayerGraphs:
         parts: tuple[LeanLayer, ...],
         rows: int,
         capture: Capture,
-        lock: threading.RLock | None = None,
+        lock: threading.RLock,
     ) -> None:
-        self.lock = lock or threading.RLock()
+        self.lock = lock
         # no reference to the adapter or the model: the model is the key of a weak mapping (_MODELS)
         self.buffers, self.rows, self.parts = buffers, rows, parts
         b = buffers
