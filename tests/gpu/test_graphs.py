@@ -1,7 +1,9 @@
 """ragkv.gpu.graphs: the question probe's layers replayed from static buffers equal the eager probe.
 
 On the CPU the replays are the functions run again (``RAGKV_PROBE_GRAPHS=eager``): the buffers,
-padding and order are the CUDA path's; the CUDA tests at the end capture real graphs. The eager
+padding and order are the CUDA path's, and every replay is checked against its capture
+(tests/gpu/graph_safety.py: the same ATen calls on the same buffers, at the same addresses, with
+the same numbers, as a CUDA graph would replay them); the CUDA tests capture real graphs. The eager
 reference is the probe through transformers' layers with the attention ragkv's dispatcher runs on
 a GPU (``_probe_attention``; on the CPU the native kernel is switched off for it).
 """
@@ -19,6 +21,7 @@ from ragkv.gpu import graphs
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.attention import PLAIN
 from tests.conftest import make_model
+from tests.gpu.graph_safety import strict_eager
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])]
@@ -49,8 +52,12 @@ def _probe(a: ModelAdapter, monkeypatch, setting: str, n_ctx: int, question: lis
     return weights, keys, values
 
 
+_PLAIN_EAGER = graphs._eager
+
+
 @pytest.fixture(autouse=True)
-def _fresh_graphs():
+def _fresh_graphs(monkeypatch):
+    monkeypatch.setattr(graphs, "_eager", strict_eager)  # every CPU replay checked against its capture
     graphs._MODELS.clear()
     yield
     graphs._MODELS.clear()
@@ -360,12 +367,13 @@ def test_a_capture_that_fails_stops_the_allocators_routing_and_leaves_capture_mo
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_replayed_layer_launches_under_half_the_kernels_of_the_models_layer(family):
+def test_a_replayed_layer_launches_under_half_the_kernels_of_the_models_layer(family, monkeypatch):
     """Counted, not timed (experiments/graph_launches.py): the kernels a layer issues outside its
     graphs, each replay counted as one launch. The eager counts are the GPU profile's (44 a probe layer)."""
     import importlib.util
     from pathlib import Path
 
+    monkeypatch.setattr(graphs, "_eager", _PLAIN_EAGER)  # the count replaces the replays' own runs
     path = Path(__file__).resolve().parents[2] / "experiments" / "graph_launches.py"
     spec = importlib.util.spec_from_file_location("graph_launches", path)
     assert spec is not None and spec.loader is not None
