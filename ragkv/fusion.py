@@ -29,6 +29,7 @@ from ragkv.gpu.feed import DeviceSink, LayerFeed
 from ragkv.gpu.graphs import layer_graphs, probe_attend
 from ragkv.gpu.tier import release
 from ragkv.model import AttentionProbe, ModelAdapter, ScatterCache, Steer
+from ragkv.model.masks import PositionMask
 from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
 from ragkv.types import ChunkKV
 
@@ -403,14 +404,16 @@ class _Step:
 
     pos: torch.Tensor  # [q] positions (= cache slots) of the active tokens, then the tail; on the device
     host_pos: torch.Tensor  # the same on the host
-    mask: torch.Tensor  # exact causal mask over the slots, shared by every layer (see ModelAdapter.causal_mask)
+    # the exact causal mask over the slots, shared by every layer: made only where an attention call
+    # needs it, a block of rows at a time where it would be large (ModelAdapter.position_mask)
+    mask: torch.Tensor | PositionMask
     rope: tuple[torch.Tensor, torch.Tensor]  # cos/sin [1, q, rot_dim]
     steer: Steer  # the positions for the CPU's native attention kernel where it runs (ModelAdapter.scattered)
 
     @classmethod
     def at(cls, adapter: ModelAdapter, pos: torch.Tensor, num_slots: int, hidden: torch.Tensor) -> _Step:
         """The step for the tokens at host positions ``pos`` ``[q]``."""
-        mask = adapter.causal_mask(pos, num_slots, hidden.dtype)
+        mask = adapter.position_mask(pos, num_slots, hidden.dtype)
         steer = adapter.scattered(pos)
         device_pos = pos.to(adapter.device, non_blocking=True)
         return cls(device_pos, pos, mask, adapter.position_embeddings(device_pos, hidden), steer)

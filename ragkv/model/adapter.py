@@ -30,6 +30,7 @@ from ragkv.model.attention import (
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.lean import kv_only_last_layer, layer_kv, layer_parts, lean_layers, lean_plan
+from ragkv.model.masks import PositionMask, causal_mask_at
 from ragkv.model.native_attention import attention_available
 from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["ModelAdapter", "load_model"]
 
 _LOGITS_WANTED = get_args(LogitsWanted)
-_MASK_ALIGN = 16  # elements per mask row, rounded up to this: see ModelAdapter.causal_mask
 
 
 def _is_tail(query_pos: torch.Tensor, num_keys: int) -> bool:
@@ -386,23 +386,27 @@ class ModelAdapter:
     def causal_mask(self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
         """Exact causal mask for queries at ``query_pos`` over ``num_keys`` slots: the query at p sees slots <= p.
 
-        ``query_pos``: ``[q]`` int64, on the host (so the checks below cost no device sync). Built
-        once per set of queries and shared by every layer. Under SDPA on CUDA, queries that are the
-        last ``q`` slots get torch's lower-right causal bias: no ``[q, keys]`` tensor at all, the
-        flash and memory-efficient kernels apply it (on the CPU torch would build one per call).
-        Otherwise an additive mask ``[1, 1, q, num_keys]`` in ``dtype``, rows padded to 16 elements:
-        SDPA's memory-efficient CUDA kernel takes a mask whose strides are multiples of 16 as it is,
-        and pads a copy on every call (every layer) otherwise. Not a bool mask: SDPA turns a bool
-        mask into a float one on every call.
+        ``query_pos``: ``[q]`` int64, on the host (so the checks below cost no device sync). Under
+        SDPA on CUDA, queries that are the last ``q`` slots get torch's lower-right causal bias: no
+        ``[q, keys]`` tensor at all, the flash and memory-efficient kernels apply it (on the CPU torch
+        would build one per call). Otherwise the additive mask ``[1, 1, q, num_keys]`` in ``dtype``
+        (:func:`ragkv.model.masks.causal_mask_at`).
         """
-        q = int(query_pos.numel())
         if self._lower_right_bias_is_free() and _is_tail(query_pos, num_keys):
-            return causal_lower_right(q, num_keys)
-        keys = torch.arange(num_keys, device=self.device)
-        blocked = keys.unsqueeze(0) > query_pos.to(self.device, non_blocking=True).unsqueeze(1)  # [q, keys]
-        width = -(-num_keys // _MASK_ALIGN) * _MASK_ALIGN
-        mask = torch.zeros((1, 1, q, width), dtype=dtype, device=self.device)[..., :num_keys]
-        return mask.masked_fill_(blocked, torch.finfo(dtype).min)
+            return causal_lower_right(int(query_pos.numel()), num_keys)
+        return causal_mask_at(query_pos, num_keys, dtype, self.device)
+
+    def position_mask(self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor | PositionMask:
+        """:meth:`causal_mask` for a pass whose attention calls ragkv's dispatcher sees (a fused pass's
+        layers): the lower-right bias where it is free, else a :class:`~ragkv.model.masks.PositionMask`,
+        which the dispatcher makes into a tensor only where a call needs one (not for ragkv's CPU
+        kernel; a block of rows at a time where the whole mask would be large). ``query_pos``: ``[q]``
+        on the host. Shared by every layer of the pass."""
+        if self._lower_right_bias_is_free() and _is_tail(query_pos, num_keys):
+            return causal_lower_right(int(query_pos.numel()), num_keys)
+        if not is_dispatched(self.model):  # the mask would reach transformers' own attention
+            return causal_mask_at(query_pos, num_keys, dtype, self.device)
+        return PositionMask(query_pos, num_keys, dtype, self.device)
 
     def scattered(self, query_pos: torch.Tensor) -> Steer:
         """The steer of a prefill pass whose queries sit at slots ``query_pos`` under :meth:`causal_mask`.
@@ -451,7 +455,7 @@ class ModelAdapter:
         positions: torch.Tensor,
         cache: ScatterCache,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        mask: torch.Tensor | PositionMask,
         steer: Steer = PLAIN,
     ) -> torch.Tensor:
         """Run decoder layer ``layer_idx`` for the tokens at ``positions`` (``hidden``: [1, q, hidden]).
@@ -482,7 +486,7 @@ class ModelAdapter:
         *,
         positions: torch.Tensor,
         cache: ScatterCache,
-        mask: torch.Tensor,
+        mask: torch.Tensor | PositionMask,
         steer: Steer = PLAIN,
     ) -> torch.Tensor:
         """What decoder layer ``layer_idx``'s attention module does in :meth:`run_layer` once it has its

@@ -31,6 +31,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ragkv.model.masks import PositionMask
 from ragkv.model.native_attention import scatter_applies, scatter_attention
 
 __all__ = [
@@ -225,6 +226,40 @@ def _native_takes(
     return scatter_applies(query, key, value, kwargs)
 
 
+def _blocks_apply(
+    base: str, steer: Steer, mask: PositionMask, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+) -> bool:
+    """Whether a call with ``mask`` runs by blocks of rows (:meth:`PositionMask.blocks`): a mask too large
+    to make whole, on a call the delegated SDPA or eager function would compute plainly, for the rows
+    and slots the mask was made for."""
+    if not mask.blocked or base not in ("sdpa", "eager") or steer.probe or steer.carry or steer.kind != "prefill":
+        return False
+    if any(kwargs.get(name) is not None for name in ("sliding_window", "s_aux")) or kwargs.get("softcap"):
+        return False
+    return query.shape[0] == 1 and query.shape[2] == mask.rows and key.shape[2] == mask.num_keys
+
+
+def _blocked_attention(
+    fn: Callable[..., Any],
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: PositionMask,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """``fn`` over ``mask``'s blocks of rows, each over the slots up to its last row's: ``[1, q, heads, D]``."""
+    outs = []
+    position_ids = kwargs.get("position_ids")
+    for start, end, cut, block in mask.blocks():
+        if isinstance(position_ids, torch.Tensor) and position_ids.shape[-1] == mask.rows:
+            kwargs = {**kwargs, "position_ids": position_ids[..., start:end]}
+        out, _ = fn(module, query[:, :, start:end], key[:, :, :cut], value[:, :, :cut], block, *args, **kwargs)
+        outs.append(out)  # [1, rows, heads, D]
+    return torch.cat(outs, dim=1), None
+
+
 _EAGER: dict[type, Callable[..., Any]] = {}
 
 
@@ -250,6 +285,14 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> Any:
         steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
+        if isinstance(attention_mask, PositionMask):  # a fused pass's mask, made here as the call needs it
+            native = _native_takes(steer, module, query, key, value, kwargs)  # from the positions: no mask
+            if not native and _blocks_apply(base, steer, attention_mask, query, key, kwargs):
+                return _blocked_attention(
+                    _delegate(base, module), module, query, key, value, attention_mask, args, kwargs
+                )
+            if not native or steer.carry or steer.kind == "decode":
+                attention_mask = attention_mask.dense()
         if steer.plain_attention:
             return _delegate(base, module)(module, query, key, value, attention_mask, *args, **kwargs)
         probe, carry = steer.probe, steer.carry

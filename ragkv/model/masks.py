@@ -1,0 +1,118 @@
+"""The exact causal mask of a fused pass, made only where an attention call needs it.
+
+Fusion's passes run rows at scattered slots of the fused cache: the row at slot ``p`` sees the
+slots up to ``p``. As a tensor that is ``[rows, slots]``, and it grows with both: a recompute's
+first layers run 40% of the chunk tokens, so 6,400 rows over 16K slots are 200 MB in bf16, 13K over
+32K 0.8 GB, 51K over 128K 13 GB (on a GPU beyond a full prefill's peak, which needs no mask; on a CPU
+built by two cores at every change of the active rows). Fusion hands its layers a
+:class:`PositionMask` instead (the decoder layers pass their mask on to the attention function
+untouched), and ragkv's dispatcher (:mod:`ragkv.model.attention`) makes of it what the call needs:
+
+- ragkv's CPU kernel computes from the positions: no mask at all;
+- a mask of up to :data:`MASK_BLOCK_BYTES`: the tensor, built at the first call that needs it and
+  shared by every later layer (as the mask built up front was);
+- a larger one: the attention runs a block of rows at a time (:meth:`PositionMask.blocks`), each
+  over the slots up to its last row's, with its block of the mask, made for the call and freed after
+  it. Rows are independent in attention, and the slots cut off are masked for every row of the
+  block, so each row's output is what the whole mask gives (within rounding: a kernel may order
+  its sums by the keys' count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["MASK_ALIGN", "MASK_BLOCK_BYTES", "PositionMask", "causal_mask_at"]
+
+MASK_ALIGN = 16  # elements per mask row, rounded up to this: see causal_mask_at
+MASK_BLOCK_BYTES = 64 << 20  # a pass's mask above this is made a block of rows at a time
+
+
+def causal_mask_at(query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask ``[1, 1, q, num_keys]`` in ``dtype`` for queries at slots ``query_pos`` ``[q]``:
+    0 where the query at ``p`` sees the slot (slots ``<= p``), the dtype's minimum elsewhere.
+
+    Rows are padded to :data:`MASK_ALIGN` elements: SDPA's memory-efficient CUDA kernel takes a mask
+    whose strides are multiples of 16 as it is, and pads a copy on every call otherwise. Not a bool
+    mask: SDPA turns a bool mask into a float one on every call.
+    """
+    q = int(query_pos.numel())
+    keys = torch.arange(num_keys, device=device)
+    blocked = keys.unsqueeze(0) > query_pos.to(device, non_blocking=True).unsqueeze(1)  # [q, keys]
+    width = -(-num_keys // MASK_ALIGN) * MASK_ALIGN
+    mask = torch.zeros((1, 1, q, width), dtype=dtype, device=device)[..., :num_keys]
+    return mask.masked_fill_(blocked, torch.finfo(dtype).min)
+
+
+class PositionMask:
+    """The exact causal mask of queries at slots ``query_pos`` over ``num_keys`` slots, made on demand.
+
+    Args:
+        query_pos: ``[q]`` int64 on the host: each query's slot (reading them costs no device sync).
+        num_keys: the slots of the cache the queries attend over.
+        dtype: the mask's dtype (the model's).
+        device: where its tensors are made (the model's device).
+        block_bytes: masks above this many bytes are only made a block of rows at a time (None:
+            :data:`MASK_BLOCK_BYTES`, read when the mask is made).
+    """
+
+    def __init__(
+        self,
+        query_pos: torch.Tensor,
+        num_keys: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        block_bytes: int | None = None,
+    ) -> None:
+        if query_pos.device.type != "cpu" or query_pos.dim() != 1:
+            raise ValueError("PositionMask takes the queries' slots as a 1-D host tensor")
+        self.query_pos = query_pos.to(torch.int64)
+        self.num_keys, self.dtype, self.device = num_keys, dtype, device
+        self.block_bytes = MASK_BLOCK_BYTES if block_bytes is None else block_bytes
+        self._device_pos: torch.Tensor | None = None
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        """The queries the mask is for."""
+        return int(self.query_pos.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """What the whole mask takes as a tensor (rows padded as :func:`causal_mask_at` pads them)."""
+        width = -(-self.num_keys // MASK_ALIGN) * MASK_ALIGN
+        return self.rows * width * self.dtype.itemsize
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the whole mask is too large to make (:attr:`block_bytes`): calls run by blocks of rows."""
+        return self.nbytes > self.block_bytes
+
+    def dense(self) -> torch.Tensor:
+        """The whole mask ``[1, 1, q, num_keys]``, made at the first call and kept (every layer shares it)."""
+        if self._dense is None:
+            self._dense = causal_mask_at(self._on_device(), self.num_keys, self.dtype, self.device)
+        return self._dense
+
+    def blocks(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """``(start, end, cut, mask)`` per block of rows: rows ``start:end`` see no slot at or after ``cut``
+        (their last slot + 1), and ``mask`` ``[1, 1, end - start, cut]`` is theirs over slots ``:cut``.
+        A block's mask takes at most :attr:`block_bytes` (at least 16 rows a block)."""
+        width = -(-self.num_keys // MASK_ALIGN) * MASK_ALIGN
+        per_block = max(MASK_ALIGN, self.block_bytes // (width * self.dtype.itemsize))
+        on_device = self._on_device()
+        for start in range(0, self.rows, per_block):
+            end = min(self.rows, start + per_block)
+            cut = min(self.num_keys, int(self.query_pos[start:end].max()) + 1)
+            yield start, end, cut, causal_mask_at(on_device[start:end], cut, self.dtype, self.device)
+
+    def _on_device(self) -> torch.Tensor:
+        if self._device_pos is None:
+            self._device_pos = self.query_pos.to(self.device, non_blocking=True)
+        return self._device_pos
+
+    def __repr__(self) -> str:
+        return f"PositionMask(rows={self.rows}, num_keys={self.num_keys}, dtype={self.dtype}, blocked={self.blocked})"
