@@ -4,6 +4,10 @@ under ``-m gpu``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,7 +17,7 @@ from ragkv.model.attention import PLAIN
 from ragkv.model.masks import PositionMask, causal_mask_at
 from ragkv.model.native_attention import attention_available
 from tests.conftest import make_model
-from tests.core.test_masks import recorded_masks
+from tests.core.test_masks import recorded_masks as recorded_sdpa_masks
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])]
@@ -40,6 +44,28 @@ def test_each_block_is_the_whole_mask_cut_after_its_last_row(sort):
         PositionMask(pos.reshape(9, 10), 300, torch.float32, torch.device("cpu"))
 
 
+@contextmanager
+def recorded_masks(impl: str) -> Iterator[list[Any]]:
+    """The masks the layers' ``impl`` attention receives (tests/core/test_masks.py's, for either implementation)."""
+    if impl == "sdpa":
+        with recorded_sdpa_masks() as masks:
+            yield masks
+        return
+    import transformers.models.llama.modeling_llama as llama
+
+    masks: list[Any] = []
+    eager = llama.eager_attention_forward
+
+    def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a, **kw):
+        masks.append(mask)
+        return eager(module, query, key, value, mask, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama, "eager_attention_forward", recording)
+        mp.setattr("ragkv.model.attention._EAGER", {})
+        yield masks
+
+
 def _request(a: ModelAdapter, seed: int = 4) -> FusionInput:
     g = torch.Generator().manual_seed(seed)
     prefix = a.prefill_kv(torch.randint(0, 200, (6,), generator=g).tolist())
@@ -49,19 +75,25 @@ def _request(a: ModelAdapter, seed: int = 4) -> FusionInput:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_fusion_by_blocks_of_rows_equals_the_one_with_the_whole_mask(tiny_tokenizer, monkeypatch, device, dtype):
-    """torch's attention (the GPU's path; ragkv's CPU kernel switched off): the same tokens selected,
-    the fused cache and the logits within rounding, with every mask a block's."""
-    a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device=device, dtype=dtype)
+@pytest.mark.parametrize(
+    ("dtype", "impl"), [(torch.float32, "sdpa"), (torch.bfloat16, "sdpa"), (torch.float32, "eager")]
+)
+def test_a_fusion_by_blocks_of_rows_equals_the_one_with_the_whole_mask(
+    tiny_tokenizer, monkeypatch, device, dtype, impl
+):
+    """torch's attention (the GPU's path; ragkv's CPU kernel switched off), SDPA or the modeling file's
+    eager one: the same tokens selected, the fused cache and the logits within rounding, with every
+    mask a block's."""
+    model = make_model("llama", len(tiny_tokenizer), attn_implementation=impl)
+    a = load_model((model, tiny_tokenizer), device=device, dtype=dtype)
     monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)
     monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "0")
     monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "0")
     inp, config = _request(a), FusionConfig(ratio=0.3)
-    with recorded_masks() as whole_masks:
+    with recorded_masks(impl) as whole_masks:
         want = fuse(a, inp, config, prefill_suffix=True)
     monkeypatch.setattr("ragkv.model.masks.MASK_BLOCK_BYTES", 16 * 400 * dtype.itemsize)  # 16-32 rows a block
-    with recorded_masks() as block_masks:
+    with recorded_masks(impl) as block_masks:
         got = fuse(a, inp, config, prefill_suffix=True)
     assert all(m.shape[-1] == want.num_tokens + 9 for m in whole_masks)  # every slot, the question's too
     assert len(block_masks) > 2 * len(whole_masks)
