@@ -32,7 +32,9 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
   recomputed rows fit a bucket); the device-tier fusion again with every layer eager
-  (``RAGKV_RECOMPUTE_GRAPHS=0`` as well) and its recompute;
+  (``RAGKV_RECOMPUTE_GRAPHS=0`` as well) and its recompute; and again with its causal masks made
+  whole up front, as before :mod:`ragkv.model.masks` (time and peak: a mask above 64 MiB now runs a
+  block of rows at a time);
 - the bounds: the probe's weight reads at the measured HBM copy rate, the recompute's FLOPs
   (linear layers over the recomputed tokens, attention over the context) at the measured bf16
   matmul rate; the work bound counts the token passes the method ran (its focus share and check
@@ -342,6 +344,9 @@ def _row(
         probe_eager_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
         with mock.patch.dict(os.environ, {"RAGKV_RECOMPUTE_GRAPHS": "0"}):  # the whole fusion eager
             tier_eager_s = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)[0]
+    # the masks made whole up front, as before ragkv.model.masks: time and peak against the blocks
+    with mock.patch.object(ModelAdapter, "position_mask", ModelAdapter.causal_mask):
+        whole_s, whole_peak, _ = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
     tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question)
     recomputed = config.ratio * sum(len(c) for c in p.chunks) + len(p.question)
@@ -378,6 +383,8 @@ def _row(
         "recompute_ms": max(tier_s - place_s - probe_s, 0.0) * 1e3,
         "tier_eager_ms": tier_eager_s * 1e3,
         "recompute_eager_ms": max(tier_eager_s - place_s - probe_eager_s, 0.0) * 1e3,
+        "tier_whole_mask_ms": whole_s * 1e3,
+        "tier_whole_mask_peak_gib": whole_peak / 2**30,
         "recompute_bound_ms": (2 * linear * recomputed + attn_flops) / rates[1] * 1e3,
         "token_passes": passes,
         "recompute_work_bound_ms": work_flops / rates[1] * 1e3,
@@ -413,10 +420,12 @@ COLUMNS = (
     Column("recompute_ms", "recompute ms", "{:,.0f}"),
     Column("tier_eager_ms", "device tier eager ms", "{:,.0f}"),
     Column("recompute_eager_ms", "recompute eager ms", "{:,.0f}"),
+    Column("tier_whole_mask_ms", "device tier, whole masks ms", "{:,.0f}"),
     Column("recompute_bound_ms", "recompute bound ms", "{:,.0f}"),
     Column("recompute_work_bound_ms", "work bound ms", "{:,.0f}"),
     Column("full_peak_gib", "peak GiB full", "{:.1f}"),
     Column("tier_peak_gib", "peak GiB fused (tier)", "{:.1f}"),
+    Column("tier_whole_mask_peak_gib", "peak GiB, whole masks", "{:.1f}"),
     Column("tier_gib", "tier GiB", "{:.2f}"),
     Column("graphs_gib", "graphs GiB", "{:.2f}"),
     Column("kl", "KL fused vs full", "{:.4f}"),
