@@ -413,9 +413,9 @@ class _Step:
     @classmethod
     def at(cls, adapter: ModelAdapter, pos: torch.Tensor, num_slots: int, hidden: torch.Tensor) -> _Step:
         """The step for the tokens at host positions ``pos`` ``[q]``."""
-        mask = adapter.position_mask(pos, num_slots, hidden.dtype)
-        steer = adapter.scattered(pos)
         device_pos = pos.to(adapter.device, non_blocking=True)
+        mask = adapter.position_mask(pos, num_slots, hidden.dtype, device_pos)
+        steer = adapter.scattered(pos)
         return cls(device_pos, pos, mask, adapter.position_embeddings(device_pos, hidden), steer)
 
 

@@ -54,6 +54,8 @@ class PositionMask:
         num_keys: the slots of the cache the queries attend over.
         dtype: the mask's dtype (the model's).
         device: where its tensors are made (the model's device).
+        device_pos: ``query_pos`` already on ``device``, where the caller has it (else it is copied
+            there when the mask is first made: from pageable memory a copy waits for the device).
         block_bytes: masks above this many bytes are only made a block of rows at a time (None:
             :data:`MASK_BLOCK_BYTES`, read when the mask is made).
     """
@@ -65,6 +67,7 @@ class PositionMask:
         dtype: torch.dtype,
         device: torch.device,
         *,
+        device_pos: torch.Tensor | None = None,
         block_bytes: int | None = None,
     ) -> None:
         if query_pos.device.type != "cpu" or query_pos.dim() != 1:
@@ -72,7 +75,7 @@ class PositionMask:
         self.query_pos = query_pos.to(torch.int64)
         self.num_keys, self.dtype, self.device = num_keys, dtype, device
         self.block_bytes = MASK_BLOCK_BYTES if block_bytes is None else block_bytes
-        self._device_pos: torch.Tensor | None = None
+        self._device_pos = device_pos
         self._dense: torch.Tensor | None = None
 
     @property
