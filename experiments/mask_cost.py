@@ -55,6 +55,11 @@ def measure(context: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     return {"context": context, "build_ms": best * 1e3, "largest_mib": largest / 2**20}
 
 
+def _whole(self: ModelAdapter, pos: torch.Tensor, n: int, dtype: torch.dtype, *_: object) -> torch.Tensor:
+    """The mask as fusion made it before: whole, up front."""
+    return self.causal_mask(pos, n, dtype)
+
+
 def fusions(model: str, context: int, dtype: str, repeats: int) -> dict[str, float]:
     """Median seconds of a fusion at ``context`` tokens with the whole masks made up front and without."""
     a = load_model(model, dtype=dtype)
@@ -68,7 +73,7 @@ def fusions(model: str, context: int, dtype: str, repeats: int) -> dict[str, flo
     for _ in range(repeats):
         for way in times:
             patch = (
-                mock.patch.object(ModelAdapter, "position_mask", ModelAdapter.causal_mask)
+                mock.patch.object(ModelAdapter, "position_mask", _whole)
                 if way == "whole"
                 else mock.patch.object(ModelAdapter, "position_mask", ModelAdapter.position_mask)
             )

@@ -469,6 +469,8 @@ class ModelAdapter:
         """
         cache.set_write_slots(layer_idx, positions.to(self.device))
         layer = self._inner.layers[layer_idx]
+        if isinstance(mask, PositionMask) and not is_dispatched(self.model):
+            mask = mask.dense()  # the implementation was switched since the pass began: transformers' own
         out = layer(
             hidden,
             attention_mask=mask,
@@ -502,6 +504,8 @@ class ModelAdapter:
         cache.set_write_slots(layer_idx, positions)
         keys, values = cache.update(key, value, layer_idx)
         impl = self.model.config._attn_implementation
+        if isinstance(mask, PositionMask) and not is_dispatched(self.model):
+            mask = mask.dense()
         # as the module looks it up: a registered implementation, else its modeling file's eager one
         fn = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else _eager_attention(attn)
         out, _ = fn(

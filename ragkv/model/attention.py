@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -230,17 +232,19 @@ def _blocks_apply(
     base: str, steer: Steer, mask: PositionMask, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
 ) -> bool:
     """Whether a call with ``mask`` runs by blocks of rows (:meth:`PositionMask.blocks`): a mask too large
-    to make whole, on a call the delegated SDPA or eager function would compute plainly, for the rows
-    and slots the mask was made for."""
+    to make whole, on a call the delegated SDPA or eager function would compute plainly (no dropout,
+    soft-capping, window, sinks or per-query bias), for the rows and slots the mask was made for."""
     if not mask.blocked or base not in ("sdpa", "eager") or steer.probe or steer.carry or steer.kind != "prefill":
         return False
-    if any(kwargs.get(name) is not None for name in ("sliding_window", "s_aux")) or kwargs.get("softcap"):
+    if kwargs.get("dropout") or kwargs.get("softcap") or kwargs.get("sliding_window") is not None:
         return False
+    if any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k != "position_ids") or kwargs.get("s_aux"):
+        return False  # a bias or sinks per query and slot: cut by blocks, it would need cutting too
     return query.shape[0] == 1 and query.shape[2] == mask.rows and key.shape[2] == mask.num_keys
 
 
 def _blocked_attention(
-    fn: Callable[..., Any],
+    base: str,
     module: Any,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -249,14 +253,36 @@ def _blocked_attention(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    """``fn`` over ``mask``'s blocks of rows, each over the slots up to its last row's: ``[1, q, heads, D]``."""
+    """The call over ``mask``'s blocks of rows, each over the slots up to its last row's: ``[1, q, heads, D]``.
+
+    SDPA is called as transformers' ``sdpa_attention_forward`` calls it with a mask (the key and value
+    repeated to the query heads, not causal), with the repetition made once for every block: through
+    the delegated function each block would repeat them again. Other calls go to the delegated
+    function block by block.
+    """
     outs = []
-    position_ids = kwargs.get("position_ids")
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if base == "sdpa" and not args and query.shape[1] == key.shape[1] * groups:
+        last = max(cut for _, _, cut in mask.spans())
+        keys, values = (repeat_kv(t[:, :, :last], groups) if groups > 1 else t for t in (key, value))
+        for start, end, cut, block in mask.blocks():
+            out = F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                keys[:, :, :cut],
+                values[:, :, :cut],
+                attn_mask=block,
+                scale=kwargs.get("scaling"),
+            )
+            outs.append(out.transpose(1, 2))  # [1, rows, heads, D]
+            del block, out  # one block's mask alive at a time
+        return torch.cat(outs, dim=1), None
+    fn, position_ids = _delegate(base, module), kwargs.get("position_ids")
     for start, end, cut, block in mask.blocks():
         if isinstance(position_ids, torch.Tensor) and position_ids.shape[-1] == mask.rows:
             kwargs = {**kwargs, "position_ids": position_ids[..., start:end]}
         out, _ = fn(module, query[:, :, start:end], key[:, :, :cut], value[:, :, :cut], block, *args, **kwargs)
         outs.append(out)  # [1, rows, heads, D]
+        del block, out
     return torch.cat(outs, dim=1), None
 
 
@@ -288,9 +314,7 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         if isinstance(attention_mask, PositionMask):  # a fused pass's mask, made here as the call needs it
             native = _native_takes(steer, module, query, key, value, kwargs)  # from the positions: no mask
             if not native and _blocks_apply(base, steer, attention_mask, query, key, kwargs):
-                return _blocked_attention(
-                    _delegate(base, module), module, query, key, value, attention_mask, args, kwargs
-                )
+                return _blocked_attention(base, module, query, key, value, attention_mask, args, kwargs)
             if not native or steer.carry or steer.kind == "decode":
                 attention_mask = attention_mask.dense()
         if steer.plain_attention:

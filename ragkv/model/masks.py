@@ -77,6 +77,7 @@ class PositionMask:
         self.block_bytes = MASK_BLOCK_BYTES if block_bytes is None else block_bytes
         self._device_pos = device_pos
         self._dense: torch.Tensor | None = None
+        self._spans: list[tuple[int, int, int]] | None = None  # (start, end, cut) per block, made once
 
     @property
     def rows(self) -> int:
@@ -100,16 +101,28 @@ class PositionMask:
             self._dense = causal_mask_at(self._on_device(), self.num_keys, self.dtype, self.device)
         return self._dense
 
+    def spans(self) -> list[tuple[int, int, int]]:
+        """``(start, end, cut)`` per block of rows: rows ``start:end`` see no slot at or after ``cut`` (their
+        last slot + 1). A block's mask takes at most :attr:`block_bytes` (at least 16 rows a block).
+        Worked out once, on the host."""
+        if self._spans is None:
+            width = -(-self.num_keys // MASK_ALIGN) * MASK_ALIGN
+            per_block = max(MASK_ALIGN, self.block_bytes // (width * self.dtype.itemsize))
+            starts = list(range(0, self.rows, per_block))
+            pos = self.query_pos.tolist()
+            last = [max(pos[a : a + per_block]) for a in starts]
+            self._spans = [
+                (a, min(self.rows, a + per_block), min(self.num_keys, m + 1)) for a, m in zip(starts, last, strict=True)
+            ]
+        return self._spans
+
     def blocks(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
-        """``(start, end, cut, mask)`` per block of rows: rows ``start:end`` see no slot at or after ``cut``
-        (their last slot + 1), and ``mask`` ``[1, 1, end - start, cut]`` is theirs over slots ``:cut``.
-        A block's mask takes at most :attr:`block_bytes` (at least 16 rows a block)."""
-        width = -(-self.num_keys // MASK_ALIGN) * MASK_ALIGN
-        per_block = max(MASK_ALIGN, self.block_bytes // (width * self.dtype.itemsize))
+        """``(start, end, cut, mask)`` per block of :meth:`spans`, ``mask`` ``[1, 1, end - start, cut]``
+        the rows' over slots ``:cut``, made as it is asked for (a caller that drops each before asking
+        for the next holds one block's mask at a time: at most :attr:`block_bytes`, and half that
+        again while it is made)."""
         on_device = self._on_device()
-        for start in range(0, self.rows, per_block):
-            end = min(self.rows, start + per_block)
-            cut = min(self.num_keys, int(self.query_pos[start:end].max()) + 1)
+        for start, end, cut in self.spans():
             yield start, end, cut, causal_mask_at(on_device[start:end], cut, self.dtype, self.device)
 
     def _on_device(self) -> torch.Tensor:

@@ -11,7 +11,12 @@ function makes when it is "captured" (its first run, as a capture's warm-up runs
 each replay, and fails the replay where the two differ. Tensors are described by where their
 memory comes from: one the function made itself (a temporary: from the graph's private pool on a
 GPU, so its address is the graph's own) by its shape, strides and dtype; any other (a static
-buffer, a weight) by its address as well.
+buffer, a weight) by its address as well, and a host scalar by its value. A call that reads the
+device back (``.item()``, ``nonzero``, ...) fails at once: a capture cannot hold it.
+
+What a CPU run cannot see: copies between host and device (there is only the host), page-locked
+memory, and kernels called outside ATen (ragkv's own CPU kernels through ctypes); the CUDA tests
+capture real graphs for those.
 """
 
 from __future__ import annotations
@@ -26,12 +31,23 @@ from torch.utils._pytree import tree_flatten, tree_map
 Call = tuple[Any, Any]  # (the ATen operator, its arguments described)
 
 
+class GraphContractError(AssertionError):
+    """A replay did not do what its capture recorded: a CUDA graph would have computed something else."""
+
+
+# ATen calls that read a device tensor back to the host: a CUDA capture fails on them
+_SYNCING = frozenset(
+    {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "equal", "is_nonzero"}
+)
+
+
 class _Recorder(TorchDispatchMode):
     """Every ATen call made under it, its tensors described as in the module docstring."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[Call] = []
+        self.outside: list[torch.Tensor] = []  # the tensors first met as an argument (kept by the capture)
         self._made: set[int] = set()  # storages an operator returned before any call read them
         self._outside: set[int] = set()  # storages first met as an argument
 
@@ -42,11 +58,17 @@ class _Recorder(TorchDispatchMode):
         layout = (tuple(x.shape), tuple(x.stride()), x.storage_offset(), x.dtype, x.device)
         if storage in self._made:
             return ("made", *layout)
-        self._outside.add(storage)
+        if storage not in self._outside:
+            self._outside.add(storage)
+            self.outside.append(x)
+        if x.dim() == 0 and x.device.type == "cpu":  # a host scalar: a graph keeps its value, not its address
+            return ("at", storage, *layout, x.item())
         return ("at", storage, *layout)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in _SYNCING:
+            raise GraphContractError(f"{func} reads the device back to the host: a CUDA capture fails on it")
         described = tree_map(self._describe, (args, kwargs))
         out = func(*args, **kwargs)
         for leaf in tree_flatten(out)[0]:
@@ -60,13 +82,13 @@ class _Recorder(TorchDispatchMode):
 
 def record(fn: Callable[[], None]) -> list[Call]:
     """Run ``fn`` once and return the ATen calls it made."""
+    return _recorded(fn).calls
+
+
+def _recorded(fn: Callable[[], None]) -> _Recorder:
     with _Recorder() as recorder:
         fn()
-    return recorder.calls
-
-
-class GraphContractError(AssertionError):
-    """A replay did not do what its capture recorded: a CUDA graph would have computed something else."""
+    return recorder
 
 
 class StrictReplay:
@@ -80,7 +102,12 @@ class StrictReplay:
     def __init__(self, fn: Callable[[], None]) -> None:
         self.fn = fn
         self.inference, self.grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-        self.captured = record(fn)
+        fn()  # the warm-up, as before a CUDA capture: state made lazily on a first run is made here
+        capture = _recorded(fn)
+        self.captured = capture.calls
+        # what the capture read stays alive, as a graph keeps it: a tensor made for a later call
+        # cannot land at its address and pass for it
+        self.kept = capture.outside
         self.replays = 0
 
     def replay(self) -> None:

@@ -55,6 +55,19 @@ def test_a_replay_with_another_python_number_or_another_temporary_shape_fails():
         grown.replay()
 
 
+def test_a_read_back_to_the_host_fails_at_capture_and_a_host_scalars_value_counts():
+    x, out = torch.ones(4), torch.zeros(4)
+    with pytest.raises(GraphContractError, match="reads the device back"):
+        StrictReplay(lambda: out.fill_(x.sum().item()))
+    with pytest.raises(GraphContractError, match="reads the device back"):
+        StrictReplay(lambda: out[: int(torch.nonzero(x).shape[0])].zero_())
+    scale = torch.tensor(2.0)  # a 0-dim host tensor: a CUDA graph keeps its value
+    replay = StrictReplay(lambda: out.copy_(x * scale))
+    scale.fill_(3.0)
+    with pytest.raises(GraphContractError):
+        replay.replay()
+
+
 def test_a_replay_that_makes_more_calls_than_its_capture_fails():
     x, extra = torch.ones(4), [False]
 
@@ -107,6 +120,7 @@ def test_the_layer_graphs_meet_it_and_a_buffer_rebound_instead_of_filled_is_caug
         self.hidden = torch.cat([hidden, hidden.new_zeros(1, self.rows - hidden.shape[1], hidden.shape[2])], dim=1)
         self.buffers.load_rope(pe, hidden.shape[1])
 
+    old = made.buffers.hidden.untyped_storage().data_ptr()
     monkeypatch.setattr(graphs.LayerGraphs, "start", rebound)
-    with pytest.raises(GraphContractError):
+    with pytest.raises(GraphContractError, match=f"'at', {old},"):  # the first read of the old buffer
         run(3)

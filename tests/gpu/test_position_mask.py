@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, fuse
+from ragkv.gpu import graphs
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.attention import PLAIN
 from ragkv.model.masks import PositionMask, causal_mask_at
 from ragkv.model.native_attention import attention_available
 from tests.conftest import make_model
-from tests.core.test_masks import recorded_masks as recorded_sdpa_masks
+from tests.gpu.graph_safety import strict_eager
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])]
@@ -45,24 +45,23 @@ def test_each_block_is_the_whole_mask_cut_after_its_last_row(sort):
 
 
 @contextmanager
-def recorded_masks(impl: str) -> Iterator[list[Any]]:
-    """The masks the layers' ``impl`` attention receives (tests/core/test_masks.py's, for either implementation)."""
-    if impl == "sdpa":
-        with recorded_sdpa_masks() as masks:
-            yield masks
-        return
-    import transformers.models.llama.modeling_llama as llama
+def recorded_masks() -> Iterator[list[torch.Tensor]]:
+    """The masks fusion's passes make within the block: whole ones and blocks'."""
+    masks: list[torch.Tensor] = []
+    dense, blocks = PositionMask.dense, PositionMask.blocks
 
-    masks: list[Any] = []
-    eager = llama.eager_attention_forward
+    def recorded_dense(self: PositionMask) -> torch.Tensor:
+        masks.append(dense(self))
+        return masks[-1]
 
-    def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a, **kw):
-        masks.append(mask)
-        return eager(module, query, key, value, mask, *a, **kw)
+    def recorded_blocks(self: PositionMask) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        for start, end, cut, block in blocks(self):
+            masks.append(block)
+            yield start, end, cut, block
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llama, "eager_attention_forward", recording)
-        mp.setattr("ragkv.model.attention._EAGER", {})
+        mp.setattr(PositionMask, "dense", recorded_dense)
+        mp.setattr(PositionMask, "blocks", recorded_blocks)
         yield masks
 
 
@@ -76,41 +75,86 @@ def _request(a: ModelAdapter, seed: int = 4) -> FusionInput:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("dtype", "impl"), [(torch.float32, "sdpa"), (torch.bfloat16, "sdpa"), (torch.float32, "eager")]
+    ("dtype", "impl", "replay"),
+    [
+        (torch.float32, "sdpa", "0"),
+        (torch.bfloat16, "sdpa", "0"),
+        (torch.float32, "eager", "0"),
+        (torch.float32, "sdpa", "graphs"),  # the recompute's layers replayed, the attention between them
+    ],
 )
 def test_a_fusion_by_blocks_of_rows_equals_the_one_with_the_whole_mask(
-    tiny_tokenizer, monkeypatch, device, dtype, impl
+    tiny_tokenizer, monkeypatch, device, dtype, impl, replay
 ):
     """torch's attention (the GPU's path; ragkv's CPU kernel switched off), SDPA or the modeling file's
-    eager one: the same tokens selected, the fused cache and the logits within rounding, with every
-    mask a block's."""
+    eager one, in the model's layers or between replayed ones: the same tokens selected, the fused
+    cache and the logits within rounding, with every mask a block's."""
     model = make_model("llama", len(tiny_tokenizer), attn_implementation=impl)
     a = load_model((model, tiny_tokenizer), device=device, dtype=dtype)
     monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)
     monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "0")
     monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "0")
     inp, config = _request(a), FusionConfig(ratio=0.3)
-    with recorded_masks(impl) as whole_masks:
+    with recorded_masks() as whole_masks:
         want = fuse(a, inp, config, prefill_suffix=True)
+    if replay == "graphs":
+        monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "eager" if device == "cpu" else "auto")
+        monkeypatch.setattr(graphs, "_eager", strict_eager)
+        monkeypatch.setattr(graphs, "_MODELS", graphs.weakref.WeakKeyDictionary())
     monkeypatch.setattr("ragkv.model.masks.MASK_BLOCK_BYTES", 16 * 400 * dtype.itemsize)  # 16-32 rows a block
-    with recorded_masks(impl) as block_masks:
+    made = []
+    init = PositionMask.__init__
+    monkeypatch.setattr(PositionMask, "__init__", lambda self, *a, **k: made.append(init(self, *a, **k)))
+    with recorded_masks() as block_masks:
         got = fuse(a, inp, config, prefill_suffix=True)
-    assert all(m.shape[-1] == want.num_tokens + 9 for m in whole_masks)  # every slot, the question's too
+    assert made and all(m.shape[-1] == want.num_tokens + 9 for m in whole_masks)  # every slot, the question's too
     assert len(block_masks) > 2 * len(whole_masks)
     assert all(m.shape[2] <= 32 for m in block_masks) and min(m.shape[-1] for m in block_masks) < want.num_tokens
+    if replay == "graphs":
+        assert graphs._MODELS[a.model].buckets  # the layers did replay
     assert torch.equal(want.selected, got.selected)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.suffix_logits, want.suffix_logits, **tol)
     for layer in range(a.spec.num_layers):
-        for w, o in zip(want.cache.layers[layer].keys, got.cache.layers[layer].keys, strict=True):
-            torch.testing.assert_close(o, w, **tol)
+        w, o = want.cache.layers[layer], got.cache.layers[layer]
+        torch.testing.assert_close(o.keys, w.keys, **tol)
+        torch.testing.assert_close(o.values, w.values, **tol)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_blocks_of_one_row_and_grouped_heads_equal_the_whole_mask(tiny_tokenizer, impl):
+    """The dispatcher alone, 6 query heads over 2 KV heads, 33 rows in blocks of 16 (the last of one row)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    model = make_model(
+        "llama", len(tiny_tokenizer), attn_implementation=impl, num_attention_heads=6, hidden_size=96, head_dim=16
+    )
+    a = load_model((model, tiny_tokenizer), dtype=torch.float32)
+    attend = ALL_ATTENTION_FUNCTIONS[a.model.config._attn_implementation]
+    module = a.model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    pos = torch.randperm(200, generator=g)[:33].sort().values
+    q, k, v = (
+        torch.randn(1, 6, 33, 16, generator=g),
+        torch.randn(1, 2, 200, 16, generator=g),
+        torch.randn(1, 2, 200, 16, generator=g),
+    )
+    whole = PositionMask(pos, 200, torch.float32, torch.device("cpu"))
+    blocked = PositionMask(pos, 200, torch.float32, torch.device("cpu"), block_bytes=16 * 208 * 4)
+    assert [e - s for s, e, _ in blocked.spans()] == [16, 16, 1]
+    want, _ = attend(module, q, k, v, whole, dropout=0.0, scaling=0.25)
+    got, _ = attend(module, q, k, v, blocked, dropout=0.0, scaling=0.25)
+    assert got.shape == want.shape == (1, 33, 6, 16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(not attention_available(torch.float32), reason="ragkv's CPU kernel does not run here")
 def test_on_ragkvs_cpu_kernel_a_fusion_makes_no_mask(tiny_tokenizer, monkeypatch):
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), dtype=torch.float32)
     made: list[str] = []
+    init = PositionMask.__init__
+    monkeypatch.setattr(PositionMask, "__init__", lambda self, *a, **k: made.append(init(self, *a, **k) or "mask"))
     monkeypatch.setattr(PositionMask, "dense", lambda self: made.append("dense"))
     monkeypatch.setattr(PositionMask, "blocks", lambda self: made.append("blocks"))
     fused = fuse(a, _request(a), FusionConfig(ratio=0.3), prefill_suffix=True)
-    assert fused.recomputed_tokens > 0 and made == []
+    assert fused.recomputed_tokens > 0 and made and set(made) == {"mask"}  # made, never made into a tensor
