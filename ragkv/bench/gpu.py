@@ -157,6 +157,16 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[f
     return best, peak, out
 
 
+def _optional(name: str, measure: Callable[[], tuple[float, float, Any]]) -> tuple[float, float, Any]:
+    """A measurement beside the table's main ones: NaN where it fails (said on stderr), so that one
+    comparison column cannot cost a lent device's run its whole table."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - any failure: the column is NaN, the run goes on
+        print(f"ragkv bench gpu: {name} failed ({type(e).__name__}: {e}); its column is nan", file=sys.stderr)
+        return math.nan, math.nan, None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -321,36 +331,43 @@ def _row(
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
     slab_s = _timed(lambda: _slab_copy(decoded), dev, repeats)[0]  # its host half: is staging bound by the host?
     threads = _split_threads(dev)
-    slab_threads_s = _timed(lambda: _slab_copy(decoded, threads), dev, repeats)[0]
+    slab_threads_s = _optional(
+        "host slab on threads", lambda: _timed(lambda: _slab_copy(decoded, threads), dev, repeats)
+    )[0]
     host_threads_s = math.nan  # fused from host memory with the slab copies on that many threads
     if _stored_bytes(decoded):
         with mock.patch.dict(os.environ, {"RAGKV_STAGE_THREADS": str(threads)}):
             fn = lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config)  # noqa: E731
-            host_threads_s = _timed(fn, dev, repeats)[0]
+            host_threads_s = _optional("staging on threads", lambda: _timed(fn, dev, repeats))[0]
     # what a host tier of decoded chunks in page-locked memory would cost (no decode, no slab copy)
     pinned_s = pinned_copy_s = math.nan
     if dev.type == "cuda" and all(kv.keys.device.type == "cpu" for kv in decoded):
         pinned = [
             ChunkKV(kv.keys.pin_memory(), kv.values.pin_memory(), kv.positions, kv.model_fingerprint) for kv in decoded
         ]
-        pinned_copy_s = _timed(lambda: _feed(a, prefix, pinned, len(p.question)), dev, repeats)[0]
-        pinned_s = _timed(lambda: _fused(a, prefix, pinned, p, config), dev, repeats)[0]
+        fn = lambda: _feed(a, prefix, pinned, len(p.question))  # noqa: E731
+        pinned_copy_s = _optional("pinned copy", lambda: _timed(fn, dev, repeats))[0]
+        pinned_s = _optional(
+            "from pinned host", lambda: _timed(lambda: _fused(a, prefix, pinned, p, config), dev, repeats)
+        )[0]
         del pinned
     tier = [codec.decode(b, expect=None, device=dev, dtype=a.dtype) for b in blobs]  # the device tier's entries
     tier_s, tier_peak, ctx = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
     place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
     probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)  # CUDA graphs where they run
     with mock.patch.dict(os.environ, {"RAGKV_PROBE_GRAPHS": "0"}):  # transformers' eager layers
-        probe_eager_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)
+        probe_eager_s = _optional("probe eager", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
         with mock.patch.dict(os.environ, {"RAGKV_RECOMPUTE_GRAPHS": "0"}):  # the whole fusion eager
-            tier_eager_s = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)[0]
+            fn = lambda: _fused(a, prefix, tier, p, config)  # noqa: E731
+            tier_eager_s = _optional("device tier eager", lambda: _timed(fn, dev, repeats))[0]
 
     # the masks made whole up front, as before ragkv.model.masks: time and peak against the blocks
     def whole(self: ModelAdapter, pos: torch.Tensor, n: int, dtype: torch.dtype, *_: Any) -> torch.Tensor:
         return self.causal_mask(pos, n, dtype)
 
     with mock.patch.object(ModelAdapter, "position_mask", whole):
-        whole_s, whole_peak, _ = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
+        fn = lambda: _fused(a, prefix, tier, p, config)  # noqa: E731
+        whole_s, whole_peak, _ = _optional("whole masks", lambda: _timed(fn, dev, repeats))
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
     tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question)
     recomputed = config.ratio * sum(len(c) for c in p.chunks) + len(p.question)

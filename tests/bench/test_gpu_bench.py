@@ -54,3 +54,21 @@ def test_the_full_size_shape_is_llama_3_1_8b(bench) -> None:
         model = LlamaForCausalLM(LlamaConfig(**bench.LLAMA_3_1_8B))
     params = sum(p.numel() for p in model.parameters())
     assert 8.0e9 < params < 8.1e9  # Llama-3.1-8B: 8.03B parameters
+
+
+def test_a_comparison_that_fails_leaves_its_column_nan_and_the_table_whole(bench, capsys, monkeypatch) -> None:
+    """On a lent device one broken comparison column must not cost the run its table."""
+    copy = bench._slab_copy
+
+    def split_copy_fails(chunks, threads: int = 1) -> None:
+        if threads > 1:
+            raise RuntimeError("no thread for you")
+        copy(chunks, threads)
+
+    monkeypatch.setattr(bench, "_slab_copy", split_copy_fails)
+    (row,) = bench.main(["--tiny", "--contexts", "200", "--chunk", "32", "--repeats", "1"])
+    assert math.isnan(row["slab_threads_gb_s"])
+    assert (
+        math.isfinite(row["slab_gb_s"]) and math.isfinite(row["tier_ms"]) and math.isfinite(row["tier_whole_mask_ms"])
+    )
+    assert "host slab on threads failed (RuntimeError: no thread for you)" in capsys.readouterr().err
