@@ -345,8 +345,8 @@ def _row(
         pinned = [
             ChunkKV(kv.keys.pin_memory(), kv.values.pin_memory(), kv.positions, kv.model_fingerprint) for kv in decoded
         ]
-        fn = lambda: _feed(a, prefix, pinned, len(p.question))  # noqa: E731
-        pinned_copy_s = _optional("pinned copy", lambda: _timed(fn, dev, repeats))[0]
+        pinned_feed = lambda: _feed(a, prefix, pinned, len(p.question))  # noqa: E731
+        pinned_copy_s = _optional("pinned copy", lambda: _timed(pinned_feed, dev, repeats))[0]
         pinned_s = _optional(
             "from pinned host", lambda: _timed(lambda: _fused(a, prefix, pinned, p, config), dev, repeats)
         )[0]
