@@ -279,8 +279,14 @@ def device_rates(device: torch.device) -> tuple[float, float]:
     return 2 * (1 << 30) / copy_s, 2 * 8192**3 / mm_s
 
 
-def measure(a: ModelAdapter, contexts: Sequence[int], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One table row per context length (see the module docstring)."""
+def measure(
+    a: ModelAdapter,
+    contexts: Sequence[int],
+    args: argparse.Namespace,
+    measured: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """One table row per context length (see the module docstring); ``measured`` hears the rows so
+    far after each one."""
     spec = CodecSpec(*_codec_spec(args.codec))
     longest = _prompt(a.spec.vocab_size, max(contexts), args.chunk)
     prefix = a.prefill_kv(longest.prefix)
@@ -293,6 +299,8 @@ def measure(a: ModelAdapter, contexts: Sequence[int], args: argparse.Namespace) 
         p = _Prompt(longest.prefix, longest.chunks[:n], longest.question)
         config = FusionConfig(method=args.method, ratio=args.ratio)
         rows.append({**_row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates), "graphs_gib": graphs_gib})
+        if measured is not None:
+            measured(rows)
     return rows
 
 
@@ -496,10 +504,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         f"{_split_threads(device)} staging threads where staging is split"
     )
     print(head, flush=True)
-    rows = measure(a, contexts, args)
+
+    def measured(rows: list[dict[str, Any]]) -> None:
+        # each row as soon as it is measured: a run stopped by its time limit keeps what it measured
+        print("row: " + json.dumps(rows[-1]), flush=True)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"device": name, "setup": head, "rows": rows}, indent=1) + "\n")
+
+    rows = measure(a, contexts, args, measured)
     print(format_table(rows, COLUMNS))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"device": name, "setup": head, "rows": rows}, indent=1) + "\n")
     return rows
 
 

@@ -37,6 +37,9 @@ def test_a_tiny_run_fills_every_column(bench, capsys, tmp_path) -> None:
     out = capsys.readouterr().out
     assert "| prompt tokens |" in out and "tiny, random weights" in out
     assert json.loads(out_json.read_text())["rows"][0]["chunks"] == 4
+    # each row is out as soon as it is measured (a run stopped by its time limit keeps them)
+    lines = [json.loads(line.removeprefix("row: ")) for line in out.splitlines() if line.startswith("row: ")]
+    assert [r["tokens"] for r in lines] == [176, 272] and out.index("row: ") < out.index("| prompt tokens |")
 
 
 def test_it_refuses_cleanly_without_cuda(bench, monkeypatch) -> None:
