@@ -24,12 +24,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
+from torch.nn.attention.bias import CausalBias
 
 from ragkv.gpu.feed import DeviceSink, LayerFeed
 from ragkv.gpu.graphs import layer_graphs, probe_attend
 from ragkv.gpu.tier import release
 from ragkv.model import AttentionProbe, ModelAdapter, ScatterCache, Steer
-from ragkv.model.masks import PositionMask
+from ragkv.model.masks import PositionMask, causal_mask_at
 from ragkv.selection import SelectionState, Strategy, StrategyParams, strategy_class
 from ragkv.types import ChunkKV
 
@@ -610,6 +611,9 @@ def _question_attention_steps(
     hidden = adapter.embed(suffix)  # [1, S, hidden]
     mask = adapter.causal_mask(host_pos, keys.shape[2], hidden.dtype)
     pos = host_pos.to(adapter.device, non_blocking=True)
+    if isinstance(mask, CausalBias):  # SDPA on CUDA: the probe's eager attention would build it in every
+        # layer (4 kernels); made once here as the fp32 scores' additive mask (the same probabilities)
+        mask = causal_mask_at(pos, keys.shape[2], torch.float32, adapter.device)
     pe = adapter.position_embeddings(pos, hidden)
     probe = AttentionProbe(None)  # every layer's weights
     # on a GPU the layers replay as CUDA graphs (ragkv.gpu.graphs), unless the probe may pause

@@ -95,3 +95,46 @@ def test_the_question_probe_reads_a_causal_bias_as_lower_right(llama_adapter, mo
         warnings.simplefilter("ignore", UserWarning)
         got = fuse(a, inp, config).selected
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probes_bias_made_once_gives_the_probabilities_of_the_bias_made_per_layer(dtype):
+    """On CUDA the probe's mask is the lower-right bias, which its eager attention made in every layer
+    (4 kernels); fusion now makes it once, as the scores' additive fp32 mask: the same output and
+    weights, bit for bit."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from ragkv.model.attention import AttentionProbe, _probe_attention
+    from ragkv.model.masks import causal_mask_at
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 7, 16, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, 50, 16, generator=g).to(dtype) for _ in range(2))
+    per_layer, once = AttentionProbe(None), AttentionProbe(None)
+    want, _ = _probe_attention(per_layer, 0, q, k, v, causal_lower_right(7, 50), 0.25)
+    mask = causal_mask_at(torch.arange(43, 50), 50, torch.float32, torch.device("cpu"))
+    got, _ = _probe_attention(once, 0, q, k, v, mask, 0.25)
+    assert torch.equal(got, want) and torch.equal(once.weights[0], per_layer.weights[0])
+
+
+def test_the_probe_on_a_gpus_bias_gets_one_mask_for_every_layer(llama_adapter, monkeypatch):
+    import ragkv.model.attention as attention
+
+    a = llama_adapter
+    *_, inp = _prompt(a)
+    seen: list[Any] = []
+    probe_attention = attention._probe_attention
+
+    def recording(probe, layer, query, key, value, mask, scaling):
+        seen.append(mask)
+        return probe_attention(probe, layer, query, key, value, mask, scaling)
+
+    monkeypatch.setattr(attention, "_probe_attention", recording)
+    monkeypatch.setattr(a, "_lower_right_bias_is_free", lambda: True)
+    monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        fuse(a, inp, FusionConfig(method="query_focus", ratio=0.3))
+    assert len(seen) == a.spec.num_layers and len({id(m) for m in seen}) == 1
+    assert isinstance(seen[0], torch.Tensor) and not isinstance(seen[0], CausalBias)
+    assert seen[0].dtype == torch.float32
