@@ -7,8 +7,8 @@ right when it runs eagerly and wrong when replayed. On the CPU ``ragkv.gpu.graph
 functions again instead of replaying them (``_Eager``), so that mistake would pass every CPU test.
 
 :func:`strict_eager` is a drop-in for ``ragkv.gpu.graphs._eager`` that records every ATen call a
-function makes when it is "captured" (its first run, as a capture's warm-up runs it) and again at
-each replay, and fails the replay where the two differ. Tensors are described by where their
+function makes when it is "captured" (its run after a warm-up, as a CUDA capture follows one) and
+again at each replay, and fails the replay where the two differ. Tensors are described by where their
 memory comes from: one the function made itself (a temporary: from the graph's private pool on a
 GPU, so its address is the graph's own) by its shape, strides and dtype; any other (a static
 buffer, a weight) by its address as well, and a host scalar by its value. A call that reads the
