@@ -26,6 +26,7 @@ from unittest import mock
 
 import torch
 
+from ragkv.bench.gpu import whole_mask
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.masks import MASK_BLOCK_BYTES, causal_mask_at
@@ -55,11 +56,6 @@ def measure(context: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     return {"context": context, "build_ms": best * 1e3, "largest_mib": largest / 2**20}
 
 
-def _whole(self: ModelAdapter, pos: torch.Tensor, n: int, dtype: torch.dtype, *_: object) -> torch.Tensor:
-    """The mask as fusion made it before: whole, up front."""
-    return self.causal_mask(pos, n, dtype)
-
-
 def fusions(model: str, context: int, dtype: str, repeats: int) -> dict[str, float]:
     """Median seconds of a fusion at ``context`` tokens with the whole masks made up front and without."""
     a = load_model(model, dtype=dtype)
@@ -73,7 +69,7 @@ def fusions(model: str, context: int, dtype: str, repeats: int) -> dict[str, flo
     for _ in range(repeats):
         for way in times:
             patch = (
-                mock.patch.object(ModelAdapter, "position_mask", _whole)
+                mock.patch.object(ModelAdapter, "position_mask", whole_mask)
                 if way == "whole"
                 else mock.patch.object(ModelAdapter, "position_mask", ModelAdapter.position_mask)
             )

@@ -167,6 +167,12 @@ def _optional(name: str, measure: Callable[[], tuple[float, float, Any]]) -> tup
         return math.nan, math.nan, None
 
 
+def whole_mask(self: ModelAdapter, pos: torch.Tensor, n: int, dtype: torch.dtype, *_: Any) -> torch.Tensor:
+    """``ModelAdapter.position_mask`` as fusion made its masks before :mod:`ragkv.model.masks`: the whole
+    tensor, up front (patched in to compare)."""
+    return self.causal_mask(pos, n, dtype)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -370,10 +376,7 @@ def _row(
             tier_eager_s = _optional("device tier eager", lambda: _timed(fn, dev, repeats))[0]
 
     # the masks made whole up front, as before ragkv.model.masks: time and peak against the blocks
-    def whole(self: ModelAdapter, pos: torch.Tensor, n: int, dtype: torch.dtype, *_: Any) -> torch.Tensor:
-        return self.causal_mask(pos, n, dtype)
-
-    with mock.patch.object(ModelAdapter, "position_mask", whole):
+    with mock.patch.object(ModelAdapter, "position_mask", whole_mask):
         fn = lambda: _fused(a, prefix, tier, p, config)  # noqa: E731
         whole_s, whole_peak, _ = _optional("whole masks", lambda: _timed(fn, dev, repeats))
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()

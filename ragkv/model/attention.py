@@ -311,8 +311,8 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         **kwargs: Any,
     ) -> Any:
         steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
+        native = _native_takes(steer, module, query, key, value, kwargs)  # ragkv's CPU kernel, from the positions
         if isinstance(attention_mask, PositionMask):  # a fused pass's mask, made here as the call needs it
-            native = _native_takes(steer, module, query, key, value, kwargs)  # from the positions: no mask
             if not native and _blocks_apply(base, steer, attention_mask, query, key, kwargs):
                 return _blocked_attention(base, module, query, key, value, attention_mask, args, kwargs)
             if not native or steer.carry or steer.kind == "decode":
@@ -325,7 +325,7 @@ def _dispatcher(base: str) -> Callable[..., Any]:
             if layer is None:  # the rows' K/V are found by layer: without one they would read the piece's
                 raise RuntimeError(f"{type(module).__name__} has no layer_idx; decode steps cannot ride on its passes")
             return _carried_attention(carry, base, module, query, key, value, attention_mask, *args, **kwargs)
-        query_pos = steer.query_pos if _native_takes(steer, module, query, key, value, kwargs) else None
+        query_pos = steer.query_pos if native else None
         if probe is not None and layer is not None and probe.layer_idx in (None, layer):
             if query_pos is not None:  # the kernel sums the probabilities per slot as it goes
                 weights = torch.empty(key.shape[2], dtype=torch.float32)
