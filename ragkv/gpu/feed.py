@@ -23,8 +23,15 @@ chunks' K/V need only be in place one layer before it. :class:`LayerFeed` alloca
 Device-tier admissions ride along: a :class:`DeviceSink` given for a host chunk receives its
 layers as they land, before re-rotation (the entry then equals what decoding gives).
 
+The copy stream starts after an event the compute stream records once the buffer is made (the
+caching allocator may hand the buffer memory that queued compute work still uses), and each layer
+crosses from the slab in one contiguous copy (torch copies a strided host source through a pageable
+temporary that blocks the host).
+
 On a CPU everything but the thread is the same; ``stage=True`` runs the worker there too, which is
 how the tests check that the pipelined buffer equals the one filled in one go.
+``tests/gpu/stream_safety.py`` fakes CUDA's streams and events on the CPU, copies queued until
+something waits for them, and checks the ordering rules above as the worker runs.
 """
 
 from __future__ import annotations
@@ -110,8 +117,8 @@ class LayerFeed:
         chunks: each chunk's KV at the positions it was computed at, on the model's device or the host.
         extra: free slots after the context (zeroed: the suffix's K/V go there).
         sinks: per chunk, a device-tier entry to fill as the chunk lands, or None.
-        stage: stage every chunk through the worker (True), none (False), or the chunks not on the
-            model's device (None).
+        stage: stage every chunk through the worker (True), none (False), the chunks not on the
+            model's device (None), or per chunk (a bool each).
         pool: where staging slabs come from (the process's pool by default).
         stage_threads: threads that copy a layer's host chunks into the slab side by side (None:
             ``RAGKV_STAGE_THREADS``, default 1: the worker alone). Off by default until measured on
@@ -126,7 +133,7 @@ class LayerFeed:
         extra: int = 0,
         *,
         sinks: Sequence[DeviceSink | None] = (),
-        stage: bool | None = None,
+        stage: bool | Sequence[bool] | None = None,
         pool: PinnedPool | None = None,
         stage_threads: int | None = None,
     ) -> None:
@@ -146,7 +153,14 @@ class LayerFeed:
         self.keys[:, :, : self.n_prefix].copy_(prefix.keys)
         self.values[:, :, : self.n_prefix].copy_(prefix.values)
         spans = list(zip(starts[:-1], starts[1:], strict=True))  # each chunk's slots
-        staged = [stage if stage is not None else kv.keys.device != dev for kv in chunks]
+        if stage is None:
+            staged = [kv.keys.device != dev for kv in chunks]
+        elif isinstance(stage, bool):
+            staged = [stage] * len(chunks)
+        else:
+            staged = [bool(st) for st in stage]
+            if len(staged) != len(chunks):
+                raise ValueError(f"stage says {len(staged)} chunks' staging; the feed has {len(chunks)} chunks")
         for kv, (a, b), st in zip(chunks, spans, staged, strict=True):
             if not st:  # on the device already: all layers now, one copy per chunk
                 self.keys[:, :, a:b].copy_(kv.keys)
@@ -231,7 +245,15 @@ class _Stager:
         # cycle, and the buffer (gigabytes on a GPU) would wait for the garbage collector
         self.keys, self.values, self.host, self.pool = feed.keys, feed.values, host, pool
         self.device = feed.keys.device
-        self.cuda = self.device.type == "cuda"
+        self.cuda = _uses_streams(self.device)
+        # made on the compute thread once the buffer is allocated and its prefix written: the copy
+        # stream starts after it. The caching allocator may have handed the buffer memory that work
+        # still queued on the compute stream reads or writes (a previous request's), and a write
+        # from another stream is not ordered after that work unless it waits for it.
+        self.after: torch.cuda.Event | None = None
+        if self.cuda:
+            self.after = torch.cuda.Event()
+            self.after.record(torch.cuda.current_stream(self.device))
         self.landed = [threading.Event() for _ in range(feed.num_layers)]
         self.events: list[torch.cuda.Event | None] = [None] * feed.num_layers
         self.error: BaseException | None = None
@@ -297,13 +319,20 @@ class _Stager:
             if not direct:  # double-buffered: fill one while the other crosses
                 slabs = [self.pool.take(nbytes) for _ in range(2)]
             if stream is not None:  # the buffer is written on this stream: the allocator must know
+                if self.after is not None:
+                    stream.wait_event(self.after)
                 keys.record_stream(stream)
                 values.record_stream(stream)
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx, torch.inference_mode(self.inference):
-                # a layer lands here whole (one copy), then is converted into the buffer; the stream
-                # orders each layer's landing after the previous layer's conversion
-                landing = torch.empty(layer_shape, dtype=src, device=self.device) if src != keys.dtype else None
+                # a layer lands here whole (one contiguous copy), then is converted or copied into
+                # the buffer's runs; the stream orders each landing after the previous layer's
+                # conversion. From the slab it always lands: a run's columns of the slab are not
+                # contiguous, and torch copies such a source through a pageable temporary, a copy
+                # that blocks the host. Pinned chunks in the model's dtype go straight in.
+                landing = (
+                    None if direct and src == keys.dtype else torch.empty(layer_shape, dtype=src, device=self.device)
+                )
                 for layer in range(len(self.landed)):
                     if self.stopped:
                         break
@@ -314,10 +343,7 @@ class _Stager:
                             self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # slab's last copy done
                         view = slabs[layer % 2][:nbytes].view(src).view(layer_shape)
                         self._to_slab(layer, view)
-                        crossed = view
-                        if landing is not None:
-                            landing.copy_(view, non_blocking=True)
-                            crossed = landing
+                        crossed = view if landing is None else landing.copy_(view, non_blocking=True)
                         self._convert(layer, keys, values, crossed)
                     if stream is not None:
                         event = torch.cuda.Event()
@@ -402,6 +428,12 @@ def _stage_threads(threads: int | None) -> int:
     if threads < 1:
         raise ValueError(f"{name} must be at least 1 (the staging worker alone), got {threads}")
     return threads
+
+
+def _uses_streams(device: torch.device) -> bool:
+    """Whether staging to ``device`` runs on a copy stream with events (CUDA; the stream tests make
+    the CPU say yes, with CUDA's semantics faked: ``tests/gpu/stream_safety.py``)."""
+    return device.type == "cuda"
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

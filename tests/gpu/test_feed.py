@@ -3,6 +3,7 @@
 The CPU runs everything but the copy stream: ``stage=True`` sends every chunk through the staging
 worker (plain host slabs instead of pinned ones), which checks the pipeline's ordering; the CUDA
 tests at the end run the real one (pinned slabs, a copy stream, events) against the eager path.
+``tests/gpu/test_stream_safety.py`` runs the worker under CUDA's stream semantics faked on the CPU.
 """
 
 from __future__ import annotations
