@@ -17,6 +17,9 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   its decode threads; raw stays on the host and is staged layer by layer through pinned memory
   under the probe; entropy-coded levels decode onto the device), then fusion with the question
   riding along: the first token's logits;
+- fused from host memory, int8: the same with the chunks stored in int8 (half raw's bytes; one
+  fp16 scale per token and head), decoded onto the device as the loader does (the small integers
+  cross, the multiply runs there): the compact layout against raw's;
 - fused from the device tier: the same with the decoded chunks already in GPU memory;
 - fused from pinned host memory (raw chunks on a GPU only): the decoded chunks already in
   page-locked host memory, crossing by DMA from where they are (what a pinned host tier of
@@ -296,7 +299,12 @@ def measure(
     spec = CodecSpec(*_codec_spec(args.codec))
     longest = _prompt(a.spec.vocab_size, max(contexts), args.chunk)
     prefix = a.prefill_kv(longest.prefix)
-    blobs = [codec.encode(a.prefill_kv(c, past=[prefix]), spec, key=_KEY).data for c in longest.chunks]
+    kvs = [a.prefill_kv(c, past=[prefix]) for c in longest.chunks]
+    blobs = [codec.encode(kv, spec, key=_KEY).data for kv in kvs]
+    # the same chunks in int8 (half raw's bytes, dequantized on the device): the other layout a GPU
+    # could keep and move (issue 34), beside raw's
+    compact = None if spec == _INT8 else [codec.encode(kv, _INT8, key=_KEY).data for kv in kvs]
+    del kvs
     rates = device_rates(a.device)
     graphs_gib = _capture_graphs(a)
     rows = []
@@ -304,7 +312,9 @@ def measure(
         n = len(_prompt(a.spec.vocab_size, context, args.chunk).chunks)
         p = _Prompt(longest.prefix, longest.chunks[:n], longest.question)
         config = FusionConfig(method=args.method, ratio=args.ratio)
-        rows.append({**_row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates), "graphs_gib": graphs_gib})
+        int8 = None if compact is None else compact[:n]
+        row = _row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates, int8)
+        rows.append({**row, "graphs_gib": graphs_gib})
         if measured is not None:
             measured(rows)
     return rows
@@ -333,13 +343,19 @@ def _row(
     config: FusionConfig,
     repeats: int,
     rates: tuple[float, float],
+    int8_blobs: Sequence[bytes] | None = None,
 ) -> dict[str, Any]:
-    """The measurements of one prompt whose chunks are stored as ``blobs``."""
+    """The measurements of one prompt whose chunks are stored as ``blobs`` (and, for the int8
+    column, as ``int8_blobs``)."""
     dev = a.device
     full_s, full_peak, full = _timed(lambda: _full_prefill(a, p), dev, repeats)
     host_s, host_peak, fused = _timed(lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config), dev, repeats)
     fused_logits = fused.suffix_logits[-1]
     del fused  # its cache is the whole context
+    int8_s = math.nan  # fused from host memory, the chunks stored in int8
+    if int8_blobs is not None:
+        fn = lambda: _fused(a, prefix, _decode_all(int8_blobs, a, _INT8), p, config)  # noqa: E731
+        int8_s = _optional("from host, int8", lambda: _timed(fn, dev, repeats))[0]
     decode_s, _, decoded = _timed(lambda: _decode_all(blobs, a, spec), dev, repeats)
     # [0]: a result held past its timing (a feed is the whole context) would count in the next peak
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
@@ -398,6 +414,8 @@ def _row(
         "host_ms": host_s * 1e3,
         "host_speedup": full_s / host_s,
         "host_threads_ms": host_threads_s * 1e3,
+        "host_int8_ms": int8_s * 1e3,
+        "host_int8_speedup": full_s / int8_s,
         "tier_ms": tier_s * 1e3,
         "tier_speedup": full_s / tier_s,
         "decode_ms": decode_s * 1e3,
@@ -435,6 +453,8 @@ COLUMNS = (
     Column("host_ms", "fused from host ms", "{:,.0f}"),
     Column("host_speedup", "vs full", "{:.1f}x"),
     Column("host_threads_ms", "from host, staging on threads ms", "{:,.0f}"),
+    Column("host_int8_ms", "from host, int8 ms", "{:,.0f}"),
+    Column("host_int8_speedup", "vs full", "{:.1f}x"),
     Column("tier_ms", "fused from device tier ms", "{:,.0f}"),
     Column("tier_speedup", "vs full", "{:.1f}x"),
     Column("decode_ms", "decode from host ms", "{:,.0f}"),
@@ -462,6 +482,9 @@ COLUMNS = (
     Column("graphs_gib", "graphs GiB", "{:.2f}"),
     Column("kl", "KL fused vs full", "{:.4f}"),
 )
+
+
+_INT8 = CodecSpec("int8", 0)
 
 
 def _codec_spec(text: str) -> tuple[str, int]:
