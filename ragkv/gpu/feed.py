@@ -155,8 +155,8 @@ class LayerFeed:
         spans = list(zip(starts[:-1], starts[1:], strict=True))  # each chunk's slots
         if stage is None:
             staged = [kv.keys.device != dev for kv in chunks]
-        elif isinstance(stage, bool):
-            staged = [stage] * len(chunks)
+        elif not isinstance(stage, Sequence):  # one answer for all (a bool, numpy's too)
+            staged = [bool(stage)] * len(chunks)
         else:
             staged = [bool(st) for st in stage]
             if len(staged) != len(chunks):
@@ -343,6 +343,7 @@ class _Stager:
                             self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # slab's last copy done
                         view = slabs[layer % 2][:nbytes].view(src).view(layer_shape)
                         self._to_slab(layer, view)
+                        # (landing is never None here: the slab path always lands)
                         crossed = view if landing is None else landing.copy_(view, non_blocking=True)
                         self._convert(layer, keys, values, crossed)
                     if stream is not None:

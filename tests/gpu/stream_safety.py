@@ -25,13 +25,18 @@ What CUDA requires of such code is checked as it runs. Each breach is recorded i
    reads (a missing wait);
 2. the host writes host memory a pending copy reads, or hands such memory back to the pool (a slab
    reused too early);
-3. a side stream writes device memory the compute stream allocated without having waited for the
-   compute stream since (the caching allocator may have given it memory that queued compute work
-   still uses), or without ``record_stream`` (the allocator may hand it out again while the copy is
-   pending);
+3. a side stream reads or writes device memory it did not allocate without ``record_stream`` (the
+   allocator may hand it out again while the copy is pending), or without having waited for the
+   compute stream after that memory was allocated (the caching allocator may have given it memory
+   that queued compute work still uses; memory from before the fake needs some wait), or after
+   the compute stream last wrote it (a read) or touched it (a write);
 4. a copy from the host reads pageable or non-contiguous memory (torch then copies through a
    pageable temporary, and the copy blocks the host), or is not ``non_blocking``;
-5. a side stream runs anything but views, allocations and copies (the fake does not model it).
+5. a side stream runs anything but views, allocations and copies (the fake does not model it), a
+   host copy thread (the stager's ``_copy_part`` off the stager's thread) writes device memory, or
+   code switches streams by ``torch.cuda.set_stream``.
+
+The host writes of the stager's copy threads are checked against rule 2 as well.
 
 What it cannot see: the copy's speed, the driver, and host memory read through numpy or ctypes (the
 host tier's pinned copies, the checksum); the CUDA tests run the real streams.
@@ -207,6 +212,22 @@ class _SideMode(TorchDispatchMode):
         return None  # not reached
 
 
+class _HostMode(TorchDispatchMode):
+    """A thread that only copies on the host (the stager's slab-copy threads): rule 2 on its writes."""
+
+    def __init__(self, streams: LazyStreams) -> None:
+        super().__init__()
+        self.streams = streams
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is aten.copy_.default:
+            if not self.streams.is_host(args[0]):
+                self.streams.breach("a host copy thread writes device memory outside any stream")
+            self.streams.host_write(args[0])
+        return func(*args, **kwargs)
+
+
 class _ComputeMode(TorchDispatchMode):
     """Every ATen call of the thread that entered :func:`lazy_streams` (the compute stream's)."""
 
@@ -255,6 +276,9 @@ class LazyStreams:
     _host: list[tuple[torch.Tensor, Span, bool]] = field(default_factory=list)  # (kept alive, span, pinned)
     _made: dict[int, tuple[_Stream, int]] = field(default_factory=dict)  # storage -> (stream, tick)
     _recorded: set[tuple[int, int]] = field(default_factory=set)  # (storage, id(stream)) record_stream'd
+    _touched: dict[int, list[tuple[Span | None, int, bool]]] = field(
+        default_factory=dict
+    )  # compute: (span, tick, wrote)
 
     def __post_init__(self) -> None:
         self.compute = _Stream(self, side=False)
@@ -318,7 +342,10 @@ class LazyStreams:
         tick = self.now()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in skip:
-                self._made[t.untyped_storage().data_ptr()] = (stream, tick)
+                storage = t.untyped_storage().data_ptr()
+                with self.lock:
+                    self._made[storage] = (stream, tick)
+                    self._touched.pop(storage, None)  # what touched its address before was other memory
 
     def record_stream(self, t: torch.Tensor, stream: _Stream) -> None:
         self._recorded.add((t.untyped_storage().data_ptr(), id(stream)))
@@ -331,13 +358,44 @@ class LazyStreams:
                 self.breach(f"{op} on the compute stream touches memory a side stream's pending copy writes")
             if write and _overlap(span, c.reads):
                 self.breach(f"{op} on the compute stream writes memory a side stream's pending copy reads")
+        with self.lock:
+            self._touched.setdefault(t.untyped_storage().data_ptr(), []).append((span, self.now(), write))
+
+    def host_write(self, dst: torch.Tensor) -> None:
+        """Rule 2: the host may not write what a pending copy reads."""
+        span = _span(dst)
+        if any(_overlap(span, c.reads) for c in self.pending()):
+            self.breach("the host writes memory a side stream's pending copy still reads (wait for its event)")
+
+    def side_device(self, stream: _Stream, t: torch.Tensor, *, write: bool) -> None:
+        """Rule 3, for device memory ``t`` a copy on side stream ``stream`` writes or reads."""
+        storage = t.untyped_storage().data_ptr()
+        made = self._made.get(storage)
+        if made is not None and made[0] is stream:
+            return  # its own allocation: ordered by the stream itself
+        what = "writes" if write else "reads"
+        tick = 0 if made is None else made[1]  # memory from before the fake needs some wait
+        if stream.horizon < tick:
+            self.breach(
+                f"a side stream {what} device memory the compute stream allocated without waiting for the "
+                "compute stream after it (stream.wait_event / wait_stream)"
+            )
+        span = _span(t)
+        with self.lock:
+            touched = list(self._touched.get(storage, ()))
+        for other, when, wrote in touched:
+            if when > stream.horizon and (write or wrote) and _overlap(span, other):
+                done = "wrote" if wrote else "read"
+                self.breach(
+                    f"a side stream {what} device memory the compute stream {done} after the side stream's last wait"
+                )
+        if (storage, id(stream)) not in self._recorded:
+            self.breach(f"a side stream {what} device memory it did not allocate without record_stream")
 
     def side_copy(self, stream: _Stream, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         dst_host, src_host = self.is_host(dst), self.is_host(src)
         if dst_host and src_host:  # a host copy runs now (rule 2: not under a pending copy's read)
-            span = _span(dst)
-            if any(_overlap(span, c.reads) for c in self.pending()):
-                self.breach("the host writes memory a side stream's pending copy still reads (wait for its event)")
+            self.host_write(dst)
             with _disable_current_modes():
                 return dst.copy_(src)
         if src_host:  # rule 4
@@ -348,16 +406,9 @@ class LazyStreams:
         if (src_host or dst_host) and not non_blocking:
             self.breach("a host-device copy without non_blocking=True blocks the host thread")
         if not dst_host:  # rule 3
-            made = self._made.get(dst.untyped_storage().data_ptr())
-            if made is None or made[0] is not stream:
-                tick = -1 if made is None else made[1]
-                if stream.horizon < tick:
-                    self.breach(
-                        "a side stream writes device memory the compute stream allocated without waiting for "
-                        "the compute stream after it (stream.wait_event / wait_stream)"
-                    )
-                if (dst.untyped_storage().data_ptr(), id(stream)) not in self._recorded:
-                    self.breach("a side stream writes device memory it did not allocate without record_stream")
+            self.side_device(stream, dst, write=True)
+        if not src_host:
+            self.side_device(stream, src, write=False)
         inference = torch.is_inference_mode_enabled()
         with self.lock:
             stream.queue.append(_Copy(dst, src, inference, _span(dst), _span(src)))
@@ -430,11 +481,25 @@ def lazy_streams(monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.0) -> Iterat
     def record_stream(t: torch.Tensor, stream: _Stream) -> None:
         s.record_stream(t, stream)
 
+    def set_stream(stream: Any) -> None:
+        s.breach("torch.cuda.set_stream: the fake follows streams set by torch.cuda.stream(...) only")
+
+    real_part = feed._Stager._copy_part
+
+    def copy_part(self: Any, *args: Any, **kwargs: Any) -> None:
+        if s.current().side:  # on the stager's thread, inside its stream: the side mode watches it
+            real_part(self, *args, **kwargs)
+            return
+        with _HostMode(s):  # a slab-copy thread
+            real_part(self, *args, **kwargs)
+
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: s.new_stream())
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _Event(s))
     monkeypatch.setattr(torch.cuda, "stream", stream_ctx)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: s.current())
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(feed._Stager, "_copy_part", copy_part)
     monkeypatch.setattr(feed, "_uses_streams", lambda device: True)
     monkeypatch.setattr(feed, "_is_pinned", s.is_pinned)
     monkeypatch.setattr(feed, "_POOL", s.pool())

@@ -233,37 +233,55 @@ def test_on_cuda_staged_host_chunks_equal_chunks_on_the_device(tiny_tokenizer, d
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("pinned", [False, True], ids=["slab", "pinned"])
-def test_on_cuda_staging_waits_for_compute_work_queued_on_the_memory_its_buffer_reuses(tiny_tokenizer, pinned):
+def test_on_cuda_staging_waits_for_compute_work_queued_on_the_memory_its_buffer_reuses(
+    tiny_tokenizer, monkeypatch, pinned
+):
     # A previous request's kernels may still be queued on the compute stream against memory the
     # caching allocator hands the next feed's buffer. Staging must not write it before they ran:
-    # here a slow fill queued on a freed tensor of the buffer's size would overwrite the staged
+    # here a slow fill queued on freed tensors of the buffer's size would overwrite the staged
     # layers if the copy stream did not wait (tests/gpu/stream_safety.py checks the rule on the CPU).
+    import ragkv.gpu.feed as feed_mod
     from ragkv.model import load_model
     from tests.conftest import make_model
 
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
     _, _, _, inp = _prompt(a, sizes=(200, 170, 230, 64))
-    on_host = [
-        ChunkKV(
-            *(t.cpu().pin_memory() if pinned else t.cpu() for t in (kv.keys, kv.values)),
-            kv.positions,
-            kv.model_fingerprint,
-        )
-        for kv in inp.chunks
-    ]
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        return t.cpu().pin_memory() if pinned else t.cpu()
+
+    on_host = [ChunkKV(host(kv.keys), host(kv.values), kv.positions, kv.model_fingerprint) for kv in inp.chunks]
     want = LayerFeed(a, inp.prefix, inp.chunks, extra=5)
     want.all_ready()
     torch.cuda.synchronize()
-    for _ in range(3):
-        junk = [torch.empty_like(want.keys), torch.empty_like(want.values)]
-        torch.cuda._sleep(100_000_000)  # the compute stream busy for tens of milliseconds
-        for t in junk:
-            t.fill_(float("nan"))  # queued after the sleep, on memory freed just below
-        del junk
-        staged = LayerFeed(a, inp.prefix, on_host, extra=5)
-        staged.all_ready()
-        torch.cuda.synchronize()
-        assert torch.equal(staged.keys, want.keys) and torch.equal(staged.values, want.values)
+
+    def corrupted_runs() -> int:
+        bad = 0
+        for _ in range(3):
+            junk = [torch.empty_like(want.keys), torch.empty_like(want.values)]
+            torch.cuda._sleep(200_000_000)  # the compute stream busy for about 0.1 s
+            for x in junk:
+                x.fill_(float("nan"))  # queued after the sleep, on memory freed just below
+            del junk, x
+            staged = LayerFeed(a, inp.prefix, on_host, extra=5)
+            staged.all_ready()
+            torch.cuda.synchronize()
+            bad += not (torch.equal(staged.keys, want.keys) and torch.equal(staged.values, want.values))
+        return bad
+
+    # the control: the same runs with the copy stream's wait taken out
+    with monkeypatch.context() as m:
+        real = feed_mod._Stager.__init__
+
+        def no_wait(self, *args, **kwargs):
+            real(self, *args, **kwargs)
+            self.after = None
+
+        m.setattr(feed_mod._Stager, "__init__", no_wait)
+        reproduced = corrupted_runs()
+    assert corrupted_runs() == 0
+    if not reproduced:
+        pytest.skip("the fixed path ran clean, but without the wait it did too on this device: the test proved nothing")
 
 
 def test_a_staged_feed_made_in_inference_mode_fills_its_buffer(llama_adapter):

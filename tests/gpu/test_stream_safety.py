@@ -105,6 +105,46 @@ def test_a_side_write_into_compute_memory_needs_a_wait_and_record_stream(monkeyp
         assert torch.equal(dst, slab) and len(s.breaches) == 2
 
 
+def test_a_side_copy_after_compute_work_on_its_memory_needs_a_wait_since(monkeypatch):
+    with lazy_streams(monkeypatch) as s:
+        slab = s.host(torch.ones(8), pinned=True)
+        dst, src = torch.zeros(8), torch.zeros(8)
+        side = _side(s)
+        dst.record_stream(side)
+        src.record_stream(side)
+        dst[4:].add_(1)  # compute work after the side stream's wait
+        src.add_(1)
+        with torch.cuda.stream(side):
+            dst[:4].copy_(slab[:4], non_blocking=True)  # other elements: allowed
+            with pytest.raises(StreamBreach, match="compute stream wrote after"):
+                dst[4:].copy_(slab[4:], non_blocking=True)  # write after write
+            with pytest.raises(StreamBreach, match="reads device memory the compute stream wrote after"):
+                torch.empty(8).copy_(src, non_blocking=True)  # read after write
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dst[4:].copy_(slab[4:], non_blocking=True)
+            torch.empty(8).copy_(src, non_blocking=True)
+        side.synchronize()
+        assert len(s.breaches) == 2
+
+
+def test_memory_from_before_the_fake_or_read_without_record_stream_is_caught(monkeypatch):
+    before = torch.zeros(8)
+    with lazy_streams(monkeypatch) as s:
+        slab = s.host(torch.ones(8), pinned=True)
+        side = torch.cuda.Stream()
+        before.record_stream(side)
+        with torch.cuda.stream(side), pytest.raises(StreamBreach, match="without waiting"):
+            before.copy_(slab, non_blocking=True)
+        src = torch.ones(8)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), pytest.raises(StreamBreach, match="reads device memory it did not allocate"):
+            torch.empty(8).copy_(src, non_blocking=True)
+        with pytest.raises(StreamBreach, match="set_stream"):
+            torch.cuda.set_stream(side)
+        assert len(s.breaches) == 3
+
+
 def test_copies_from_pageable_or_strided_host_memory_and_blocking_copies_are_caught(monkeypatch):
     with lazy_streams(monkeypatch) as s:
         pageable = s.host(torch.ones(4, 8), pinned=False)
@@ -216,6 +256,24 @@ def test_reading_a_layer_before_it_is_ready_is_caught(llama_adapter, monkeypatch
             feed.keys[last].sum()
         feed.all_ready()
         feed.keys[last].sum()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_slab_refilled_before_its_copy_ran_is_caught_on_any_copy_thread(llama_adapter, monkeypatch, threads):
+    # the stager waits for layer l-2's copy before it refills that slab; without the wait (events
+    # that do not wait) and with the compute side not yet reading, the refill lands on a pending copy
+    import tests.gpu.stream_safety as fake
+
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    monkeypatch.setattr(fake._Event, "synchronize", lambda self: None)
+    with lazy_streams(monkeypatch, hold_s=0.0) as s:
+        feed = LayerFeed(a, inp.prefix, _chunks(inp, s, half=False, pinned=False), stage=True, stage_threads=threads)
+        assert feed._worker is not None
+        feed._worker.thread.join()
+        with pytest.raises(RuntimeError, match="staging chunk caches"):
+            feed.all_ready()
+    assert any("pending copy still reads" in b for b in s.breaches)
 
 
 def test_a_fusion_through_a_staged_feed_keeps_stream_semantics(llama_adapter, monkeypatch):
