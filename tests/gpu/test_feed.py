@@ -3,7 +3,8 @@
 The CPU runs everything but the copy stream: ``stage=True`` sends every chunk through the staging
 worker (plain host slabs instead of pinned ones), which checks the pipeline's ordering; the CUDA
 tests at the end run the real one (pinned slabs, a copy stream, events) against the eager path.
-``tests/gpu/test_stream_safety.py`` runs the worker under CUDA's stream semantics faked on the CPU.
+``tests/gpu/test_stream_safety.py`` runs the worker under CUDA's stream semantics faked on the CPU,
+and a whole fusion through a staged feed there, against a fusion in place.
 """
 
 from __future__ import annotations
@@ -124,20 +125,6 @@ def test_sinks_receive_the_chunk_as_stored_and_are_told_once(llama_adapter):
     assert told == [0, 1, 2]
     for sink, kv in zip(sinks, inp.chunks, strict=True):  # before re-rotation: what decoding gave
         assert torch.equal(sink.keys, kv.keys) and torch.equal(sink.values, kv.values)
-
-
-def test_fusion_through_a_staged_feed_equals_fusion_in_place(llama_adapter, monkeypatch):
-    a = llama_adapter
-    _, _, _, inp = _prompt(a)
-    want = fuse(a, inp, FusionConfig(), prefill_suffix=True)
-    import ragkv.fusion
-
-    real = ragkv.fusion.LayerFeed
-    monkeypatch.setattr(ragkv.fusion, "LayerFeed", lambda *args, **kw: real(*args, **kw, stage=True))
-    got = fuse(a, inp, FusionConfig(), prefill_suffix=True)
-    assert got.suffix_logits is not None and want.suffix_logits is not None
-    assert torch.equal(got.suffix_logits, want.suffix_logits)
-    assert torch.equal(got.selected, want.selected)
 
 
 def test_a_failing_stage_fails_the_fusion_not_the_process(llama_adapter):
