@@ -14,7 +14,9 @@ chunks' K/V need only be in place one layer before it. :class:`LayerFeed` alloca
   across in one copy and converted into the buffer on a copy stream, with an event per layer.
   ``ready(l)`` makes the compute stream wait for layer ``l``'s event only, so later layers
   cross PCIe while earlier ones compute (CacheBlend's loading pipeline, LMCache's layer-wise
-  mode). Pageable memory reaches a GPU at ~6 GB/s, pinned at ~25-50;
+  mode). Pageable memory reaches a GPU at ~6 GB/s, pinned at ~25-50. Chunks already page-locked
+  (host-tier hits) need no slab: each chunk's layer crosses by DMA from where it is into a
+  contiguous block of a landing buffer, then is copied into its slots on the device;
 - then layer ``l``'s chunk keys are re-rotated in one pass per run of chunks that move (the
   first chunk after the prefix usually sits where it was computed), not a loop over chunks,
   in fp32 with the model's own rotation (``ragkv.model.rotary``): the same arithmetic as
@@ -314,7 +316,7 @@ class _Stager:
         slabs: list[torch.Tensor] = []
         stream = torch.cuda.Stream(keys.device) if self.cuda else None
         # chunks already in page-locked memory cross straight from there: no slab, no host copy
-        direct = all(_is_pinned(kv.keys) and _is_pinned(kv.values) for kv, _ in self.host)
+        direct = all(_crosses_directly(kv.keys) and _crosses_directly(kv.values) for kv, _ in self.host)
         try:
             if not direct:  # double-buffered: fill one while the other crosses
                 slabs = [self.pool.take(nbytes) for _ in range(2)]
@@ -325,14 +327,13 @@ class _Stager:
                 values.record_stream(stream)
             ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx, torch.inference_mode(self.inference):
-                # a layer lands here whole (one contiguous copy), then is converted or copied into
-                # the buffer's runs; the stream orders each landing after the previous layer's
-                # conversion. From the slab it always lands: a run's columns of the slab are not
-                # contiguous, and torch copies such a source through a pageable temporary, a copy
-                # that blocks the host. Pinned chunks in the model's dtype go straight in.
-                landing = (
-                    None if direct and src == keys.dtype else torch.empty(layer_shape, dtype=src, device=self.device)
-                )
+                # A layer lands here contiguous, then is converted or copied into the buffer on the
+                # device; the stream orders each landing after the previous layer's conversion.
+                # torch copies a strided host source through a pageable temporary (a copy that
+                # blocks the host), and into a strided device destination through a device
+                # temporary and a second copy: the slab's layer crosses whole, and each pinned
+                # chunk's layer into a contiguous block of its own.
+                landing = torch.empty(layer_shape, dtype=src, device=self.device)
                 for layer in range(len(self.landed)):
                     if self.stopped:
                         break
@@ -343,9 +344,8 @@ class _Stager:
                             self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # slab's last copy done
                         view = slabs[layer % 2][:nbytes].view(src).view(layer_shape)
                         self._to_slab(layer, view)
-                        # (landing is never None here: the slab path always lands)
-                        crossed = view if landing is None else landing.copy_(view, non_blocking=True)
-                        self._convert(layer, keys, values, crossed)
+                        landing.copy_(view, non_blocking=True)
+                        self._convert(layer, keys, values, landing)
                     if stream is not None:
                         event = torch.cuda.Event()
                         event.record(stream)
@@ -388,20 +388,23 @@ class _Stager:
             keys[layer, :, a:b].copy_(crossed[0, :, c : c + b - a], non_blocking=True)
             values[layer, :, a:b].copy_(crossed[1, :, c : c + b - a], non_blocking=True)
 
-    def _cross_direct(self, layer: int, keys: torch.Tensor, values: torch.Tensor, landing: torch.Tensor | None) -> None:
-        """Layer ``layer`` of pinned host chunks: copied from where they are (DMA), converted after."""
-        if landing is None:  # the model's dtype already: straight into the buffer
-            for kv, (a, b) in self.host:
-                keys[layer, :, a:b].copy_(kv.keys[layer], non_blocking=True)
-                values[layer, :, a:b].copy_(kv.values[layer], non_blocking=True)
-            return
-        col = 0
-        for kv, _ in self.host:
-            t = kv.num_tokens
-            landing[0, :, col : col + t].copy_(kv.keys[layer], non_blocking=True)
-            landing[1, :, col : col + t].copy_(kv.values[layer], non_blocking=True)
-            col += t
-        self._convert(layer, keys, values, landing)
+    def _cross_direct(self, layer: int, keys: torch.Tensor, values: torch.Tensor, landing: torch.Tensor) -> None:
+        """Layer ``layer`` of pinned host chunks: copied from where they are (DMA), each into a
+        contiguous block of ``landing`` (chunk by chunk, ``[H, tokens, D]`` each), then every chunk
+        copied (converted) into its slots on the device: the DMAs run back to back, one copy each."""
+        flat = landing.view(2, -1)
+        blocks = []
+        for (kv, _), col in zip(self.host, self.slab_columns, strict=True):
+            k, v = kv.keys[layer], kv.values[layer]
+            start = col * k.shape[0] * k.shape[2]  # the chunks before it, [H, tokens, D] each
+            block_k = flat[0, start : start + k.numel()].view(k.shape)
+            block_v = flat[1, start : start + v.numel()].view(v.shape)
+            block_k.copy_(k, non_blocking=True)
+            block_v.copy_(v, non_blocking=True)
+            blocks.append((block_k, block_v))
+        for (_, (a, b)), (block_k, block_v) in zip(self.host, blocks, strict=True):
+            keys[layer, :, a:b].copy_(block_k, non_blocking=True)
+            values[layer, :, a:b].copy_(block_v, non_blocking=True)
 
 
 _COPIERS: dict[int, ThreadPoolExecutor] = {}
@@ -435,6 +438,12 @@ def _uses_streams(device: torch.device) -> bool:
     """Whether staging to ``device`` runs on a copy stream with events (CUDA; the stream tests make
     the CPU say yes, with CUDA's semantics faked: ``tests/gpu/stream_safety.py``)."""
     return device.type == "cuda"
+
+
+def _crosses_directly(t: torch.Tensor) -> bool:
+    """True for a host chunk tensor the copy stream can read by DMA where it is: page-locked, and
+    contiguous (so is each layer; a strided one would go through a pageable temporary)."""
+    return _is_pinned(t) and t.is_contiguous()
 
 
 def _is_pinned(t: torch.Tensor) -> bool:

@@ -31,7 +31,8 @@ What CUDA requires of such code is checked as it runs. Each breach is recorded i
    that queued compute work still uses; memory from before the fake needs some wait), or after
    the compute stream last wrote it (a read) or touched it (a write);
 4. a copy from the host reads pageable or non-contiguous memory (torch then copies through a
-   pageable temporary, and the copy blocks the host), or is not ``non_blocking``;
+   pageable temporary, and the copy blocks the host), writes non-contiguous device memory (torch
+   then allocates a device temporary and runs a second copy), or is not ``non_blocking``;
 5. a side stream runs anything but views, allocations and copies (the fake does not model it), a
    host copy thread (the stager's ``_copy_part`` off the stager's thread) writes device memory, or
    code switches streams by ``torch.cuda.set_stream``.
@@ -403,6 +404,11 @@ class LazyStreams:
                 self.breach("a copy from pageable host memory: it blocks the host (stage through pinned memory)")
             if not src.is_contiguous():
                 self.breach("a copy from non-contiguous host memory: torch copies it through a pageable temporary")
+            if not dst_host and not dst.is_contiguous():
+                self.breach(
+                    "a copy from the host into non-contiguous device memory: torch allocates a device "
+                    "temporary and runs a second copy (land it contiguous, then copy on the device)"
+                )
         if (src_host or dst_host) and not non_blocking:
             self.breach("a host-device copy without non_blocking=True blocks the host thread")
         if not dst_host:  # rule 3
