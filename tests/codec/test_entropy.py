@@ -10,10 +10,17 @@ from ragkv.codec.cachegen import LEVELS, channel_sigma, quantize
 from tests.codec.conftest import KVFactory, encoded
 
 
-def _entropy_bytes(symbols: torch.Tensor) -> float:
+def _entropy_bytes(symbols: torch.Tensor) -> tuple[float, float]:
+    """(the order-0 entropy of ``symbols`` in bytes, Huffman's worst loss over it in bytes).
+
+    A Huffman code loses less than ``p_max + 0.086`` bits per symbol against the entropy, where
+    ``p_max`` is the likeliest symbol's probability (Gallager, 1978): at the coarse levels most
+    symbols are 0, and the loss is a large share of a small entropy.
+    """
     _, counts = np.unique(symbols.numpy(), return_counts=True)
     p = counts / counts.sum()
-    return float(-(p * np.log2(p)).sum() * symbols.numel() / 8)
+    n = symbols.numel()
+    return float(-(p * np.log2(p)).sum() * n / 8), float((p.max() + 0.086) * n / 8)
 
 
 def test_stream_sizes_track_the_symbol_entropy(make_kv: KVFactory) -> None:
@@ -30,8 +37,9 @@ def test_stream_sizes_track_the_symbol_entropy(make_kv: KVFactory) -> None:
             y = x[:, :, 1:].float()
             _, _, q = quantize(y, channel_sigma(y, per_layer) * mult, factor)
             ideal += [_entropy_bytes(q[i]) for i in range(layers)]
-        for got, want in zip(coded, ideal, strict=True):
-            # zstd frame + Huffman table overhead is tens of bytes, and Huffman codes lose up to a few
-            # percent at the coarse levels (seed 3201331038: 7.8%); a broken table or layout
-            # shows up as a large excess.
-            assert 0.9 * want <= got <= 1.1 * want + 80, (level, got, want)
+        for got, (want, loss) in zip(coded, ideal, strict=True):
+            # zstd's frame and Huffman table cost tens of bytes, and a Huffman code loses up to
+            # `loss` (at the coarse levels: seed 3201331038 lost 7.8% of the entropy, 179146907
+            # 11.5%); a broken table or layout shows up as a far larger excess (raw int8 is 8 bits
+            # a symbol)
+            assert 0.9 * want <= got <= want + loss + 80, (level, got, want, loss)
