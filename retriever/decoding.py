@@ -13,12 +13,14 @@ separate from the entropy stage's pool, which a cachegen decode waits on from in
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Generic, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, Generic, TypeVar
 
 __all__ = ["DEFAULT_WORKERS", "OrderedDecodes", "decode_all", "default_workers"]
 
@@ -81,13 +83,20 @@ class OrderedDecodes(Generic[K, T]):
     decode. With one worker every call runs inline, on the caller's thread, and :meth:`submit`
     hands its result back at once.
 
+    ``around`` makes the context each call on a worker thread runs in: the loader passes the
+    request's CUDA stream (``torch.cuda.stream(s)``), so a decode onto the GPU uploads on the
+    stream that will read the result. A thread's current stream is its own, the device's default
+    one on a new thread; a request running on another stream would otherwise read uploads not
+    ordered before it.
+
     An exception raised by a call is raised where its result is taken back.
     """
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, around: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1 thread, got {workers}")
         self.workers = workers
+        self.around = around
         self._pending: deque[tuple[K, Future[T]]] = deque()
 
     def submit(self, tag: K, call: Callable[[], T]) -> list[tuple[K, T]]:
@@ -100,7 +109,9 @@ class OrderedDecodes(Generic[K, T]):
             except BaseException as e:  # raised where it is taken back, as from a thread
                 future.set_exception(e)
         else:
-            future = _pool(self.workers).submit(call)
+            future = _pool(self.workers).submit(
+                call if self.around is None else functools.partial(_within, self.around, call)
+            )
         self._pending.append((tag, future))
         done = []
         while len(self._pending) > (0 if self.workers == 1 else 2 * self.workers):
@@ -124,6 +135,11 @@ class OrderedDecodes(Generic[K, T]):
     def _take(self) -> tuple[K, T]:
         tag, future = self._pending.popleft()
         return tag, future.result()
+
+
+def _within(around: Callable[[], AbstractContextManager[Any]], call: Callable[[], T]) -> T:
+    with around():
+        return call()
 
 
 def decode_all(calls: Sequence[Callable[[], T]], workers: int = DEFAULT_WORKERS) -> list[T]:

@@ -184,7 +184,10 @@ class ChunkLoader:
         local: set[int] = set()  # chunks prefilled here while the next ones were fetched
         spans: list[tuple[float, float]] = []  # (start, end) of each decode
         decodes: OrderedDecodes[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float, float]]
-        decodes = OrderedDecodes(self.decode_workers)
+        around = None  # decodes onto the GPU upload on the request's stream (see OrderedDecodes)
+        if self.adapter.device.type == "cuda":
+            around = functools.partial(torch.cuda.stream, torch.cuda.current_stream(self.adapter.device))
+        decodes = OrderedDecodes(self.decode_workers, around=around)
 
         def landed(done: list[tuple[tuple[int, ChunkKey, Fetched, int], tuple[ChunkKV | None, float, float]]]) -> None:
             for (i, key, got, nbytes), (kv, start, end) in done:

@@ -104,3 +104,24 @@ def test_cancel_drops_what_has_not_started_and_waits_for_what_runs() -> None:
 def test_workers_must_be_positive() -> None:
     with pytest.raises(ValueError, match="workers must be >= 1"):
         OrderedDecodes(0)
+
+
+def test_calls_on_worker_threads_run_inside_around_and_inline_ones_do_not_need_it() -> None:
+    # the loader passes the request's CUDA stream this way; a marker stands in for it here
+    inside = threading.local()
+
+    class Around:
+        def __enter__(self) -> None:
+            inside.marked = True
+
+        def __exit__(self, *exc: object) -> None:
+            inside.marked = False
+
+    def seen() -> bool:
+        return getattr(inside, "marked", False)
+
+    many: OrderedDecodes[int, bool] = OrderedDecodes(3, around=Around)
+    results = [r for i in range(6) for _, r in many.submit(i, seen)] + [r for _, r in many.finish()]
+    assert results == [True] * 6
+    one: OrderedDecodes[int, bool] = OrderedDecodes(1, around=Around)
+    assert [r for _, r in one.submit(0, seen)] == [False]  # inline: already on the caller's stream
