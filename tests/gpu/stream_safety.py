@@ -113,19 +113,21 @@ class _Stream:
 
     def __init__(self, streams: LazyStreams, side: bool) -> None:
         self.streams, self.side = streams, side
-        self.queue: list[_Copy] = []
+        self.queue: list[_Copy | None] = []  # a copy that ran is None: its tensors are let go
         self.ran = 0  # copies of the queue that have run
         self.horizon = -1  # a side stream's last wait for the compute stream (the clock's tick)
 
     def pending(self) -> list[_Copy]:
-        return self.queue[self.ran :]
+        return [c for c in self.queue[self.ran :] if c is not None]
 
     def run_until(self, end: int) -> None:
         with self.streams.lock:
             while self.ran < end:
                 copy = self.queue[self.ran]
+                self.queue[self.ran] = None
                 self.ran += 1  # no longer pending: its own reads and writes are not checked against it
-                copy.run()
+                if copy is not None:
+                    copy.run()
             self.streams.lock.notify_all()
 
     def wait_event(self, event: _Event) -> None:
