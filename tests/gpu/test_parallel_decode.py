@@ -12,15 +12,34 @@ from ragkv.gpu.tier import DeviceTierConfig
 from tests.core.test_engine import DOCS, GEN
 
 
+def _rag(data_dir, a, level: str, workers: int) -> RagKV:
+    """An engine on ``a`` that decodes every chunk from the store (no tiers) on ``workers`` threads."""
+    from ragkv.retriever.chunker import ChunkerConfig
+    from ragkv.retriever.embedder import HashingEmbedder
+    from ragkv.retriever.kv_retriever import RetrieverConfig
+    from ragkv.types import CodecSpec
+
+    retr = RetrieverConfig(
+        top_k=3,
+        chunker=ChunkerConfig(min_tokens=40, max_tokens=120),
+        codec=CodecSpec(level, 0),
+        decode_workers=workers,
+    )
+    cfg = EngineConfig(
+        data_dir=data_dir,
+        retriever=retr,
+        store=("memory://",),
+        device_tier=DeviceTierConfig(budget_bytes=0),
+        host_tier=HostTierConfig(budget_bytes=0),
+    )
+    return RagKV(cfg, adapter=a, embedder=HashingEmbedder(dim=64))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("level", ["raw", "cachegen"])
 def test_on_cuda_decode_threads_equal_one_thread(tmp_path, tiny_tokenizer, level):
     from ragkv.model import load_model
-    from ragkv.retriever.chunker import ChunkerConfig
-    from ragkv.retriever.embedder import HashingEmbedder
-    from ragkv.retriever.kv_retriever import RetrieverConfig
-    from ragkv.types import CodecSpec
     from tests.conftest import make_model
 
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
@@ -28,20 +47,7 @@ def test_on_cuda_decode_threads_equal_one_thread(tmp_path, tiny_tokenizer, level
     texts = []
     loads = []
     for workers in (1, 4):
-        retr = RetrieverConfig(
-            top_k=3,
-            chunker=ChunkerConfig(min_tokens=40, max_tokens=120),
-            codec=CodecSpec(level, 0),
-            decode_workers=workers,
-        )
-        cfg = EngineConfig(
-            data_dir=tmp_path / str(workers),
-            retriever=retr,
-            store=("memory://",),
-            device_tier=DeviceTierConfig(budget_bytes=0),
-            host_tier=HostTierConfig(budget_bytes=0),
-        )
-        with RagKV(cfg, adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
+        with _rag(tmp_path / str(workers), a, level, workers) as rag:
             rag.index(DOCS, progress=False)
             assert rag.retriever.loader.decode_workers == workers
             chunks = [list(c.token_ids) for c in rag.retrieve(question, k=3)]
@@ -63,28 +69,16 @@ def test_on_cuda_decode_threads_upload_on_the_request_stream(tmp_path, tiny_toke
     # request has read them.
     import ragkv.retriever.loader as loader_mod
     from ragkv.model import load_model
-    from ragkv.retriever.chunker import ChunkerConfig
     from ragkv.retriever.decoding import OrderedDecodes
-    from ragkv.retriever.embedder import HashingEmbedder
-    from ragkv.retriever.kv_retriever import RetrieverConfig
-    from ragkv.types import CodecSpec
     from tests.conftest import make_model
 
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
-    retr = RetrieverConfig(
-        top_k=3, chunker=ChunkerConfig(min_tokens=40, max_tokens=120), codec=CodecSpec("cachegen", 0), decode_workers=4
-    )
-    cfg = EngineConfig(
-        data_dir=tmp_path,
-        retriever=retr,
-        store=("memory://",),
-        device_tier=DeviceTierConfig(budget_bytes=0),
-        host_tier=HostTierConfig(budget_bytes=0),
-    )
-    with RagKV(cfg, adapter=a, embedder=HashingEmbedder(dim=64)) as rag:
+    with _rag(tmp_path, a, "cachegen", 4) as rag:
         rag.index(DOCS, progress=False)
         chunks = [list(c.token_ids) for c in rag.retrieve("Where do apples grow?", k=3)]
-        want = [(x.kv.keys.clone(), x.kv.values.clone()) for x in rag.retriever.loader.load_many(chunks)]
+        # kept alive: a later decode that reused these blocks would find the right values there
+        first = rag.retriever.loader.load_many(chunks)
+        want = [(x.kv.keys.clone(), x.kv.values.clone()) for x in first]
         torch.cuda.synchronize()
 
         def read_on_own_stream() -> bool:
@@ -95,6 +89,7 @@ def test_on_cuda_decode_threads_upload_on_the_request_stream(tmp_path, tiny_toke
                 loads = rag.retriever.loader.load_many(chunks)
                 got = [(x.kv.keys.clone(), x.kv.values.clone()) for x in loads]
             torch.cuda.synchronize()
+            del loads
             return all(
                 torch.equal(gk, wk) and torch.equal(gv, wv) for (gk, gv), (wk, wv) in zip(got, want, strict=True)
             )
@@ -103,6 +98,7 @@ def test_on_cuda_decode_threads_upload_on_the_request_stream(tmp_path, tiny_toke
             m.setattr(loader_mod, "OrderedDecodes", lambda workers, around=None: OrderedDecodes(workers))
             reproduced = not read_on_own_stream()
         assert read_on_own_stream()
+        del first
         if not reproduced:
             pytest.skip(
                 "the request's stream read right, but without it did too on this device: the test proved nothing"
