@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ragkv.gpu.feed import DeviceSink
+from ragkv.gpu.feed import DeviceSink, _uses_streams
 from ragkv.gpu.graphs import CAPTURE_LOCK
 from ragkv.types import ChunkKV
 
@@ -69,6 +69,7 @@ class _Entry:
     cost_per_gib: float  # load seconds per GiB: GreedyDual-Size's cost over size
     priority: float
     used: int  # use counter at the last use: breaks ties between equal priorities, least recent first
+    written: torch.cuda.Event | None = None  # on a GPU: recorded after the entry's writes (readers wait for it)
 
     def rank(self) -> tuple[float, int]:
         return self.priority, self.used
@@ -110,6 +111,7 @@ class BoundedTier:
             self._uses += 1
             entry.used = self._uses
             self.hits += 1
+            self._served(entry)
             return entry.kv
 
     def __contains__(self, key: str) -> bool:
@@ -148,6 +150,9 @@ class BoundedTier:
             return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].rank())]
 
     # ---- internals (the lock held) ---------------------------------------------------------
+    def _served(self, entry: _Entry) -> None:
+        """``entry`` is handed to a reader (the device tier orders the reader's stream after it)."""
+
     def _insert(self, key: str, kv: ChunkKV, nbytes: int, cost_s: float) -> bool:
         """Keep ``kv`` under ``key``, evicting as needed; False if it can never fit."""
         if not self._make_room(nbytes, key):
@@ -233,12 +238,18 @@ class DeviceTier(BoundedTier):
         return self._lookup(key, usable)
 
     def put(self, key: str, kv: ChunkKV, cost_s: float) -> bool:
-        """Keep ``kv`` (already on this device; kept by reference, never written) under ``key``."""
+        """Keep ``kv`` (already on this device; kept by reference, never written) under ``key``.
+
+        On a GPU its writes are those queued so far on the caller's current stream (a decode's
+        uploads): a reader on another stream waits for them (see :meth:`_served`)."""
         if kv.keys.device != self.device:
             raise ValueError(f"device tier on {self.device} got a chunk cache on {kv.keys.device}")
         nbytes = _nbytes(kv)
         with self._lock:
-            return self._insert(key, kv, nbytes, cost_s)
+            if not self._insert(key, kv, nbytes, cost_s):
+                return False
+            self._entries[key].written = self._written()
+            return True
 
     def reserve(self, key: str, like: ChunkKV, dtype: torch.dtype, cost_s: float) -> DeviceSink | None:
         """Device tensors for ``like`` (a host chunk) to be filled as it is staged; the entry is served
@@ -261,14 +272,34 @@ class DeviceTier(BoundedTier):
             return None
         kv = ChunkKV(keys, values, like.positions.clone(), like.model_fingerprint)
 
-        def filled() -> None:
+        def filled() -> None:  # on the thread that filled the sink, its copies queued on its stream
             with self._lock:
                 if self._close(key, state):
-                    self._entries[key] = self._entry(kv, nbytes, cost_s)
+                    entry = self._entries[key] = self._entry(kv, nbytes, cost_s)
+                    entry.written = self._written()
 
         sink = DeviceSink(keys, values, filled)
         weakref.finalize(sink, self._abandon, key, state)
         return sink
+
+    def _written(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the current stream (on a GPU; None elsewhere)."""
+        if not _uses_streams(self.device):
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _served(self, entry: _Entry) -> None:
+        # A request on another stream than the one that wrote the entry (callers running requests
+        # on streams of their own) must not read it before those writes ran, and an eviction must
+        # not give its memory back to the writer's stream while this reader's kernels use it.
+        if entry.written is None:
+            return
+        reader = torch.cuda.current_stream(self.device)
+        reader.wait_event(entry.written)
+        entry.kv.keys.record_stream(reader)
+        entry.kv.values.record_stream(reader)
 
     def _abandon(self, key: str, state: dict[str, Any]) -> None:
         with self._lock:

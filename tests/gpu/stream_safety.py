@@ -463,10 +463,12 @@ class _Pool(PinnedPool):
 def lazy_streams(monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.0) -> Iterator[LazyStreams]:
     """Run the block with ``torch.cuda``'s streams and events faked (see the module docstring).
 
-    ``ragkv.gpu.feed`` stages through streams as for CUDA, its default pool is the fake's, and the
-    calling thread's ATen calls are the compute stream's (checked against pending copies).
+    ``ragkv.gpu.feed`` stages through streams as for CUDA, its default pool is the fake's, the
+    device tier orders readers after its entries' writes as on CUDA, and the calling thread's ATen
+    calls are the compute stream's (checked against pending copies).
     """
     import ragkv.gpu.feed as feed
+    import ragkv.gpu.tier as tier
 
     s = LazyStreams(hold_s=hold_s)
 
@@ -509,6 +511,7 @@ def lazy_streams(monkeypatch: pytest.MonkeyPatch, hold_s: float = 1.0) -> Iterat
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
     monkeypatch.setattr(feed._Stager, "_copy_part", copy_part)
     monkeypatch.setattr(feed, "_uses_streams", lambda device: True)
+    monkeypatch.setattr(tier, "_uses_streams", lambda device: True)
     monkeypatch.setattr(feed, "_is_pinned", s.is_pinned)
     monkeypatch.setattr(feed, "_POOL", s.pool())
     with _ComputeMode(s):

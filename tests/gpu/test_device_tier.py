@@ -304,3 +304,35 @@ def _with_tier(cfg: EngineConfig, budget: int) -> EngineConfig:
     from dataclasses import replace
 
     return replace(cfg, device_tier=DeviceTierConfig(budget_bytes=budget))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_reader_on_another_stream_waits_for_the_entry_writes(monkeypatch):
+    # an entry written on one request's stream, read by a request on another stream of its own:
+    # the reader waits for the writes (tests/gpu/test_stream_safety.py checks the rule on the CPU)
+    tier = DeviceTier(1 << 24, torch.device("cuda", torch.cuda.current_device()))  # as tensors say it
+
+    def read_after_write() -> bool:
+        writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(writer):
+            keys = torch.zeros(2, 2, 64, 16, device="cuda")
+            values = torch.zeros_like(keys)
+            torch.cuda._sleep(200_000_000)  # the writer busy for about 0.1 s
+            keys.fill_(1.0)
+            values.fill_(2.0)
+            assert tier.put("k", ChunkKV(keys, values, torch.arange(64), "fp"), 0.1)
+        with torch.cuda.stream(reader):
+            got = tier.get("k", fingerprint="fp", dtype=torch.float32, num_tokens=64)
+            assert got is not None
+            out = got.keys.clone()
+        torch.cuda.synchronize()
+        tier.discard("k")
+        return bool((out == 1).all())
+
+    with monkeypatch.context() as m:  # the control: readers not ordered after the writes
+        m.setattr(DeviceTier, "_served", lambda self, entry: None)
+        reproduced = not read_after_write()
+    assert read_after_write()
+    if not reproduced:
+        pytest.skip("the reader read right, but without the wait it did too on this device: the test proved nothing")

@@ -294,3 +294,38 @@ def test_a_fusion_through_a_staged_feed_keeps_stream_semantics(llama_adapter, mo
     assert got.suffix_logits is not None and want.suffix_logits is not None
     assert torch.equal(got.suffix_logits, want.suffix_logits)
     assert torch.equal(got.selected, want.selected)
+
+
+@pytest.mark.parametrize("via", ["put", "sink"])
+@pytest.mark.parametrize("served", [True, False], ids=["ordered", "control"])
+def test_a_device_tier_entry_is_read_on_another_stream_only_after_its_writes(monkeypatch, via, served):
+    # a request on a stream of its own reads an entry another request wrote on the compute stream:
+    # it waits for the entry's writes and record_streams it (the control: without, it is caught)
+    from ragkv.gpu.tier import DeviceTier
+
+    if not served:
+        monkeypatch.setattr(DeviceTier, "_served", lambda self, entry: None)
+    with lazy_streams(monkeypatch) as s:
+        tier = DeviceTier(1 << 20, "cpu")
+        kv = ChunkKV(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4), torch.arange(5), "fp")
+        if via == "put":
+            assert tier.put("k", kv, 0.1)
+        else:
+            sink = tier.reserve("k", kv, kv.keys.dtype, 0.1)
+            assert sink is not None
+            sink.keys.copy_(kv.keys)
+            sink.values.copy_(kv.values)
+            sink.on_filled()
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            got = tier.get("k", fingerprint="fp", dtype=kv.keys.dtype, num_tokens=5)
+            assert got is not None
+            out = torch.empty_like(got.keys)
+            if served:
+                out.copy_(got.keys, non_blocking=True)
+            else:
+                with pytest.raises(StreamBreach, match="without waiting"):
+                    out.copy_(got.keys, non_blocking=True)
+        reader.synchronize()
+    if served:
+        assert s.breaches == [] and torch.equal(out, kv.keys)
