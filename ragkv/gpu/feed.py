@@ -157,10 +157,10 @@ class LayerFeed:
         spans = list(zip(starts[:-1], starts[1:], strict=True))  # each chunk's slots
         if stage is None:
             staged = [kv.keys.device != dev for kv in chunks]
-        elif not isinstance(stage, Sequence):  # one answer for all (a bool, numpy's too)
+        elif not isinstance(stage, Sequence) and getattr(stage, "ndim", 0) == 0:  # one for all (numpy's bool too)
             staged = [bool(stage)] * len(chunks)
-        else:
-            staged = [bool(st) for st in stage]
+        else:  # per chunk: a sequence, or an array with a dimension
+            staged = [bool(st) for st in stage]  # type: ignore[union-attr]  # not a bool: tested above
             if len(staged) != len(chunks):
                 raise ValueError(f"stage says {len(staged)} chunks' staging; the feed has {len(chunks)} chunks")
         for kv, (a, b), st in zip(chunks, spans, staged, strict=True):
@@ -333,12 +333,16 @@ class _Stager:
                 # blocks the host), and into a strided device destination through a device
                 # temporary and a second copy: the slab's layer crosses whole, and each pinned
                 # chunk's layer into a contiguous block of its own.
-                landing = torch.empty(layer_shape, dtype=src, device=self.device)
+                if direct:  # each chunk's block in its own dtype: its DMA is a plain copy
+                    blocks, size = _direct_blocks(self.host)
+                    landing = torch.empty(size, dtype=torch.uint8, device=self.device)
+                else:
+                    blocks, landing = [], torch.empty(layer_shape, dtype=src, device=self.device)
                 for layer in range(len(self.landed)):
                     if self.stopped:
                         break
                     if direct:
-                        self._cross_direct(layer, keys, values, landing)
+                        self._cross_direct(layer, keys, values, landing, blocks)
                     else:
                         if layer >= 2 and self.events[layer - 2] is not None:
                             self.events[layer - 2].synchronize()  # type: ignore[union-attr]  # slab's last copy done
@@ -388,21 +392,27 @@ class _Stager:
             keys[layer, :, a:b].copy_(crossed[0, :, c : c + b - a], non_blocking=True)
             values[layer, :, a:b].copy_(crossed[1, :, c : c + b - a], non_blocking=True)
 
-    def _cross_direct(self, layer: int, keys: torch.Tensor, values: torch.Tensor, landing: torch.Tensor) -> None:
-        """Layer ``layer`` of pinned host chunks: copied from where they are (DMA), each into a
-        contiguous block of ``landing`` (chunk by chunk, ``[H, tokens, D]`` each), then every chunk
-        copied (converted) into its slots on the device: the DMAs run back to back, one copy each."""
-        flat = landing.view(2, -1)
-        blocks = []
-        for (kv, _), col in zip(self.host, self.slab_columns, strict=True):
-            k, v = kv.keys[layer], kv.values[layer]
-            start = col * k.shape[0] * k.shape[2]  # the chunks before it, [H, tokens, D] each
-            block_k = flat[0, start : start + k.numel()].view(k.shape)
-            block_v = flat[1, start : start + v.numel()].view(v.shape)
-            block_k.copy_(k, non_blocking=True)
-            block_v.copy_(v, non_blocking=True)
-            blocks.append((block_k, block_v))
-        for (_, (a, b)), (block_k, block_v) in zip(self.host, blocks, strict=True):
+    def _cross_direct(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        landing: torch.Tensor,
+        blocks: list[tuple[int, int]],
+    ) -> None:
+        """Layer ``layer`` of pinned host chunks: copied from where they are (DMA), each K and V into
+        a contiguous block of the byte buffer ``landing`` in its own dtype (at ``blocks``' offsets),
+        then every chunk copied (converted) into its slots on the device: the DMAs run back to back,
+        one device copy each."""
+        landed = []
+        for (kv, _), offsets in zip(self.host, blocks, strict=True):
+            pair = []
+            for t, at in zip((kv.keys[layer], kv.values[layer]), offsets, strict=True):
+                block = landing[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                block.copy_(t, non_blocking=True)
+                pair.append(block)
+            landed.append(pair)
+        for (_, (a, b)), (block_k, block_v) in zip(self.host, landed, strict=True):
             keys[layer, :, a:b].copy_(block_k, non_blocking=True)
             values[layer, :, a:b].copy_(block_v, non_blocking=True)
 
@@ -432,6 +442,19 @@ def _stage_threads(threads: int | None) -> int:
     if threads < 1:
         raise ValueError(f"{name} must be at least 1 (the staging worker alone), got {threads}")
     return threads
+
+
+def _direct_blocks(host: Sequence[tuple[ChunkKV, tuple[int, int]]]) -> tuple[list[tuple[int, int]], int]:
+    """Byte offsets of each host chunk's one-layer K and V blocks in a landing buffer, and its
+    size: each block in the chunk's own dtype, 16-byte aligned (any dtype can view it)."""
+    blocks, at = [], 0
+    for kv, _ in host:
+        pair = []
+        for t in (kv.keys, kv.values):
+            pair.append(at)
+            at += -(-t[0].numel() * t.element_size() // 16) * 16
+        blocks.append((pair[0], pair[1]))
+    return blocks, at
 
 
 def _uses_streams(device: torch.device) -> bool:

@@ -69,7 +69,9 @@ class _Entry:
     cost_per_gib: float  # load seconds per GiB: GreedyDual-Size's cost over size
     priority: float
     used: int  # use counter at the last use: breaks ties between equal priorities, least recent first
-    written: torch.cuda.Event | None = None  # on a GPU: recorded after the entry's writes (readers wait for it)
+    # on a GPU: an event recorded after the entry's writes, and the stream they ran on (a reader on
+    # another stream waits for the event)
+    written: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
 
     def rank(self) -> tuple[float, int]:
         return self.priority, self.used
@@ -111,8 +113,8 @@ class BoundedTier:
             self._uses += 1
             entry.used = self._uses
             self.hits += 1
-            self._served(entry)
-            return entry.kv
+        self._served(entry)  # outside the lock: it may call into CUDA (the caller holds the entry)
+        return entry.kv
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -149,9 +151,11 @@ class BoundedTier:
         with self._lock:
             return [k for k, _ in sorted(self._entries.items(), key=lambda item: item[1].rank())]
 
-    # ---- internals (the lock held) ---------------------------------------------------------
     def _served(self, entry: _Entry) -> None:
-        """``entry`` is handed to a reader (the device tier orders the reader's stream after it)."""
+        """``entry`` is handed to a reader, the lock not held (the device tier orders the reader's
+        stream after the entry's writes)."""
+
+    # ---- internals (the lock held) ---------------------------------------------------------
 
     def _insert(self, key: str, kv: ChunkKV, nbytes: int, cost_s: float) -> bool:
         """Keep ``kv`` under ``key``, evicting as needed; False if it can never fit."""
@@ -245,10 +249,11 @@ class DeviceTier(BoundedTier):
         if kv.keys.device != self.device:
             raise ValueError(f"device tier on {self.device} got a chunk cache on {kv.keys.device}")
         nbytes = _nbytes(kv)
+        written = self._written()  # before the lock: CUDA calls never run under it
         with self._lock:
             if not self._insert(key, kv, nbytes, cost_s):
                 return False
-            self._entries[key].written = self._written()
+            self._entries[key].written = written
             return True
 
     def reserve(self, key: str, like: ChunkKV, dtype: torch.dtype, cost_s: float) -> DeviceSink | None:
@@ -273,22 +278,25 @@ class DeviceTier(BoundedTier):
         kv = ChunkKV(keys, values, like.positions.clone(), like.model_fingerprint)
 
         def filled() -> None:  # on the thread that filled the sink, its copies queued on its stream
+            written = self._written()
             with self._lock:
                 if self._close(key, state):
                     entry = self._entries[key] = self._entry(kv, nbytes, cost_s)
-                    entry.written = self._written()
+                    entry.written = written
 
         sink = DeviceSink(keys, values, filled)
         weakref.finalize(sink, self._abandon, key, state)
         return sink
 
-    def _written(self) -> torch.cuda.Event | None:
-        """An event after the work queued so far on the current stream (on a GPU; None elsewhere)."""
+    def _written(self) -> tuple[torch.cuda.Event, torch.cuda.Stream] | None:
+        """An event after the work queued so far on the current stream, and that stream (on a GPU;
+        None elsewhere)."""
         if not _uses_streams(self.device):
             return None
+        stream = torch.cuda.current_stream(self.device)
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+        event.record(stream)
+        return event, stream
 
     def _served(self, entry: _Entry) -> None:
         # A request on another stream than the one that wrote the entry (callers running requests
@@ -296,8 +304,11 @@ class DeviceTier(BoundedTier):
         # not give its memory back to the writer's stream while this reader's kernels use it.
         if entry.written is None:
             return
+        event, writer = entry.written
         reader = torch.cuda.current_stream(self.device)
-        reader.wait_event(entry.written)
+        if reader == writer:  # the usual case: one stream, already in order
+            return
+        reader.wait_event(event)
         entry.kv.keys.record_stream(reader)
         entry.kv.values.record_stream(reader)
 

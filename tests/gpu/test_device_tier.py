@@ -315,6 +315,8 @@ def test_on_cuda_a_reader_on_another_stream_waits_for_the_entry_writes(monkeypat
 
     def read_after_write() -> bool:
         writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(reader):  # made before the writer sleeps: the read allocates nothing
+            out = torch.empty(2, 2, 64, 16, device="cuda")
         with torch.cuda.stream(writer):
             keys = torch.zeros(2, 2, 64, 16, device="cuda")
             values = torch.zeros_like(keys)
@@ -325,7 +327,7 @@ def test_on_cuda_a_reader_on_another_stream_waits_for_the_entry_writes(monkeypat
         with torch.cuda.stream(reader):
             got = tier.get("k", fingerprint="fp", dtype=torch.float32, num_tokens=64)
             assert got is not None
-            out = got.keys.clone()
+            out.copy_(got.keys)
         torch.cuda.synchronize()
         tier.discard("k")
         return bool((out == 1).all())

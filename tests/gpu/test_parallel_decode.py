@@ -70,11 +70,15 @@ def test_on_cuda_decode_threads_upload_on_the_request_stream(tmp_path, tiny_toke
     import ragkv.retriever.loader as loader_mod
     from ragkv.model import load_model
     from ragkv.retriever.decoding import OrderedDecodes
+    from ragkv.retriever.documents import Document
     from tests.conftest import make_model
 
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
+    # documents of its own: blocks the test before it freed hold its decodes, which a racy read
+    # landing there would find right by chance
+    docs = [Document(d.source, d.text.replace(" ", "  "), d.title) for d in DOCS]
     with _rag(tmp_path, a, "cachegen", 4) as rag:
-        rag.index(DOCS, progress=False)
+        rag.index(docs, progress=False)
         chunks = [list(c.token_ids) for c in rag.retrieve("Where do apples grow?", k=3)]
         # kept alive: a later decode that reused these blocks would find the right values there
         first = rag.retriever.loader.load_many(chunks)

@@ -190,6 +190,25 @@ def test_staging_keeps_cuda_stream_semantics_and_fills_the_buffer(tiny_adapter, 
     assert torch.equal(got_k, want.keys) and torch.equal(got_v, want.values)
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["slab", "pinned"])
+def test_host_chunks_of_mixed_dtypes_land_each_in_its_own_dtype(llama_adapter, monkeypatch, pinned):
+    # fp16 chunks (raw, as the loader leaves them) beside chunks in the model's dtype (decoded on
+    # the device, then kept by the host tier): pinned ones cross in their own dtype, converted after
+    a = llama_adapter
+    _, _, _, inp = _prompt(a, sizes=(20, 17, 23, 11))
+    with lazy_streams(monkeypatch) as s:
+        half = _chunks(inp, s, half=True, pinned=pinned)
+        same = _chunks(inp, s, half=False, pinned=pinned)
+        chunks = [half[0], same[1], half[2], same[3]]
+        feed = LayerFeed(a, inp.prefix, chunks, extra=2, stage=True)
+        feed.all_ready()
+        got_k, got_v = feed.keys.clone(), feed.values.clone()
+    want = LayerFeed(a, inp.prefix, chunks, extra=2, stage=False)
+    want.all_ready()
+    assert s.breaches == []
+    assert torch.equal(got_k, want.keys) and torch.equal(got_v, want.values)
+
+
 @pytest.mark.parametrize("half", [False, True], ids=["model-dtype", "fp16"])
 def test_host_chunks_between_device_chunks_cross_in_runs(llama_adapter, monkeypatch, half):
     # chunks 0 and 2 staged, chunk 1 already on the device: two runs of the slab's columns, which
