@@ -142,9 +142,15 @@ def _within(around: Callable[[], AbstractContextManager[Any]], call: Callable[[]
         return call()
 
 
-def decode_all(calls: Sequence[Callable[[], T]], workers: int = DEFAULT_WORKERS) -> list[T]:
-    """Every call's result, in order, the calls run as the loader runs a request's decodes."""
-    decodes: OrderedDecodes[int, T] = OrderedDecodes(workers)
+def decode_all(
+    calls: Sequence[Callable[[], T]],
+    workers: int = DEFAULT_WORKERS,
+    around: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> list[T]:
+    """Every call's result, in order, the calls run as the loader runs a request's decodes (for
+    decodes onto a GPU from a stream other than the default one, pass ``around`` as the loader
+    does: see :class:`OrderedDecodes`)."""
+    decodes: OrderedDecodes[int, T] = OrderedDecodes(workers, around=around)
     out: list[T] = []
     try:
         for i, call in enumerate(calls):

@@ -19,6 +19,7 @@ the host tier (``ragkv.gpu.host_tier``) shares.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import weakref
@@ -218,6 +219,8 @@ class DeviceTier(BoundedTier):
         # open reservations by key: a discard closes its key's, so a sink filled after its
         # document's removal never becomes an entry
         self._reserved: dict[str, dict[str, Any]] = {}
+        # reservations whose sinks were collected while the lock was taken (see _abandon)
+        self._abandoned: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         _TIERS.add(self)
 
     def discard(self, key: str) -> bool:
@@ -262,6 +265,7 @@ class DeviceTier(BoundedTier):
         shape, nbytes = tuple(like.keys.shape), 2 * like.keys.numel() * torch.empty(0, dtype=dtype).element_size()
         state: dict[str, Any] = {"open": True, "nbytes": nbytes}
         with self._lock:
+            self._take_abandoned()
             if key in self._entries or key in self._reserved or not self._make_room(nbytes, key):
                 return None
             self._pending += nbytes
@@ -313,8 +317,23 @@ class DeviceTier(BoundedTier):
         entry.kv.values.record_stream(reader)
 
     def _abandon(self, key: str, state: dict[str, Any]) -> None:
-        with self._lock:
+        # A finalizer: it runs where the sink is collected, on any thread, at any allocation, so
+        # perhaps inside this tier's lock on this very thread (a sink in a reference cycle, such as
+        # an exception's traceback, collected by the cycle collector): waiting for the lock there
+        # would never end. Closed now if the lock is free, else by the next reservation or stats().
+        if not self._lock.acquire(blocking=False):
+            self._abandoned.append((key, state))
+            return
+        try:
+            self._take_abandoned()
             self._close(key, state)
+        finally:
+            self._lock.release()
+
+    def _take_abandoned(self) -> None:
+        """Close the reservations abandoned while the lock was taken (the lock held)."""
+        while self._abandoned:
+            self._close(*self._abandoned.popleft())
 
     def _close(self, key: str, state: dict[str, Any]) -> bool:
         """End reservation ``state`` of ``key`` (the lock held); True if it was still open."""
@@ -328,6 +347,8 @@ class DeviceTier(BoundedTier):
 
     def stats(self) -> dict[str, int | str]:
         """The device, entries, bytes held and pending, the budget, and the counters."""
+        with self._lock:
+            self._take_abandoned()
         return {"device": str(self.device), **super().stats()}
 
 

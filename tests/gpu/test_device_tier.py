@@ -8,6 +8,7 @@ by default); the engine tests check that a tier hit answers exactly as a store h
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -95,6 +96,28 @@ def test_a_reservation_serves_only_once_filled_and_frees_itself_if_dropped():
     del dropped
     gc.collect()
     assert tier.stats()["pending_bytes"] == 0 and "s" not in tier
+
+
+def test_a_sink_collected_while_its_tier_is_locked_frees_its_reservation_later_without_a_deadlock():
+    # the cycle collector may collect a sink (say, in an exception's traceback) at any allocation,
+    # the tier's lock held by the very thread it runs on
+    tier = DeviceTier(2 * _bytes(8), "cpu")
+    sink = tier.reserve("r", _kv(8), torch.float32, 0.01)
+    assert sink is not None
+    done = threading.Event()
+
+    def collect_inside_the_lock() -> None:
+        nonlocal sink
+        with tier._lock:
+            sink = None  # its finalizer runs here, the lock held by this thread
+        done.set()
+
+    worker = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(5), "the finalizer waited for a lock its own thread held"
+    assert tier.stats()["pending_bytes"] == 0  # closed at the next use of the tier
+    again = tier.reserve("r", _kv(8), torch.float32, 0.01)
+    assert again is not None  # the key is free again
 
 
 def test_a_discard_while_a_reservation_fills_keeps_it_out():
