@@ -173,40 +173,40 @@ def _chunks(inp, s: LazyStreams, *, half: bool, pinned: bool) -> list[ChunkKV]:
     return out
 
 
+def _staged_against_in_place(a, inp, make_chunks, monkeypatch, extra: int, threads: int = 1) -> None:
+    """Chunks (``make_chunks(fake)``, host memory said under the fake) staged under CUDA's stream
+    semantics fill the buffer as they do placed in place, with no rule broken."""
+    with lazy_streams(monkeypatch) as s:
+        chunks = make_chunks(s)
+        feed = LayerFeed(a, inp.prefix, chunks, extra=extra, stage=True, stage_threads=threads)
+        feed.all_ready()
+        got_k, got_v = feed.keys.clone(), feed.values.clone()
+    want = LayerFeed(a, inp.prefix, chunks, extra=extra, stage=False)  # in place, no streams
+    want.all_ready()
+    assert s.breaches == []
+    assert torch.equal(got_k, want.keys) and torch.equal(got_v, want.values)
+
+
 @pytest.mark.parametrize("half", [False, True], ids=["model-dtype", "fp16"])
 @pytest.mark.parametrize("pinned", [False, True], ids=["slab", "pinned"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_staging_keeps_cuda_stream_semantics_and_fills_the_buffer(tiny_adapter, monkeypatch, half, pinned, threads):
-    a = tiny_adapter
-    _, _, _, inp = _prompt(a)
-    with lazy_streams(monkeypatch) as s:
-        chunks = _chunks(inp, s, half=half, pinned=pinned)
-        feed = LayerFeed(a, inp.prefix, chunks, extra=3, stage=True, stage_threads=threads)
-        feed.all_ready()
-        got_k, got_v = feed.keys.clone(), feed.values.clone()
-    want = LayerFeed(a, inp.prefix, chunks, extra=3, stage=False)  # in place, no streams
-    want.all_ready()
-    assert s.breaches == []
-    assert torch.equal(got_k, want.keys) and torch.equal(got_v, want.values)
+    _, _, _, inp = _prompt(tiny_adapter)
+    make = lambda s: _chunks(inp, s, half=half, pinned=pinned)  # noqa: E731
+    _staged_against_in_place(tiny_adapter, inp, make, monkeypatch, extra=3, threads=threads)
 
 
 @pytest.mark.parametrize("pinned", [False, True], ids=["slab", "pinned"])
 def test_host_chunks_of_mixed_dtypes_land_each_in_its_own_dtype(llama_adapter, monkeypatch, pinned):
     # fp16 chunks (raw, as the loader leaves them) beside chunks in the model's dtype (decoded on
     # the device, then kept by the host tier): pinned ones cross in their own dtype, converted after
-    a = llama_adapter
-    _, _, _, inp = _prompt(a, sizes=(20, 17, 23, 11))
-    with lazy_streams(monkeypatch) as s:
-        half = _chunks(inp, s, half=True, pinned=pinned)
-        same = _chunks(inp, s, half=False, pinned=pinned)
-        chunks = [half[0], same[1], half[2], same[3]]
-        feed = LayerFeed(a, inp.prefix, chunks, extra=2, stage=True)
-        feed.all_ready()
-        got_k, got_v = feed.keys.clone(), feed.values.clone()
-    want = LayerFeed(a, inp.prefix, chunks, extra=2, stage=False)
-    want.all_ready()
-    assert s.breaches == []
-    assert torch.equal(got_k, want.keys) and torch.equal(got_v, want.values)
+    _, _, _, inp = _prompt(llama_adapter, sizes=(20, 17, 23, 11))
+
+    def make(s: LazyStreams) -> list[ChunkKV]:
+        half, same = _chunks(inp, s, half=True, pinned=pinned), _chunks(inp, s, half=False, pinned=pinned)
+        return [half[0], same[1], half[2], same[3]]
+
+    _staged_against_in_place(llama_adapter, inp, make, monkeypatch, extra=2)
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["model-dtype", "fp16"])
