@@ -254,6 +254,7 @@ class DeviceTier(BoundedTier):
         nbytes = _nbytes(kv)
         written = self._written()  # before the lock: CUDA calls never run under it
         with self._lock:
+            self._take_abandoned()  # their bytes count as pending until then
             if not self._insert(key, kv, nbytes, cost_s):
                 return False
             self._entries[key].written = written
@@ -320,7 +321,8 @@ class DeviceTier(BoundedTier):
         # A finalizer: it runs where the sink is collected, on any thread, at any allocation, so
         # perhaps inside this tier's lock on this very thread (a sink in a reference cycle, such as
         # an exception's traceback, collected by the cycle collector): waiting for the lock there
-        # would never end. Closed now if the lock is free, else by the next reservation or stats().
+        # would never end. Closed now if the lock is free, else by the next put, reservation or
+        # stats().
         if not self._lock.acquire(blocking=False):
             self._abandoned.append((key, state))
             return
