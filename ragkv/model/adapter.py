@@ -258,9 +258,10 @@ class ModelAdapter:
         self._check_kv(kv)
         if not torch.equal(kv.positions.cpu(), torch.arange(kv.num_tokens)):
             raise ValueError("context caches must sit at positions 0..N-1 in order; rerotate() them first")
+        # concat_kv made new tensors (torch.cat copies even one part): the cache may hold them as they are
         keys = kv.keys.to(device=self.device, dtype=self.dtype)
         values = kv.values.to(device=self.device, dtype=self.dtype)
-        return caches.dynamic_cache(self.model.config, keys, values, copy=True)
+        return caches.dynamic_cache(self.model.config, keys, values)
 
     def dynamic_cache(self, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
         """A DynamicCache over ``keys``/``values`` ``[layers, kv_heads, tokens, head_dim]`` (layers are views)."""

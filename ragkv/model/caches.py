@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from ragkv.types import ChunkKV
 
@@ -72,12 +72,24 @@ class ScatterCache(Cache):
         return layer.keys, layer.values
 
 
-def dynamic_cache(config: Any, keys: torch.Tensor, values: torch.Tensor, *, copy: bool = False) -> DynamicCache:
-    """A DynamicCache holding ``keys``/``values`` ``[layers, kv_heads, tokens, head_dim]`` (views unless ``copy``)."""
+def dynamic_cache(config: Any, keys: torch.Tensor, values: torch.Tensor) -> DynamicCache:
+    """A DynamicCache holding ``keys``/``values`` ``[layers, kv_heads, tokens, head_dim]`` (views of them).
+
+    A full-attention layer holds its slice of the tensors given: ``DynamicLayer.update`` would
+    concatenate it onto an empty tensor, a copy of the whole context (2.1 GB at 16K tokens of
+    Llama-3.1-8B's shape, alive beside the fused buffer it came from). Appending later copies as
+    it always does. Other layer kinds (a sliding window keeps its last slots) are filled through
+    their own ``update``.
+    """
     cache = DynamicCache(config=config)
     for i in range(keys.shape[0]):
         k, v = keys[i : i + 1], values[i : i + 1]  # [1, H, T, D]
-        cache.update(k.clone() if copy else k, v.clone() if copy else v, i)
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if type(layer) is DynamicLayer:
+            layer.update(k[:, :, :0], v[:, :, :0])  # initialized the layer's own way, on nothing
+            layer.keys, layer.values = k, v
+        else:
+            cache.update(k, v, i)
     return cache
 
 
