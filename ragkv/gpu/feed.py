@@ -190,7 +190,12 @@ class LayerFeed:
         if self._rotated[layer]:
             for a, b, cos_d, sin_d in self._runs:
                 k = self.keys[layer : layer + 1, :, a:b]  # [1, H, run, D]
-                k.copy_(turn_keys(k.float(), cos_d, sin_d, self.adapter.rotary_fn))
+                # Turned as they are: the fp32 tables promote each product to fp32, and a bf16 or fp16
+                # key converts to fp32 exactly, so this is the arithmetic of turning k.float() (what
+                # ModelAdapter.rerotate does) without that copy; rotate_half's negation and
+                # concatenation run in the keys' own width (exact too). A rotation that rounds to
+                # the keys' dtype itself (OLMo 2's) rounds the same fp32 result the copy would.
+                k.copy_(turn_keys(k, cos_d, sin_d, self.adapter.rotary_fn))
         self._done[layer] = True
         if all(self._done):
             self._filled()

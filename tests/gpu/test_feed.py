@@ -16,9 +16,11 @@ import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, fuse
 from ragkv.gpu.feed import DeviceSink, LayerFeed, PinnedPool
-from ragkv.model import ModelAdapter
+from ragkv.model import ModelAdapter, load_model
 from ragkv.types import ChunkKV
+from tests.conftest import make_model
 from tests.core.test_fusion import _prompt
+from tests.model.families import FAMILIES
 
 
 def _slow_place(a: ModelAdapter, inp: FusionInput, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +42,27 @@ def test_the_feed_equals_placing_chunk_by_chunk(tiny_adapter, stage):
     feed = LayerFeed(a, inp.prefix, inp.chunks, extra=5, stage=stage)
     feed.all_ready()
     want_k, want_v = _slow_place(a, inp, 5)
+    assert torch.equal(feed.keys, want_k) and torch.equal(feed.values, want_v)
+
+
+# each rotation layout the feed turns keys through: half-split; interleaved and partial (GLM-4); a
+# rotation that rounds to its input's dtype (OLMo 2); one that converts to fp32 itself (ERNIE 4.5);
+# partial rotary (StableLM); layers without RoPE (SmolLM3)
+_ROTATIONS = ["llama", "glm4", "olmo2", "ernie4_5", "stablelm", "smollm3"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", _ROTATIONS)
+def test_half_precision_keys_turned_as_they_are_equal_rerotating_them_in_fp32(tiny_tokenizer, family, dtype):
+    """The feed turns a bf16/fp16 model's keys without converting them to fp32 first; the result is
+    bit for bit ModelAdapter.rerotate's, which turns ``keys.float()``."""
+    _, model_type, overrides, _ = next(f for f in FAMILIES if f[0] == family)
+    a = load_model((make_model(model_type, len(tiny_tokenizer), **dict(overrides)), tiny_tokenizer), dtype=dtype)
+    _, _, _, inp = _prompt(a, sizes=(20, 17, 23, 9))
+    feed = LayerFeed(a, inp.prefix, inp.chunks, extra=3)
+    feed.all_ready()
+    want_k, want_v = _slow_place(a, inp, 3)
+    assert feed.keys.dtype == dtype
     assert torch.equal(feed.keys, want_k) and torch.equal(feed.values, want_v)
 
 
