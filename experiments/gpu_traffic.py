@@ -17,7 +17,9 @@ divided widths (activations, K/V) then holds ``1/scale`` of its full-width bytes
 ``scale`` times them; the others (masks ``[rows, slots]``, rotary tables ``[rows, 128]``) count
 as they are. Scales 2 and 4 agree within a few percent (a check of that rule). Matrix products
 and the attention are left out: their time is FLOPs (the bench's bounds). The attention runs
-torch's SDPA with fusion's masks, as on a GPU (ragkv's CPU kernel is switched off).
+torch's SDPA with fusion's masks, and placement turns the keys as stored, as on a GPU (ragkv's CPU
+attention kernel is switched off). A product of a half-precision and an fp32 tensor converts as it
+reads on a GPU; on the CPU torch makes an fp32 temporary first, which this does not count.
 
 Counted per ATen call: the tensors read and written, views and allocations excluded; an in-place
 write into a larger tensor (a scatter into the cache, a copy into the fused buffer) counts the
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragkv.bench.gpu import LLAMA_3_1_8B, _fused, _prompt, build_model  # noqa: E402
 from ragkv.fusion import FusionConfig  # noqa: E402
+from ragkv.gpu import feed  # noqa: E402
 from ragkv.model.attention import PLAIN  # noqa: E402
 from ragkv.model.placement import cpu_has_native_bf16  # noqa: E402
 from ragkv.types import ChunkKV  # noqa: E402
@@ -122,6 +125,7 @@ def main() -> None:
         shape[key] = LLAMA_3_1_8B[key] // s
     a = build_model(shape, torch.device("cpu"), dtype)
     a.scattered = lambda query_pos: PLAIN  # type: ignore[method-assign]  # torch's attention and masks, as on a GPU
+    feed._turns_as_stored = lambda device: True  # placement's arithmetic as on a GPU
     p = _prompt(shape["vocab_size"], args.context, 512)
     g = torch.Generator().manual_seed(1)
     spec = a.spec

@@ -190,12 +190,8 @@ class LayerFeed:
         if self._rotated[layer]:
             for a, b, cos_d, sin_d in self._runs:
                 k = self.keys[layer : layer + 1, :, a:b]  # [1, H, run, D]
-                # Turned as they are: the fp32 tables promote each product to fp32, and a bf16 or fp16
-                # key converts to fp32 exactly, so this is the arithmetic of turning k.float() (what
-                # ModelAdapter.rerotate does) without that copy; rotate_half's negation and
-                # concatenation run in the keys' own width (exact too). A rotation that rounds to
-                # the keys' dtype itself (OLMo 2's) rounds the same fp32 result the copy would.
-                k.copy_(turn_keys(k, cos_d, sin_d, self.adapter.rotary_fn))
+                src = k if _turns_as_stored(k.device) else k.float()
+                k.copy_(turn_keys(src, cos_d, sin_d, self.adapter.rotary_fn))
         self._done[layer] = True
         if all(self._done):
             self._filled()
@@ -460,6 +456,21 @@ def _direct_blocks(host: Sequence[tuple[ChunkKV, tuple[int, int]]]) -> tuple[lis
             at += -(-t[0].numel() * t.element_size() // 16) * 16
         blocks.append((pair[0], pair[1]))
     return blocks, at
+
+
+def _turns_as_stored(device: torch.device) -> bool:
+    """Whether placement turns half-precision keys as they are stored rather than an fp32 copy of them.
+
+    The same numbers either way: the rotation tables are fp32, so each product promotes to fp32,
+    and a bf16 or fp16 key converts to fp32 exactly (``rotate_half``'s negation and concatenation
+    are exact in any width; a rotation that rounds to the keys' dtype itself, OLMo 2's, rounds the
+    same fp32 result the copy into the buffer would). CUDA's kernels convert as they read, so
+    there it saves a full fp32 copy of every moved key per layer (17% of placement's bytes,
+    ``experiments/gpu_traffic.py``). On a CPU torch first converts a mixed-dtype product's half
+    input into an fp32 temporary, once for the keys and once for their rotated half: slower than
+    the one copy, so the CPU turns ``k.float()``.
+    """
+    return device.type == "cuda"
 
 
 def _uses_streams(device: torch.device) -> bool:

@@ -79,7 +79,8 @@ def dynamic_cache(config: Any, keys: torch.Tensor, values: torch.Tensor) -> Dyna
     concatenate it onto an empty tensor, a copy of the whole context (2.1 GB at 16K tokens of
     Llama-3.1-8B's shape, alive beside the fused buffer it came from). Appending later copies as
     it always does. Other layer kinds (a sliding window keeps its last slots) are filled through
-    their own ``update``.
+    their own ``update``. A write into a layer writes into ``keys``/``values``: ragkv makes none
+    (``DynamicLayer.reset`` in transformers before 5.16 zeroes a layer in place; ragkv never calls it).
     """
     cache = DynamicCache(config=config)
     for i in range(keys.shape[0]):

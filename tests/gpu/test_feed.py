@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ragkv.fusion import FusionConfig, FusionInput, fuse
+from ragkv.gpu import feed as feed_module
 from ragkv.gpu.feed import DeviceSink, LayerFeed, PinnedPool
 from ragkv.model import ModelAdapter, load_model
 from ragkv.types import ChunkKV
@@ -51,11 +52,16 @@ def test_the_feed_equals_placing_chunk_by_chunk(tiny_adapter, stage):
 _ROTATIONS = ["llama", "glm4", "olmo2", "ernie4_5", "stablelm", "smollm3"]
 
 
+@pytest.mark.parametrize("as_stored", [True, False], ids=["as-stored", "fp32-copy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", _ROTATIONS)
-def test_half_precision_keys_turned_as_they_are_equal_rerotating_them_in_fp32(tiny_tokenizer, family, dtype):
-    """The feed turns a bf16/fp16 model's keys without converting them to fp32 first; the result is
-    bit for bit ModelAdapter.rerotate's, which turns ``keys.float()``."""
+def test_half_precision_keys_turned_as_they_are_equal_rerotating_them_in_fp32(
+    tiny_tokenizer, monkeypatch, family, dtype, as_stored
+):
+    """On CUDA the feed turns a bf16/fp16 model's keys without converting them to fp32 first (the
+    CPU converts: faster there); either way the result is bit for bit ModelAdapter.rerotate's,
+    which turns ``keys.float()``."""
+    monkeypatch.setattr(feed_module, "_turns_as_stored", lambda device: as_stored)
     _, model_type, overrides, _ = next(f for f in FAMILIES if f[0] == family)
     a = load_model((make_model(model_type, len(tiny_tokenizer), **dict(overrides)), tiny_tokenizer), dtype=dtype)
     _, _, _, inp = _prompt(a, sizes=(20, 17, 23, 9))
