@@ -15,13 +15,17 @@ MLP) and everything else kept (32 layers, head dim 128, the context's tokens); t
 random K/V at the positions they would be computed at. A tensor with a dimension of one of the
 divided widths (activations, K/V) then holds ``1/scale`` of its full-width bytes, and counts
 ``scale`` times them; the others (masks ``[rows, slots]``, rotary tables ``[rows, 128]``) count
-as they are. Scales 2 and 4 agree within a few percent (a check of that rule). Matrix products
-and the attention are left out: their time is FLOPs (the bench's bounds). The attention runs
-torch's SDPA with fusion's masks, and placement turns the keys as stored, as on a GPU (ragkv's CPU
-attention kernel is switched off). A product of a half-precision and an fp32 tensor converts as it
-reads on a GPU; on the CPU torch makes an fp32 temporary first, which this does not count.
+as they are. Scales 2 and 4 agree (a check of that rule). Matrix products and the attention
+kernels are left out: their time is FLOPs (the bench's bounds). The attention runs torch's SDPA
+with fusion's masks, placement turns the keys as stored and the probe's products run in the
+model's dtype, as on a GPU (ragkv's CPU attention kernel is switched off). A product of a
+half-precision and an fp32 tensor converts as it reads on a GPU; on the CPU torch makes an fp32
+temporary first, which this does not count. Whether a GPU's fused kernel shares the key heads of
+the blocked attention (``ragkv.model.attention._shares_heads``) is torch's choice there; the CPU's
+flash kernel does, so no repeat is counted (at 16K one would add 16 GB).
 
-Counted per ATen call: the tensors read and written, views and allocations excluded; an in-place
+Counted per ATen call: the tensors read and written, views (not a ``reshape`` that copies) and
+allocations excluded; an in-place
 write into a larger tensor (a scatter into the cache, a copy into the fused buffer) counts the
 bytes written, not the destination. Exact for the code as it runs, the same on any machine.
 """
@@ -44,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ragkv.bench.gpu import LLAMA_3_1_8B, _fused, _prompt, build_model  # noqa: E402
 from ragkv.fusion import FusionConfig  # noqa: E402
 from ragkv.gpu import feed  # noqa: E402
+from ragkv.model import attention  # noqa: E402
 from ragkv.model.attention import PLAIN  # noqa: E402
 from ragkv.model.placement import cpu_has_native_bf16  # noqa: E402
 from ragkv.types import ChunkKV  # noqa: E402
@@ -52,19 +57,38 @@ _ROOT = str(Path(__file__).resolve().parents[1]) + "/"
 _WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
 _FLOPS = ("matrix products", "attention")  # timed by their FLOPs, not counted here
 _MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm"}
-_FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "zeros", "ones", "arange", "full", "scalar_tensor"}
+_FREE = {
+    "_fused_sdp_choice",
+    "empty",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "zeros",
+    "ones",
+    "arange",
+    "full",
+    "scalar_tensor",
+}
 _INTO = {"copy_", "index_put_", "index_copy_", "_index_put_impl_", "masked_scatter_", "slice_scatter"}
 # where the innermost ragkv frame is, read as a kind of work
 _KINDS = (
     ("ragkv/gpu/feed.py", "placement (copies in, re-rotation)"),
     ("ragkv/model/rotary.py", "placement (copies in, re-rotation)"),
     ("ragkv/model/caches.py", "writes into the cache"),
-    ("ragkv/model/native_attention.py", "attention"),
-    ("ragkv/model/attention.py", "attention"),
+    ("ragkv/model/attention.py", "the attention's other passes (the probe's softmax, any K/V repeat)"),
     ("ragkv/model/masks.py", "masks"),
     ("ragkv/fusion.py", "selection and bookkeeping"),
     ("ragkv/selection.py", "selection and bookkeeping"),
 )
+
+
+def _copied(args: Any, out: Any) -> bool:
+    """Whether an op that may return a view (``reshape`` does) made a copy instead."""
+    src = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+    res = next((t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), None)
+    if src is None or res is None:
+        return False
+    return src.untyped_storage().data_ptr() != res.untyped_storage().data_ptr()
 
 
 class Traffic(TorchDispatchMode):
@@ -85,7 +109,7 @@ class Traffic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.is_view or name in _FREE:
+        if name in _FREE or (func.is_view and not _copied(args, out)):
             return out
         ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
         if name in _INTO:  # the destination is written where the source lands: count the source twice
@@ -126,6 +150,7 @@ def main() -> None:
     a = build_model(shape, torch.device("cpu"), dtype)
     a.scattered = lambda query_pos: PLAIN  # type: ignore[method-assign]  # torch's attention and masks, as on a GPU
     feed._turns_as_stored = lambda device: True  # placement's arithmetic as on a GPU
+    attention._half_products = lambda query: query.dtype != torch.float32  # the probe's products, as on a GPU
     p = _prompt(shape["vocab_size"], args.context, 512)
     g = torch.Generator().manual_seed(1)
     spec = a.spec

@@ -27,6 +27,7 @@ from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.nn.attention.bias import CausalBias
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv
@@ -255,24 +256,30 @@ def _blocked_attention(
 ) -> tuple[torch.Tensor, None]:
     """The call over ``mask``'s blocks of rows, each over the slots up to its last row's: ``[1, q, heads, D]``.
 
-    SDPA is called as transformers' ``sdpa_attention_forward`` calls it with a mask (the key and value
-    repeated to the query heads, not causal), with the repetition made once for every block: through
-    the delegated function each block would repeat them again. Other calls go to the delegated
+    SDPA is called as transformers' ``sdpa_attention_forward`` calls it with a mask (not causal), the
+    query heads of a group sharing their key and value head (``enable_gqa``) where a fused kernel
+    computes it so (:func:`_shares_heads`), else with the key and value repeated to the query heads,
+    as transformers does with a mask, the repetition made once for every block (through the
+    delegated function each block would repeat them again). Other calls go to the delegated
     function block by block.
     """
     outs = []
     groups = int(getattr(module, "num_key_value_groups", 1))
     if base == "sdpa" and not args and query.shape[1] == key.shape[1] * groups:
         last = max(cut for _, _, cut in mask.spans())
-        keys, values = (repeat_kv(t[:, :, :last], groups) if groups > 1 else t for t in (key, value))
+        key, value = key[:, :, :last], value[:, :, :last]
+        scale = kwargs.get("scaling")
+        repeated: tuple[torch.Tensor, torch.Tensor] | None = None  # made the first time a block needs it
         for start, end, cut, block in mask.blocks():
-            out = F.scaled_dot_product_attention(
-                query[:, :, start:end],
-                keys[:, :, :cut],
-                values[:, :, :cut],
-                attn_mask=block,
-                scale=kwargs.get("scaling"),
-            )
+            q, k, v = query[:, :, start:end], key[:, :, :cut], value[:, :, :cut]
+            if groups > 1 and _shares_heads(q, k, v, block, scale):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=block, scale=scale, enable_gqa=True)
+            else:
+                if groups > 1 and repeated is None:
+                    repeated = repeat_kv(key, groups), repeat_kv(value, groups)
+                if repeated is not None:
+                    k, v = repeated[0][:, :, :cut], repeated[1][:, :, :cut]
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=block, scale=scale)
             outs.append(out.transpose(1, 2))  # [1, rows, heads, D]
             del block, out  # one block's mask alive at a time
         return torch.cat(outs, dim=1), None
@@ -284,6 +291,25 @@ def _blocked_attention(
         outs.append(out)  # [1, rows, heads, D]
         del block, out
     return torch.cat(outs, dim=1), None
+
+
+def _shares_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None
+) -> bool:
+    """Whether SDPA computes this masked call with each key and value head shared by its query heads
+    (``enable_gqa``) on a fused kernel, not the math one (which makes every head's scores whole).
+
+    Repeating the keys and values to the query heads (what transformers does with a mask) copies
+    them: at 16K tokens of Llama-3.1-8B's shape 268 MB a layer, 16 GB a fusion
+    (``experiments/gpu_traffic.py``). torch's own choice of kernel for the call decides; False
+    where it cannot say (a torch before ``enable_gqa``). On a CPU its flash kernel takes it, the
+    output bit for bit the repeated call's.
+    """
+    try:
+        choice = torch._fused_sdp_choice(query, key, value, mask, 0.0, False, scale=scale, enable_gqa=True)
+    except (AttributeError, TypeError, RuntimeError):
+        return False
+    return choice not in (int(SDPBackend.MATH), int(SDPBackend.ERROR))
 
 
 _EAGER: dict[type, Callable[..., Any]] = {}

@@ -153,6 +153,55 @@ def test_blocks_of_one_row_and_grouped_heads_equal_the_whole_mask(tiny_tokenizer
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_blocks_share_key_heads_where_a_fused_kernel_takes_them_else_repeat_them_once(
+    tiny_tokenizer, monkeypatch, device, dtype
+):
+    """The query heads of a group read their key and value head as it is (``enable_gqa``) where torch
+    picks a fused kernel for that; else the keys and values are repeated, once for all blocks. The
+    two agree (bit for bit on the CPU, whose flash kernel takes both), and no repeat is made on the
+    shared path."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ragkv.model import attention as attention_module
+
+    model = make_model(
+        "llama", len(tiny_tokenizer), attn_implementation="sdpa", num_attention_heads=6, hidden_size=96, head_dim=16
+    )
+    a = load_model((model, tiny_tokenizer), device=device, dtype=dtype)
+    attend = ALL_ATTENTION_FUNCTIONS[a.model.config._attn_implementation]
+    module = a.model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    pos = torch.randperm(200, generator=g)[:33].sort().values
+    q, k, v = (torch.randn(1, h, n, 16, generator=g).to(device, dtype) for h, n in ((6, 33), (2, 200), (2, 200)))
+    calls: list[dict] = []
+    repeats: list[int] = []
+    sdpa, repeat = attention_module.F.scaled_dot_product_attention, attention_module.repeat_kv
+    monkeypatch.setattr(
+        attention_module.F, "scaled_dot_product_attention", lambda *x, **kw: calls.append(kw) or sdpa(*x, **kw)
+    )
+    monkeypatch.setattr(attention_module, "repeat_kv", lambda t, n: repeats.append(n) or repeat(t, n))
+
+    def run(shared: bool | None) -> torch.Tensor:
+        calls.clear()
+        repeats.clear()
+        if shared is not None:
+            monkeypatch.setattr(attention_module, "_shares_heads", lambda *x: shared)
+        mask = PositionMask(pos, 200, dtype, torch.device(device), block_bytes=16 * 208 * dtype.itemsize)
+        return attend(module, q, k, v, mask, dropout=0.0, scaling=0.25)[0]
+
+    if device == "cpu":  # torch's flash kernel takes a masked grouped call on the CPU
+        run(None)
+        assert calls and all(kw.get("enable_gqa") for kw in calls) and not repeats
+    shared, apart = run(True), run(False)
+    assert len(calls) == 3 and not any(kw.get("enable_gqa") for kw in calls) and repeats == [3, 3]  # K and V, once
+    if device == "cpu":
+        assert torch.equal(shared, apart)
+    else:
+        torch.testing.assert_close(shared, apart, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not attention_available(torch.float32), reason="ragkv's CPU kernel does not run here")
 def test_on_ragkvs_cpu_kernel_a_fusion_makes_no_mask(tiny_tokenizer, monkeypatch):
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), dtype=torch.float32)
