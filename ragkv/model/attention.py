@@ -306,10 +306,10 @@ def _shares_heads(
     output bit for bit the repeated call's.
     """
     try:
-        choice = torch._fused_sdp_choice(query, key, value, mask, 0.0, False, scale=scale, enable_gqa=True)
-    except (AttributeError, TypeError, RuntimeError):
+        choice = SDPBackend(torch._fused_sdp_choice(query, key, value, mask, 0.0, False, scale=scale, enable_gqa=True))
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # an older torch, or a kernel it does not name
         return False
-    return choice not in (int(SDPBackend.MATH), int(SDPBackend.ERROR))
+    return choice not in (SDPBackend.MATH, SDPBackend.ERROR)
 
 
 _EAGER: dict[type, Callable[..., Any]] = {}
