@@ -29,6 +29,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,9 +39,12 @@ from ragkv.gpu import graphs  # noqa: E402
 from ragkv.model import ModelAdapter, load_model  # noqa: E402
 from ragkv.model.attention import PLAIN  # noqa: E402
 
+_NO_KERNEL = {"_fused_sdp_choice"}  # asks which kernel SDPA would pick: host work only
+
 
 class _Count(TorchDispatchMode):
-    """Counts the ATen operations that run a kernel (not views) while active."""
+    """Counts the ATen operations that run a kernel while active: not views (but a ``reshape`` that
+    copies, as repeating grouped keys does), not host-only queries."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -48,9 +52,18 @@ class _Count(TorchDispatchMode):
         self.paused = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not self.paused and not func.is_view:
+        out = func(*args, **(kwargs or {}))
+        if self.paused or func.overloadpacket.__name__ in _NO_KERNEL:
+            return out
+        if not func.is_view or _storage(args) != _storage(out):
             self.ops += 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _storage(tree: Any) -> int | None:
+    """The storage address of the first tensor in ``tree`` (None: no tensor)."""
+    first = next((t for t in pytree.tree_flatten(tree)[0] if isinstance(t, torch.Tensor)), None)
+    return None if first is None else first.untyped_storage().data_ptr()
 
 
 @contextmanager

@@ -230,12 +230,23 @@ def _native_takes(
 
 
 def _blocks_apply(
-    base: str, steer: Steer, mask: PositionMask, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+    base: str,
+    steer: Steer,
+    mask: PositionMask,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    kwargs: dict[str, Any],
+    grouped: bool = False,
 ) -> bool:
-    """Whether a call with ``mask`` runs by blocks of rows (:meth:`PositionMask.blocks`): a mask too large
-    to make whole, on a call the delegated SDPA or eager function would compute plainly (no dropout,
-    soft-capping, window, sinks or per-query bias), for the rows and slots the mask was made for."""
-    if not mask.blocked or base not in ("sdpa", "eager") or steer.probe or steer.carry or steer.kind != "prefill":
+    """Whether a call with ``mask`` runs through :func:`_blocked_attention`: by blocks of rows
+    (:meth:`PositionMask.blocks`) where the mask is too large to make whole, or whole through SDPA
+    where query heads share key heads (``grouped``: transformers' SDPA call would repeat the keys
+    and values, since it has a mask). Only a call the delegated SDPA or eager function would compute
+    plainly (no dropout, soft-capping, window, sinks or per-query bias), for the rows and slots the
+    mask was made for."""
+    if not (mask.blocked or (grouped and base == "sdpa")) or base not in ("sdpa", "eager"):
+        return False
+    if steer.probe or steer.carry or steer.kind != "prefill":
         return False
     if kwargs.get("dropout") or kwargs.get("softcap") or kwargs.get("sliding_window") is not None:
         return False
@@ -254,7 +265,8 @@ def _blocked_attention(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
-    """The call over ``mask``'s blocks of rows, each over the slots up to its last row's: ``[1, q, heads, D]``.
+    """The call over ``mask``'s blocks of rows, each over the slots up to its last row's (one block, the
+    whole mask, where it is small enough to make whole): ``[1, q, heads, D]``.
 
     SDPA is called as transformers' ``sdpa_attention_forward`` calls it with a mask (not causal), the
     query heads of a group sharing their key and value head (``enable_gqa``) where a fused kernel
@@ -265,12 +277,14 @@ def _blocked_attention(
     """
     outs = []
     groups = int(getattr(module, "num_key_value_groups", 1))
+    # a small mask is made whole once and kept (every layer shares it): one block over every slot
+    blocks = mask.blocks() if mask.blocked else iter([(0, mask.rows, mask.num_keys, mask.dense())])
     if base == "sdpa" and not args and query.shape[1] == key.shape[1] * groups:
-        last = max(cut for _, _, cut in mask.spans())
+        last = max(cut for _, _, cut in mask.spans()) if mask.blocked else mask.num_keys
         key, value = key[:, :, :last], value[:, :, :last]
         scale = kwargs.get("scaling")
         repeated: tuple[torch.Tensor, torch.Tensor] | None = None  # made the first time a block needs it
-        for start, end, cut, block in mask.blocks():
+        for start, end, cut, block in blocks:
             q, k, v = query[:, :, start:end], key[:, :, :cut], value[:, :, :cut]
             if groups > 1 and _shares_heads(q, k, v, block, scale):
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=block, scale=scale, enable_gqa=True)
@@ -284,7 +298,7 @@ def _blocked_attention(
             del block, out  # one block's mask alive at a time
         return torch.cat(outs, dim=1), None
     fn, position_ids = _delegate(base, module), kwargs.get("position_ids")
-    for start, end, cut, block in mask.blocks():
+    for start, end, cut, block in blocks:
         if isinstance(position_ids, torch.Tensor) and position_ids.shape[-1] == mask.rows:
             kwargs = {**kwargs, "position_ids": position_ids[..., start:end]}
         out, _ = fn(module, query[:, :, start:end], key[:, :, :cut], value[:, :, :cut], block, *args, **kwargs)
@@ -339,7 +353,8 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
         native = _native_takes(steer, module, query, key, value, kwargs)  # ragkv's CPU kernel, from the positions
         if isinstance(attention_mask, PositionMask):  # a fused pass's mask, made here as the call needs it
-            if not native and _blocks_apply(base, steer, attention_mask, query, key, kwargs):
+            grouped = int(getattr(module, "num_key_value_groups", 1)) > 1
+            if not native and _blocks_apply(base, steer, attention_mask, query, key, kwargs, grouped):
                 return _blocked_attention(base, module, query, key, value, attention_mask, args, kwargs)
             if not native or steer.carry or steer.kind == "decode":
                 attention_mask = attention_mask.dense()

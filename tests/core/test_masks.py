@@ -2,8 +2,8 @@
 
 A float ``[queries, keys]`` mask per layer would cost a long context its memory bandwidth; these
 tests record what each layer's attention receives (through transformers' attention registry, the
-seam the model calls) and check its identity, dtype and layout. Exactness against full prefill and
-the slow loop lives in test_fusion.py.
+seam the model calls, and ragkv's own SDPA call) and check its identity, dtype and layout.
+Exactness against full prefill and the slow loop lives in test_fusion.py.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ragkv.fusion import FusionConfig, fuse
 from ragkv.model import ModelAdapter
+from ragkv.model import attention as attention_module
 from ragkv.model.attention import PLAIN
 from ragkv.selection import BlendParams
 from tests.core.test_fusion import _prompt
@@ -27,16 +29,24 @@ from tests.core.test_fusion import _prompt
 
 @contextmanager
 def recorded_masks() -> Iterator[list[Any]]:
-    """Within the block, the ``attention_mask`` of every SDPA call a layer makes, in order."""
+    """Within the block, the mask of every SDPA call a layer makes, in order: through transformers'
+    SDPA function (the registry's, which ragkv's dispatcher delegates to) or ragkv's own SDPA call
+    (where grouped query heads share their key heads)."""
     masks: list[Any] = []
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a, **kw):
         masks.append(mask)
         return sdpa(module, query, key, value, mask, *a, **kw)
 
+    def own(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+        masks.append(kw.get("attn_mask"))
+        return torch_sdpa(query, key, value, *a, **kw)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", recording)
+        mp.setattr(attention_module, "F", SimpleNamespace(scaled_dot_product_attention=own))
         yield masks
 
 

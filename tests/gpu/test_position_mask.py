@@ -153,15 +153,17 @@ def test_blocks_of_one_row_and_grouped_heads_equal_the_whole_mask(tiny_tokenizer
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocks", "whole"])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_blocks_share_key_heads_where_a_fused_kernel_takes_them_else_repeat_them_once(
-    tiny_tokenizer, monkeypatch, device, dtype
+def test_grouped_heads_share_their_key_heads_where_a_fused_kernel_takes_them_else_repeat_them_once(
+    tiny_tokenizer, monkeypatch, device, dtype, blocked
 ):
     """The query heads of a group read their key and value head as it is (``enable_gqa``) where torch
     picks a fused kernel for that; else the keys and values are repeated, once for all blocks. The
-    two agree (bit for bit on the CPU, whose flash kernel takes both), and no repeat is made on the
-    shared path."""
+    two agree (bit for bit on the CPU, whose flash kernel takes both), no repeat is made on the
+    shared path, and a mask small enough to make whole (one block) gives transformers' SDPA call's
+    output, which repeats them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ragkv.model import attention as attention_module
@@ -183,23 +185,30 @@ def test_blocks_share_key_heads_where_a_fused_kernel_takes_them_else_repeat_them
     )
     monkeypatch.setattr(attention_module, "repeat_kv", lambda t, n: repeats.append(n) or repeat(t, n))
 
+    def mask() -> PositionMask:
+        block_bytes = 16 * 208 * dtype.itemsize if blocked else None  # 3 blocks, or the whole mask
+        return PositionMask(pos, 200, dtype, torch.device(device), block_bytes=block_bytes)
+
     def run(shared: bool | None) -> torch.Tensor:
         calls.clear()
         repeats.clear()
         if shared is not None:
             monkeypatch.setattr(attention_module, "_shares_heads", lambda *x: shared)
-        mask = PositionMask(pos, 200, dtype, torch.device(device), block_bytes=16 * 208 * dtype.itemsize)
-        return attend(module, q, k, v, mask, dropout=0.0, scaling=0.25)[0]
+        return attend(module, q, k, v, mask(), dropout=0.0, scaling=0.25)[0]
 
+    blocks = 3 if blocked else 1
     if device == "cpu":  # torch's flash kernel takes a masked grouped call on the CPU
         run(None)
-        assert calls and all(kw.get("enable_gqa") for kw in calls) and not repeats
+        assert len(calls) == blocks and all(kw.get("enable_gqa") for kw in calls) and not repeats
     shared, apart = run(True), run(False)
-    assert len(calls) == 3 and not any(kw.get("enable_gqa") for kw in calls) and repeats == [3, 3]  # K and V, once
+    assert len(calls) == blocks and not any(kw.get("enable_gqa") for kw in calls) and repeats == [3, 3]  # once
     if device == "cpu":
         assert torch.equal(shared, apart)
     else:
         torch.testing.assert_close(shared, apart, rtol=2e-2, atol=2e-2)
+    if not blocked:  # what the model's own SDPA function gives for the whole mask
+        want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask().dense(), dropout=0.0, scaling=0.25)
+        assert torch.equal(apart, want)
 
 
 @pytest.mark.skipif(not attention_available(torch.float32), reason="ragkv's CPU kernel does not run here")
