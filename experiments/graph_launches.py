@@ -5,8 +5,8 @@
 On a GPU the question probe and the recompute are bound by the host: each kernel launch costs
 microseconds of Python and dispatch whatever its size. ``ragkv.gpu.graphs`` replays a layer as two
 CUDA graphs with the attention eager between them. This counts, per layer, the ATen operations
-that run a kernel (views excluded) as fusion issues them, on a tiny random model of the family
-(the count does not depend on the widths):
+that run a kernel (views excluded, but a ``reshape`` that copies counted) as fusion issues them,
+on a tiny random model of the family (the count does not depend on the widths):
 
 - through the model's own decoder layers (transformers', ``RAGKV_*_GRAPHS=0``);
 - through the replayed layers (``RAGKV_*_GRAPHS=eager``: the same buffers and order as on a GPU,
