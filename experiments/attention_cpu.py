@@ -223,7 +223,12 @@ def eager_fusion(questions: int, rounds: int) -> None:
 
     ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = patched
     try:
-        with mock.patch.object(ModelAdapter, "scattered", lambda self, pos: PLAIN):  # torch's attention only
+        # torch's attention only, every fused call through the registry's SDPA function (ragkv's own
+        # call, by blocks or for grouped heads, would bypass the patch)
+        with (
+            mock.patch.object(ModelAdapter, "scattered", lambda self, pos: PLAIN),
+            mock.patch("ragkv.model.attention._blocks_apply", lambda *a, **k: False),
+        ):
             compare_fusions("smollm2-135m", questions, rounds, ("sdpa", "eager"), switch, full_ref=False)
     finally:
         ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = plain
@@ -231,6 +236,8 @@ def eager_fusion(questions: int, rounds: int) -> None:
 
 def whole_fusion(rounds: int) -> None:
     """ms of a whole default-model fusion with ``key_cut`` patched into transformers' SDPA, and without."""
+    from unittest import mock
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ragkv.bench.qa_data import build_prompt, load_qa_set
@@ -264,7 +271,8 @@ def whole_fusion(rounds: int) -> None:
         pre = a.prefill_kv(prefix)
         cached = [a.prefill_kv(c, past=[pre]) for c in chunks]
         times: dict[str, list[int]] = {"plain": [], "key_cut": []}
-        with torch.inference_mode():
+        # every call the CPU kernel leaves through the registry's SDPA function (the patch above)
+        with torch.inference_mode(), mock.patch("ragkv.model.attention._blocks_apply", lambda *a, **k: False):
             for _ in range(rounds):
                 for name in times:
                     cut[0] = name == "key_cut"

@@ -241,10 +241,13 @@ def _blocks_apply(
     """Whether a call with ``mask`` runs through :func:`_blocked_attention`: by blocks of rows
     (:meth:`PositionMask.blocks`) where the mask is too large to make whole, or whole through SDPA
     where query heads share key heads (``grouped``: transformers' SDPA call would repeat the keys
-    and values, since it has a mask). Only a call the delegated SDPA or eager function would compute
-    plainly (no dropout, soft-capping, window, sinks or per-query bias), for the rows and slots the
-    mask was made for."""
-    if not (mask.blocked or (grouped and base == "sdpa")) or base not in ("sdpa", "eager"):
+    and values of several rows, since it has a mask; on a CPU or CUDA). Only a call the delegated
+    SDPA or eager function would compute plainly (no dropout, soft-capping, window, sinks or
+    per-query bias), for the rows and slots the mask was made for."""
+    # grouped heads taken whole only for several rows on a CPU or CUDA: one row transformers packs
+    # into the key heads itself (no copy), and elsewhere (MPS) torch's choice of kernel is not asked
+    whole = grouped and base == "sdpa" and query.shape[2] > 1 and query.device.type in ("cpu", "cuda")
+    if not (mask.blocked or whole) or base not in ("sdpa", "eager"):
         return False
     if steer.probe or steer.carry or steer.kind != "prefill":
         return False
@@ -304,7 +307,7 @@ def _blocked_attention(
         out, _ = fn(module, query[:, :, start:end], key[:, :, :cut], value[:, :, :cut], block, *args, **kwargs)
         outs.append(out)  # [1, rows, heads, D]
         del block, out
-    return torch.cat(outs, dim=1), None
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
 def _shares_heads(

@@ -24,24 +24,28 @@ from ragkv.model import ModelAdapter
 from ragkv.model import attention as attention_module
 from ragkv.model.attention import PLAIN
 from ragkv.selection import BlendParams
+from tests.conftest import make_model
 from tests.core.test_fusion import _prompt
 
 
 @contextmanager
-def recorded_masks() -> Iterator[list[Any]]:
+def recorded_masks(seams: list[str] | None = None) -> Iterator[list[Any]]:
     """Within the block, the mask of every SDPA call a layer makes, in order: through transformers'
     SDPA function (the registry's, which ragkv's dispatcher delegates to) or ragkv's own SDPA call
-    (where grouped query heads share their key heads)."""
+    (where grouped query heads share their key heads); ``seams`` gets "registry" or "own" for each."""
     masks: list[Any] = []
+    seams = [] if seams is None else seams
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     torch_sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def recording(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, *a, **kw):
         masks.append(mask)
+        seams.append("registry")
         return sdpa(module, query, key, value, mask, *a, **kw)
 
     def own(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
         masks.append(kw.get("attn_mask"))
+        seams.append("own")
         return torch_sdpa(query, key, value, *a, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -54,13 +58,18 @@ def _long_prompt(adapter: ModelAdapter):
     return _prompt(adapter, sizes=(300, 250, 333))  # ~900 context slots
 
 
-def test_a_selective_pass_builds_one_mask_per_active_set_not_one_per_layer(llama_adapter, monkeypatch):
-    a = llama_adapter
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["grouped", "one-per-head"])
+def test_a_selective_pass_builds_one_mask_per_active_set_not_one_per_layer(tiny_tokenizer, monkeypatch, kv_heads):
+    """Grouped heads take ragkv's own SDPA call, one KV head per query head transformers' SDPA
+    function: either way every layer of an active set gets the same mask."""
+    a = ModelAdapter(make_model("llama", len(tiny_tokenizer), num_key_value_heads=kv_heads), tiny_tokenizer)
     monkeypatch.setattr(ModelAdapter, "scattered", lambda self, pos: PLAIN)  # torch's attention, as on a GPU
     *_, inp = _long_prompt(a)
     config = FusionConfig(method="blend", ratio=0.15, params=BlendParams(check_layer=1))
-    with recorded_masks() as masks:
+    seams: list[str] = []
+    with recorded_masks(seams) as masks:
         fused = fuse(a, inp, config)
+    assert set(seams) == {"own" if kv_heads == 2 else "registry"}
     # the last layer's chunk rows write their K/V alone (no suffix rides along): no attention there
     assert len(masks) == a.spec.num_layers - 1
     # every chunk token through layers 0-1, then the selected 15%: two masks for three layers

@@ -211,6 +211,31 @@ def test_grouped_heads_share_their_key_heads_where_a_fused_kernel_takes_them_els
         assert torch.equal(apart, want)
 
 
+def test_one_grouped_row_with_a_whole_mask_stays_with_transformers(tiny_tokenizer, monkeypatch):
+    """transformers packs one row's grouped query heads into their key heads itself (no copy): such a
+    call is not taken into ragkv's own SDPA call."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ragkv.model import attention as attention_module
+
+    model = make_model(
+        "llama", len(tiny_tokenizer), attn_implementation="sdpa", num_attention_heads=6, hidden_size=96, head_dim=16
+    )
+    a = load_model((model, tiny_tokenizer), dtype=torch.float32)
+    module = a.model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h, n in ((6, 1), (2, 50), (2, 50)))
+    taken: list[int] = []
+    own = attention_module._blocked_attention
+    monkeypatch.setattr(attention_module, "_blocked_attention", lambda *x, **kw: taken.append(1) or own(*x, **kw))
+    mask = PositionMask(torch.tensor([40]), 50, torch.float32, torch.device("cpu"))
+    got, _ = ALL_ATTENTION_FUNCTIONS[a.model.config._attn_implementation](
+        module, q, k, v, mask, dropout=0.0, scaling=0.25
+    )
+    want, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, q, k, v, mask.dense(), dropout=0.0, scaling=0.25)
+    assert not taken and torch.equal(got, want)
+
+
 @pytest.mark.skipif(not attention_available(torch.float32), reason="ragkv's CPU kernel does not run here")
 def test_on_ragkvs_cpu_kernel_a_fusion_makes_no_mask(tiny_tokenizer, monkeypatch):
     a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), dtype=torch.float32)
