@@ -467,8 +467,8 @@ def _turns_as_stored(device: torch.device) -> bool:
     same fp32 result the copy into the buffer would). CUDA's kernels convert as they read, so
     there it saves a full fp32 copy of every moved key per layer (17% of placement's bytes,
     ``experiments/gpu_traffic.py``). On a CPU torch first converts a mixed-dtype product's half
-    input into an fp32 temporary, once for the keys and once for their rotated half: slower than
-    the one copy, so the CPU turns ``k.float()``.
+    input into an fp32 temporary, once for the keys and once for their rotated half: no clear gain
+    over the one copy there (``experiments/turn_keys_cpu.py``), so the CPU keeps turning ``k.float()``.
     """
     return device.type == "cuda"
 
