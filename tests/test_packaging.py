@@ -132,3 +132,32 @@ def test_installed_wheel_serves_the_web_page(tmp_path, installed):
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_layout_copy_imports_every_subpackage_without_an_install(tmp_path):
+    """``tools/typecheck.py --layout`` (what tools/gpu_check.sh runs from on a lent GPU machine, which has
+    no install of ragkv): every subpackage imports from the copy, its files real ones in it. (A plain
+    checkout first on the path has no ``ragkv.codec`` there; here the editable install's finder would
+    supply it, so that is not checked.)"""
+    dest = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "typecheck.py"), "--layout", str(dest)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert not any(p.is_symlink() for p in dest.rglob("*"))
+    assert (dest / "ragkv" / "bench" / "data" / "qa_heldout.json").is_file()
+    assert not list(dest.rglob("__pycache__"))
+    # -I: no PYTHONPATH, no user site; the copy first on the path, as the current folder is for `python -m`
+    prog = (
+        "import importlib, sys; sys.path.insert(0, sys.argv[1]);"
+        " [importlib.import_module(m) for m in sys.argv[2:]]; import ragkv.codec; print(ragkv.codec.__file__)"
+    )
+    cmd = [sys.executable, "-I", "-c", prog, str(dest), *SUBPACKAGES]
+    got = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path))
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()).resolve().parent == (dest / "ragkv" / "codec").resolve()
+    # the layout must not exist yet (nothing is overwritten)
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "typecheck.py"), "--layout", str(dest)], capture_output=True, text=True
+    )
+    assert again.returncode != 0

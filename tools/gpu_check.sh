@@ -3,23 +3,39 @@
 # decode threads (experiments/decode_threads.py), the SDPA kernel torch picks for the recompute's
 # masked attention with shared key heads (experiments/gpu_sdpa_choice.py), then the profile of one
 # fused request (experiments/gpu_profile.py), on a lent GPU machine, within the device tool's 600 s a
-# call (the timeouts sum to 590). Packages that machine lacks (and ragkv itself, as a wheel) may be carried in
-# .whl/: they are installed into /tmp/site first. Results go to $OUT (or /tmp/ragkv-gpu).
+# call (the timeouts sum to 590). Results go to $OUT (or /tmp/ragkv-gpu): 8 files, what a call brings back.
+#
+# That machine has torch and transformers but not all of ragkv's dependencies, and reaches no
+# registry: make their wheels here first (`bash tools/gpu_wheels.sh`, into .whl/) and carry them:
+#   run(command="bash tools/gpu_check.sh --repeats 2", carry=[".whl"], timeout_s=600)
+# Nor is ragkv installed there: the checkout is laid out as installed (pyproject's package-dir:
+# ragkv.codec is codec/, ...; tools/typecheck.py builds that tree) in a run folder, with the tests
+# and experiments beside it, and everything runs from there. PYTHON picks the interpreter (python3).
 #   bash tools/gpu_check.sh [extra args for ragkv bench gpu]
 set -uo pipefail
 OUT=${OUT:-/tmp/ragkv-gpu}
+PY=${PYTHON:-python3}
+RUN=${RAGKV_RUN_DIR:-/tmp/ragkv-run}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=$PWD:/tmp/site
+OUT=$(cd "$OUT" && pwd)
+SITE=/tmp/ragkv-site
+if ls .whl/*.whl >/dev/null 2>&1; then  # one wheel per Python version: pip takes the one that fits
+  names=$(ls .whl/*.whl | xargs -n1 basename | sed 's/-.*//' | sort -u)
+  # shellcheck disable=SC2086  # one argument per package name
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    --find-links .whl $names || exit 1
 fi
+rm -rf "$RUN" && "$PY" tools/typecheck.py --layout "$RUN" >/dev/null || exit 1
+for d in tests experiments tools docs pyproject.toml; do cp -r "$d" "$RUN/" || exit 1; done
+cd "$RUN" || exit 1
+export PYTHONPATH=$RUN:$SITE PYTHONNOUSERSITE=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-timeout "${BENCH_TIMEOUT:-280}" python3 -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
-timeout "${TEST_TIMEOUT:-190}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+timeout "${BENCH_TIMEOUT:-280}" "$PY" -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
+timeout "${TEST_TIMEOUT:-190}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/model/test_lean.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
-timeout "${DECODE_TIMEOUT:-45}" python3 experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"
-timeout "${SDPA_TIMEOUT:-15}" python3 experiments/gpu_sdpa_choice.py 2>&1 | tee "$OUT/sdpa_choice.txt"
-timeout "${PROFILE_TIMEOUT:-60}" python3 experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
+timeout "${DECODE_TIMEOUT:-45}" "$PY" experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"
+timeout "${SDPA_TIMEOUT:-15}" "$PY" experiments/gpu_sdpa_choice.py 2>&1 | tee "$OUT/sdpa_choice.txt"
+timeout "${PROFILE_TIMEOUT:-60}" "$PY" experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
 head -30 "$OUT/profile.txt"

@@ -1,5 +1,8 @@
 """Type-check ragkv as it is installed: ``python tools/typecheck.py [MYPY_ARGS...]`` (what ``make lint`` runs).
 
+``python tools/typecheck.py --layout DEST`` copies the package laid out as installed into ``DEST`` instead
+(what ``tools/gpu_check.sh`` runs from on a machine with no install of ragkv).
+
 pyproject.toml installs the root folders as subpackages (``package-dir``: ``ragkv.codec`` is ``codec/``,
 ``ragkv.cache`` is ``cache/``, ...). mypy cannot read that mapping, and the editable install is an import
 hook it does not run, so on the plain checkout ``ragkv.codec`` does not exist for it: with missing imports
@@ -70,6 +73,22 @@ def build_tree(root: Path = ROOT, dest: Path | None = None) -> Path:
     return dest
 
 
+def copy_tree(dest: Path, root: Path = ROOT) -> Path:
+    """Copy the packages laid out as installed into ``dest`` (real files, no links), and return it.
+
+    What a machine with no install of ragkv runs from (``tools/gpu_check.sh`` on a lent GPU): a plain
+    checkout on the path has no ``ragkv.codec``. ``dest`` must not exist yet.
+    """
+    links = build_tree(root, dest.parent / f".{dest.name}.links")
+    try:
+        dest.mkdir(parents=True)
+        for entry in links.iterdir():
+            shutil.copytree(entry, dest / entry.name, symlinks=False, ignore=shutil.ignore_patterns(*_SKIP))
+    finally:
+        shutil.rmtree(links)
+    return dest
+
+
 def _link(source: Path, link: Path) -> None:
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(os.path.relpath(source, link.parent), target_is_directory=source.is_dir())
@@ -106,7 +125,16 @@ def mypy_command(targets: Sequence[str], *options: str) -> list[str]:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    """Build the tree, run mypy on it and on :data:`EXTRA_TARGETS`, print its report; mypy's exit status."""
+    """Build the tree, run mypy on it and on :data:`EXTRA_TARGETS`, print its report; mypy's exit status.
+
+    ``--layout DEST`` instead copies the packages laid out as installed into ``DEST`` (:func:`copy_tree`).
+    """
+    if argv[:1] == ["--layout"]:
+        if len(argv) != 2:
+            print("usage: python tools/typecheck.py --layout DEST (a folder that does not exist yet)", file=sys.stderr)
+            return 2
+        print(copy_tree(Path(argv[1]).resolve()))
+        return 0
     tree = Path(os.path.relpath(build_tree(ROOT), ROOT))
     top = sorted({name.split(".")[0] for name in package_dirs(ROOT)})
     targets = [str(tree / name) for name in top] + [t for t in EXTRA_TARGETS if (ROOT / t).is_dir()]
