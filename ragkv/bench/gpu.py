@@ -30,8 +30,10 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   "host slab GB/s", to tell a host-bound staging from a PCIe-bound one; and split over as many
   threads as the loader decodes on, at least 2: what parallel staging would reach; and fused from
   host memory with the feed's slab copies on as many threads, ``RAGKV_STAGE_THREADS``),
-  placement from the device tier, the question probe (as fusion runs it: its layers replayed as
-  CUDA graphs, ``ragkv.gpu.graphs``; and through transformers' eager layers,
+  placement from the device tier (the moved keys turned by ragkv's Triton kernel where it runs,
+  :mod:`ragkv.gpu.kernels`; and through torch, ``RAGKV_TRITON=0``), the question probe (as
+  fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``; and through
+  transformers' eager layers,
   ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
   recomputed rows fit a bucket); the device-tier fusion again with every layer eager
@@ -73,7 +75,7 @@ import torch
 from ragkv import codec
 from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
-from ragkv.gpu.feed import LayerFeed, pinned_pool
+from ragkv.gpu.feed import LayerFeed, kernel_turns, pinned_pool
 from ragkv.gpu.graphs import capture_all
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
@@ -330,6 +332,7 @@ def _capture_graphs(a: ModelAdapter) -> float:
     allocate nothing, so the peaks measured after this leave the pool out: it is this figure."""
     if a.device.type != "cuda":
         return 0.0
+    kernel_turns(a)  # placement's Triton kernel compiled and checked before timing, as ragkv serve does
     _sync(a.device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(a.device)
@@ -388,6 +391,10 @@ def _row(
     tier = [codec.decode(b, expect=None, device=dev, dtype=a.dtype) for b in blobs]  # the device tier's entries
     tier_s, tier_peak, ctx = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
     place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
+    with mock.patch.dict(os.environ, {"RAGKV_TRITON": "0"}):  # keys turned through torch, not ragkv's kernel
+        place_torch_s = _optional(
+            "place, torch", lambda: _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
+        )[0]
     probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)  # CUDA graphs where they run
     with mock.patch.dict(os.environ, {"RAGKV_PROBE_GRAPHS": "0"}):  # transformers' eager layers
         probe_eager_s = _optional("probe eager", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
@@ -431,6 +438,7 @@ def _row(
         "pinned_speedup": full_s / pinned_s,
         "pinned_copy_gb_s": kv_bytes / pinned_copy_s / 1e9,
         "place_ms": place_s * 1e3,
+        "place_torch_ms": place_torch_s * 1e3,
         "probe_ms": probe_s * 1e3,
         "probe_eager_ms": probe_eager_s * 1e3,
         "probe_bound_ms": weight_bytes / rates[0] * 1e3,
@@ -470,6 +478,7 @@ COLUMNS = (
     Column("pinned_speedup", "vs full", "{:.1f}x"),
     Column("pinned_copy_gb_s", "pinned copy GB/s", "{:.1f}"),
     Column("place_ms", "place ms", "{:,.1f}"),
+    Column("place_torch_ms", "place, torch ms", "{:,.1f}"),
     Column("probe_ms", "probe ms", "{:,.1f}"),
     Column("probe_eager_ms", "probe eager ms", "{:,.1f}"),
     Column("probe_bound_ms", "probe bound ms", "{:,.1f}"),

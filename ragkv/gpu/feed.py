@@ -42,14 +42,16 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
+from ragkv.gpu import kernels
 from ragkv.model import ModelAdapter
-from ragkv.model.rotary import turn_keys, turn_tables
+from ragkv.model.rotary import RotaryFn, turn_keys, turn_tables
 from ragkv.types import ChunkKV
 
 logger = logging.getLogger(__name__)
@@ -168,6 +170,7 @@ class LayerFeed:
                 self.keys[:, :, a:b].copy_(kv.keys)
                 self.values[:, :, a:b].copy_(kv.values)
         self._runs = _rotation_runs(adapter, chunks, spans)
+        self._kernel = bool(self._runs) and kernel_turns(adapter)
         self._sinks = [(a, b, sk) for (a, b), sk in zip(spans, sinks, strict=False) if sk is not None]
         rotated = adapter.rotated_layers
         self._rotated = [True] * s.num_layers if rotated is None else [bool(r) for r in rotated.tolist()]
@@ -190,8 +193,10 @@ class LayerFeed:
         if self._rotated[layer]:
             for a, b, cos_d, sin_d in self._runs:
                 k = self.keys[layer : layer + 1, :, a:b]  # [1, H, run, D]
-                src = k if _turns_as_stored(k.device) else k.float()
-                k.copy_(turn_keys(src, cos_d, sin_d, self.adapter.rotary_fn))
+                if self._kernel and kernels.fits(k, cos_d, sin_d):
+                    kernels.turn_keys_(k, cos_d, sin_d)  # the same numbers, one pass (ragkv.gpu.kernels)
+                else:
+                    _turn_with_torch(k, cos_d, sin_d, self.adapter.rotary_fn)
         self._done[layer] = True
         if all(self._done):
             self._filled()
@@ -456,6 +461,56 @@ def _direct_blocks(host: Sequence[tuple[ChunkKV, tuple[int, int]]]) -> tuple[lis
             at += -(-t[0].numel() * t.element_size() // 16) * 16
         blocks.append((pair[0], pair[1]))
     return blocks, at
+
+
+def _turn_with_torch(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor, rotary_fn: RotaryFn | None) -> None:
+    """Turn keys ``k`` ``[1, H, run, D]`` in place through torch and the model's own rotation function."""
+    src = k if _turns_as_stored(k.device) else k.float()
+    k.copy_(turn_keys(src, cos_d, sin_d, rotary_fn))
+
+
+# Devices whose placement may turn keys with ragkv's Triton kernel (the tests add "cpu": Triton's interpreter).
+_KERNEL_DEVICES: tuple[str, ...] = ("cuda",)
+_KERNEL_CHECKS: weakref.WeakKeyDictionary[ModelAdapter, bool] = weakref.WeakKeyDictionary()
+_KERNEL_LOCK = threading.Lock()
+
+
+def kernel_turns(adapter: ModelAdapter) -> bool:
+    """Whether placement turns this model's keys with :func:`ragkv.gpu.kernels.turn_keys_`: on a GPU, Triton
+    there and not switched off (``RAGKV_TRITON=0``), and the kernel reproducing the model's own rotation
+    bit for bit on a test (:func:`_check_kernel`, once per model)."""
+    if adapter.device.type not in _KERNEL_DEVICES or not kernels.enabled():
+        return False
+    with _KERNEL_LOCK:
+        ok = _KERNEL_CHECKS.get(adapter)
+        if ok is None:
+            ok = _KERNEL_CHECKS[adapter] = _check_kernel(adapter)
+        return ok
+
+
+def _check_kernel(adapter: ModelAdapter, rows: int = 48) -> bool:
+    """Turn random keys in the model's dtype from one run of positions to another with the kernel and
+    through torch with the model's rotation function: True where the two agree bit for bit. A
+    layout the kernel does not compute (interleaved or partial rotary, a scaled variant that rounds
+    on its own) fails here and keeps torch; so does a kernel that fails to compile or run."""
+    s, a_dev = adapter.spec, adapter.device
+    gen = torch.Generator().manual_seed(0)
+    keys = (torch.randn((1, s.num_kv_heads, rows, s.head_dim), generator=gen) * 8).to(adapter.dtype).to(adapter.device)
+    moved, there = adapter.rotary(torch.arange(900, 900 + rows)), adapter.rotary(torch.arange(3, 3 + rows))
+    cos_d, sin_d = turn_tables(*moved, *there)
+    if not kernels.fits(keys, cos_d, sin_d):
+        return False
+    want, got = keys.clone(), keys.clone()
+    _turn_with_torch(want, cos_d, sin_d, adapter.rotary_fn)
+    try:
+        kernels.turn_keys_(got, cos_d, sin_d)
+    except Exception as e:  # a Triton that cannot compile for this device, say: torch turns the keys
+        logger.warning("ragkv's Triton re-rotation failed on %s (%s): placement turns keys through torch", a_dev, e)
+        return False
+    ok = torch.equal(got, want)
+    if not ok:
+        logger.info("ragkv's Triton re-rotation differs from this model's rotation: placement turns keys through torch")
+    return ok
 
 
 def _turns_as_stored(device: torch.device) -> bool:

@@ -69,14 +69,17 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
 
 def _capture_graphs(engine: Any) -> None:
     """On a GPU, the fused prefill's layer graphs for every row bucket before the first request
-    (``ragkv.gpu.graphs``): otherwise the first request of each bucket pays its captures."""
+    (``ragkv.gpu.graphs``): otherwise the first request of each bucket pays its captures. Placement's
+    Triton kernel is compiled and checked first (``ragkv.gpu.feed.kernel_turns``), for the same reason."""
     adapter = getattr(engine, "adapter", None)
     if adapter is None or adapter.device.type != "cuda":
         return
+    from ragkv.gpu.feed import kernel_turns
     from ragkv.gpu.graphs import capture_all
 
     began = time.perf_counter()
     try:
+        kernel_turns(adapter)  # ragkv's Triton re-rotation compiled and checked now, not in the first request
         made = capture_all(adapter)
     except Exception:  # the server runs without them: each pass then captures (or runs eagerly) on first use
         logger.exception("capturing the layer graphs at start failed; requests capture them on first use")

@@ -1,0 +1,195 @@
+"""ragkv's Triton kernels against the torch code they replace: bit for bit.
+
+On the CPU they run in Triton's interpreter (Triton is a test dependency; a CPU install of ragkv
+runs without it), on CUDA compiled. Placement's re-rotation (:func:`ragkv.gpu.kernels.turn_keys_`)
+must give what ``k.copy_(turn_keys(k, cos, sin))`` gives, for every dtype it takes; a model whose
+rotation it does not compute keeps torch (the feed's check per model).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragkv.gpu import feed as feed_module
+from ragkv.gpu import kernels
+from ragkv.gpu.feed import LayerFeed
+from ragkv.model import load_model
+from ragkv.model.rotary import turn_keys, turn_tables
+from tests.conftest import make_model
+from tests.gpu.test_feed import _slow_place
+from tests.model.families import FAMILIES
+
+pytest.importorskip("triton")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _tables(rows: int, d: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn tables ``[1, rows, d]`` fp32 moving keys from positions 5,000+ to 17+ (Llama 3's base)."""
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    def at(start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        f = torch.arange(start, start + rows, dtype=torch.float32)[:, None] * inv[None]
+        e = torch.cat([f, f], -1)
+        return e.cos()[None], e.sin()[None]
+
+    cos_d, sin_d = turn_tables(*at(5000), *at(17))
+    return cos_d.to(device), sin_d.to(device)
+
+
+def _turn_both(dtype: torch.dtype, d: int, rows: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer buffer ``[2, 3, rows + 40, d]`` turned at slots 11..11+rows of its second layer, by the
+    kernel and by torch (as the feed turns them on CUDA: the keys as stored)."""
+    gen = torch.Generator().manual_seed(rows * 7 + d)
+    buf = (torch.randn((2, 3, rows + 40, d), generator=gen) * 6).to(dtype).to(device)
+    cos_d, sin_d = _tables(rows, d, device)
+    want = buf.clone()
+    view = want[1:2, :, 11 : 11 + rows]
+    view.copy_(turn_keys(view, cos_d, sin_d))
+    got = buf.clone()
+    k = got[1:2, :, 11 : 11 + rows]
+    assert kernels.fits(k, cos_d, sin_d)
+    kernels.turn_keys_(k, cos_d, sin_d)
+    return got, want
+
+
+@pytest.mark.parametrize("rows", [1, 31, 33, 130])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_the_kernel_turns_keys_in_place_bit_for_bit_as_torch_does(dtype, d, rows):
+    got, want = _turn_both(dtype, d, rows)
+    assert torch.equal(got, want)  # the turned slots, and every other slot left as it was
+
+
+def test_the_comparison_sees_the_rounding_the_kernel_must_match():
+    """Controls: the data above tells torch's rounding apart from truncation (what Triton's interpreter
+    does converting floats to bf16) and from one fused multiply-add (what a GPU compiler contracts to)."""
+    rows, d = 130, 128
+    gen = torch.Generator().manual_seed(1)
+    k = (torch.randn((1, 3, rows, d), generator=gen) * 6).to(torch.bfloat16)
+    cos_d, sin_d = _tables(rows, d)
+    exact = turn_keys(k.float(), cos_d, sin_d)
+    want = exact.to(torch.bfloat16)
+    truncated = (exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert not torch.equal(truncated, want)
+    x1, x2 = k.double().chunk(2, -1)
+    c1, c2 = cos_d.double().chunk(2, -1)
+    s1, s2 = sin_d.double().chunk(2, -1)
+    # x * cos rounded to fp32, then added to the other product unrounded: one rounding less
+    fused = torch.cat([(x1 * c1).float().double() + -x2 * s1, (x2 * c2).float().double() + x1 * s2], -1).float()
+    assert not torch.equal(fused, exact)
+
+
+def test_fits_says_which_calls_the_kernel_takes():
+    cos_d, sin_d = _tables(8, 128)
+    k = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    assert kernels.fits(k, cos_d, sin_d)
+    assert not kernels.fits(k[..., :96], cos_d[..., :96].contiguous(), sin_d[..., :96].contiguous())  # D/2 not 2^n
+    assert not kernels.fits(k.to(torch.int8), cos_d, sin_d)
+    assert not kernels.fits(k, cos_d.half(), sin_d)  # tables in fp32 only
+    assert not kernels.fits(k, cos_d[..., :64].contiguous(), sin_d[..., :64].contiguous())  # partial rotary
+    assert not kernels.fits(k.transpose(-1, -2), cos_d, sin_d)
+    with pytest.raises(ValueError, match="turn_keys_ takes"):
+        kernels.turn_keys_(k[..., :96], cos_d[..., :96].contiguous(), sin_d[..., :96].contiguous())
+
+
+def test_ragkv_triton_switches_the_kernels_off_and_a_wrong_value_says_so(monkeypatch):
+    assert kernels.enabled()
+    monkeypatch.setenv("RAGKV_TRITON", "0")
+    assert not kernels.enabled()
+    monkeypatch.setenv("RAGKV_TRITON", "sometimes")
+    with pytest.raises(ValueError, match="RAGKV_TRITON must be 1"):
+        kernels.enabled()
+    monkeypatch.delenv("RAGKV_TRITON")
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    assert not kernels.enabled()
+
+
+_ROTATIONS = ["llama", "glm4", "olmo2", "ernie4_5", "stablelm", "smollm3"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", _ROTATIONS)
+def test_a_feed_with_the_kernel_equals_placing_chunk_by_chunk_for_every_rotation_layout(
+    tiny_tokenizer, monkeypatch, family, dtype
+):
+    """The feed turns keys with the kernel where its check on the model passes (half-split layouts),
+    through torch elsewhere; either way its buffer is chunk-by-chunk placement's, bit for bit."""
+    monkeypatch.setattr(feed_module, "_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(feed_module, "_turns_as_stored", lambda device: True)  # as on CUDA
+    calls = []
+    real = kernels.turn_keys_
+    monkeypatch.setattr(kernels, "turn_keys_", lambda *a: calls.append(1) or real(*a))
+    _, model_type, overrides, _ = next(f for f in FAMILIES if f[0] == family)
+    a = load_model((make_model(model_type, len(tiny_tokenizer), **dict(overrides)), tiny_tokenizer), dtype=dtype)
+    from tests.core.test_fusion import _prompt
+
+    _, _, _, inp = _prompt(a, sizes=(20, 17, 23, 9))
+    checks = len(calls)
+    feed = LayerFeed(a, inp.prefix, inp.chunks, extra=3)
+    checks = len(calls) - checks  # the check's own call, made once per model
+    feed.all_ready()
+    want_k, want_v = _slow_place(a, inp, 3)
+    assert torch.equal(feed.keys, want_k) and torch.equal(feed.values, want_v)
+    used = len(calls) - checks > 0
+    assert used == feed._kernel
+    if family in ("llama", "smollm3"):  # half-split over every dim: the kernel's layout
+        assert used
+    if family in ("glm4", "stablelm"):  # interleaved and partial rotary: not the kernel's
+        assert not used
+
+
+def test_a_kernel_that_fails_keeps_torch_and_the_feed_still_places(llama_adapter, monkeypatch, caplog):
+    monkeypatch.setattr(feed_module, "_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(feed_module, "_KERNEL_CHECKS", type(feed_module._KERNEL_CHECKS)())
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no compiler for this device")
+
+    monkeypatch.setattr(kernels, "turn_keys_", broken)
+    from tests.core.test_fusion import _prompt
+
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    with caplog.at_level("WARNING", logger="ragkv.gpu.feed"):
+        feed = LayerFeed(a, inp.prefix, inp.chunks, extra=2)
+    assert not feed._kernel and "through torch" in caplog.text
+    feed.all_ready()
+    want_k, _ = _slow_place(a, inp, 2)
+    assert torch.equal(feed.keys, want_k)
+
+
+def test_switched_off_the_feed_does_not_ask_for_the_kernel(llama_adapter, monkeypatch):
+    monkeypatch.setattr(feed_module, "_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv("RAGKV_TRITON", "0")
+    from tests.core.test_fusion import _prompt
+
+    _, _, _, inp = _prompt(llama_adapter)
+    assert not LayerFeed(llama_adapter, inp.prefix, inp.chunks)._kernel
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("rows", [1, 33, 515])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_on_cuda_the_kernel_turns_keys_bit_for_bit_as_torch_does(dtype, rows):
+    got, want = _turn_both(dtype, 128, rows, "cuda")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@cuda
+def test_on_cuda_the_feed_turns_a_llama_models_keys_with_the_kernel_as_torch_does(tiny_tokenizer, monkeypatch):
+    a = load_model((make_model("llama", len(tiny_tokenizer)), tiny_tokenizer), device="cuda", dtype=torch.bfloat16)
+    from tests.core.test_fusion import _prompt
+
+    _, _, _, inp = _prompt(a, sizes=(20, 17, 23, 9))
+    with_kernel = LayerFeed(a, inp.prefix, inp.chunks, extra=3)
+    assert with_kernel._kernel
+    with_kernel.all_ready()
+    monkeypatch.setenv("RAGKV_TRITON", "0")
+    with_torch = LayerFeed(a, inp.prefix, inp.chunks, extra=3)
+    assert not with_torch._kernel
+    with_torch.all_ready()
+    assert torch.equal(with_kernel.keys, with_torch.keys) and torch.equal(with_kernel.values, with_torch.values)
