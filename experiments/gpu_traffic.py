@@ -18,7 +18,9 @@ divided widths (activations, K/V) then holds ``1/scale`` of its full-width bytes
 as they are. Scales 2 and 4 agree (a check of that rule). Matrix products and the attention
 kernels are left out: their time is FLOPs (the bench's bounds). The attention runs torch's SDPA
 with fusion's masks, placement turns the keys as stored and the probe's products run in the
-model's dtype, as on a GPU (ragkv's CPU attention kernel is switched off). A product of a
+model's dtype, as on a GPU (ragkv's CPU attention kernel is switched off); placement's moved keys
+are turned as ragkv's Triton kernel turns them on a GPU, one read of each key and its tables and
+one write (counted by hand; ``--no-kernels``: through torch, as with ``RAGKV_TRITON=0``). A product of a
 half-precision and an fp32 tensor converts as it reads on a GPU; on the CPU torch makes an fp32
 temporary first, which this does not count. Whether a GPU's fused kernel shares the key heads of
 the blocked attention (``ragkv.model.attention._shares_heads``) is torch's choice there; the CPU's
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ragkv.bench.gpu import LLAMA_3_1_8B, _fused, _prompt, build_model  # noqa: E402
 from ragkv.fusion import FusionConfig  # noqa: E402
-from ragkv.gpu import feed  # noqa: E402
+from ragkv.gpu import feed, kernels  # noqa: E402
 from ragkv.model import attention  # noqa: E402
 from ragkv.model.attention import PLAIN  # noqa: E402
 from ragkv.model.placement import cpu_has_native_bf16  # noqa: E402
@@ -99,6 +101,22 @@ class Traffic(TorchDispatchMode):
         super().__init__()
         self.widths, self.scale = widths, scale
         self.bytes: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.paused = False  # while a stand-in computes what a GPU kernel would (its bytes added by hand)
+
+        self.active = False  # inside the with block
+
+    def __enter__(self) -> Traffic:
+        self.active = True
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+        super().__exit__(*exc)
+
+    def kernel(self, kind: str, name: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
+        """Count one GPU kernel that reads ``reads`` once and writes ``writes`` once (while active)."""
+        if self.active:
+            self.bytes[(kind, name, "ragkv/gpu/kernels.py")] += sum(self._bytes(t) for t in reads + writes)
 
     def _bytes(self, t: Any) -> int:
         if not isinstance(t, torch.Tensor):
@@ -109,7 +127,7 @@ class Traffic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if name in _FREE or (func.is_view and not _copied(args, out)):
+        if self.paused or name in _FREE or (func.is_view and not _copied(args, out)):
             return out
         ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
         if name in _INTO:  # the destination is written where the source lands: count the source twice
@@ -138,6 +156,9 @@ def main() -> None:
     ap.add_argument("--hbm-gbs", type=float, default=2960.0, help="device memory rate for the time column, GB/s")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it), bf16 or fp32")
     ap.add_argument("--top", type=int, default=12, help="source lines to list")
+    ap.add_argument(
+        "--no-kernels", action="store_true", help="placement through torch, not ragkv's Triton kernel (RAGKV_TRITON=0)"
+    )
     args = ap.parse_args()
     s = args.scale
     if s not in (1, 2, 4):
@@ -161,10 +182,23 @@ def main() -> None:
 
     prefix = chunk(len(p.prefix), 0)
     chunks = [chunk(len(c), len(p.prefix)) for c in p.chunks]
+    widths = {shape[key] for key in _WIDTHS}
+    traffic = Traffic(widths if s > 1 else set(), s)
+    if not args.no_kernels:  # as on a GPU with Triton: placement's keys turned by ragkv's kernel
+        feed.kernel_turns = lambda adapter: True  # type: ignore[assignment]
+
+        def turn(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> None:
+            traffic.kernel("placement (copies in, re-rotation)", "turn_keys_", [k, cos_d, sin_d], [k])
+            traffic.paused = True  # the same numbers through torch, uncounted: the interpreter is slow
+            try:
+                feed._turn_with_torch(k, cos_d, sin_d, a.rotary_fn)
+            finally:
+                traffic.paused = False
+
+        kernels.turn_keys_ = turn  # type: ignore[assignment]
     with torch.inference_mode():
         _fused(a, prefix, chunks, p, FusionConfig())  # warm-up: what runs once per process is not counted
-        widths = {shape[key] for key in _WIDTHS}
-        with Traffic(widths if s > 1 else set(), s) as traffic:
+        with traffic:
             fused = _fused(a, prefix, chunks, p, FusionConfig())
     tokens = sum(len(c) for c in p.chunks) + len(p.prefix) + len(p.question)
     print(

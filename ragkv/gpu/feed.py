@@ -193,13 +193,25 @@ class LayerFeed:
         if self._rotated[layer]:
             for a, b, cos_d, sin_d in self._runs:
                 k = self.keys[layer : layer + 1, :, a:b]  # [1, H, run, D]
-                if self._kernel and kernels.fits(k, cos_d, sin_d):
-                    kernels.turn_keys_(k, cos_d, sin_d)  # the same numbers, one pass (ragkv.gpu.kernels)
-                else:
+                if not (self._kernel and kernels.fits(k, cos_d, sin_d) and self._turn_with_kernel(k, cos_d, sin_d)):
                     _turn_with_torch(k, cos_d, sin_d, self.adapter.rotary_fn)
         self._done[layer] = True
         if all(self._done):
             self._filled()
+
+    def _turn_with_kernel(self, k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> bool:
+        """Turn ``k`` with ragkv's Triton kernel (the same numbers as torch, one pass: ``ragkv.gpu.kernels``);
+        False, ``k`` untouched, where Triton refuses the call (a shape its check on the model did not
+        compile, say): this feed and later ones of the model then turn keys through torch (logged)."""
+        try:
+            kernels.turn_keys_(k, cos_d, sin_d)
+        except (RuntimeError, ValueError, TypeError) as e:  # Triton's compile errors are RuntimeErrors
+            logger.warning("ragkv's Triton re-rotation failed (%s): placement turns keys through torch from now on", e)
+            self._kernel = False
+            with _KERNEL_LOCK:
+                _KERNEL_CHECKS[self.adapter] = False
+            return False
+        return True
 
     def cancel(self) -> None:
         """Stop staging (a pass that failed or was abandoned): the worker ends after the layer it is

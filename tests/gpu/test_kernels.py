@@ -160,6 +160,32 @@ def test_a_kernel_that_fails_keeps_torch_and_the_feed_still_places(llama_adapter
     assert torch.equal(feed.keys, want_k)
 
 
+def test_a_kernel_refused_in_a_request_turns_that_run_through_torch_and_later_feeds_too(
+    llama_adapter, monkeypatch, caplog
+):
+    """The check on the model passed, then Triton refuses a call (a shape it did not compile): the run is
+    turned through torch, the buffer is still placement's, and the model's later feeds skip the kernel."""
+    monkeypatch.setattr(feed_module, "_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(feed_module, "_KERNEL_CHECKS", type(feed_module._KERNEL_CHECKS)())
+    from tests.core.test_fusion import _prompt
+
+    a = llama_adapter
+    _, _, _, inp = _prompt(a)
+    feed = LayerFeed(a, inp.prefix, inp.chunks, extra=2)
+    assert feed._kernel  # the check passed
+
+    def refused(*args: object) -> None:
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(kernels, "turn_keys_", refused)
+    with caplog.at_level("WARNING", logger="ragkv.gpu.feed"):
+        feed.all_ready()
+    assert "from now on" in caplog.text and not feed._kernel
+    want_k, want_v = _slow_place(a, inp, 2)
+    assert torch.equal(feed.keys, want_k) and torch.equal(feed.values, want_v)
+    assert not LayerFeed(a, inp.prefix, inp.chunks)._kernel
+
+
 def test_switched_off_the_feed_does_not_ask_for_the_kernel(llama_adapter, monkeypatch):
     monkeypatch.setattr(feed_module, "_KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setenv("RAGKV_TRITON", "0")
