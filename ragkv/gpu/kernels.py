@@ -2,7 +2,7 @@
 
 - :func:`turn_keys_`: placement's re-rotation of the moved chunk keys of one layer, in place. Through
   torch it is five passes over the keys (two products, the half swap, the negation, the sum) and a
-  copy back, each reading and writing fp32: 17 GB of placement's 25 GB at 16K tokens of
+  copy back, each reading and writing fp32: 20 GB of placement's 25 GB at 16K tokens of
   Llama-3.1-8B's shape (``experiments/gpu_traffic.py``). The kernel reads each key and its tables
   once and writes the key once, with the same arithmetic: bit for bit what torch gives (tested with
   Triton's interpreter on the CPU, against torch on CUDA).
