@@ -9,7 +9,7 @@
 
 Triton is optional: where it is missing (a CPU install), or ``RAGKV_TRITON=0``, everything runs
 through torch as before. A model whose rotation is not the half-split one the kernel computes is
-found by a check on the model's own rotation function (:func:`kernel_turns_like`), once per model.
+found by a check on the model's own rotation function (:func:`ragkv.gpu.feed.kernel_turns`), once per model.
 """
 
 from __future__ import annotations
