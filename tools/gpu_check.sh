@@ -3,7 +3,7 @@
 # decode threads (experiments/decode_threads.py), the SDPA kernel torch picks for the recompute's
 # masked attention with shared key heads (experiments/gpu_sdpa_choice.py), then the profile of one
 # fused request (experiments/gpu_profile.py), on a lent GPU machine, within the device tool's 600 s a
-# call (the timeouts sum to 590). Results go to $OUT (or /tmp/ragkv-gpu): 8 files, what a call brings back.
+# call (the timeouts sum to 580, the install and the run folder a few seconds more). Results go to $OUT (or /tmp/ragkv-gpu): 8 files, what a call brings back.
 #
 # That machine has torch and transformers but not all of ragkv's dependencies, and reaches no
 # registry: make their wheels here first (`bash tools/gpu_wheels.sh`, into .whl/) and carry them:
@@ -37,5 +37,5 @@ timeout "${TEST_TIMEOUT:-190}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/model/test_lean.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
 timeout "${DECODE_TIMEOUT:-45}" "$PY" experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"
 timeout "${SDPA_TIMEOUT:-15}" "$PY" experiments/gpu_sdpa_choice.py 2>&1 | tee "$OUT/sdpa_choice.txt"
-timeout "${PROFILE_TIMEOUT:-60}" "$PY" experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
+timeout "${PROFILE_TIMEOUT:-50}" "$PY" experiments/gpu_profile.py --out "$OUT" > "$OUT/profile.txt" 2>&1
 head -30 "$OUT/profile.txt"
