@@ -205,7 +205,7 @@ class LayerFeed:
         compile, say): this feed and later ones of the model then turn keys through torch (logged)."""
         try:
             kernels.turn_keys_(k, cos_d, sin_d)
-        except (RuntimeError, ValueError, TypeError) as e:  # Triton's compile errors are RuntimeErrors
+        except Exception as e:  # Triton's own errors (CompilationError, PTXASError, OutOfResources) included
             logger.warning("ragkv's Triton re-rotation failed (%s): placement turns keys through torch from now on", e)
             self._kernel = False
             with _KERNEL_LOCK:

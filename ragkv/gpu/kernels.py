@@ -14,6 +14,7 @@ found by a check on the model's own rotation function (:func:`ragkv.gpu.feed.ker
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -24,9 +25,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["enabled", "triton_available", "turn_keys_"]
+__all__ = ["LAUNCH_OPTIONS", "enabled", "fits", "triton_available", "turn_keys_"]
 
 _BLOCK = 32  # rows of keys per program
+# Compile options of every launch: no fused multiply-add, so that each product is rounded to fp32 as
+# torch's separate kernels round it (a GPU compiler contracts ``a * b + c`` by default).
+LAUNCH_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
 
 
 @functools.cache
@@ -53,9 +57,10 @@ def _turn_kernel(interpret: bool) -> Any:
 
     with knobs.runtime.scope():
         knobs.runtime.interpret = interpret
-        # no specialization on the counts and strides (each value class would compile a kernel of its
-        # own in the middle of a request); the pointers are 16-byte aligned where fusion calls it
-        return triton.jit(turn_half_split, do_not_specialize=["rows", "head_stride", "row_stride", "table_stride"])
+        # no specialization on the row count (each value class would compile a kernel of its own in the
+        # middle of a request). The strides are specialized: multiples of 16 wherever fusion calls it
+        # (head_dim times a count; the check's too), and known so, the loads and stores are vectorized
+        return triton.jit(turn_half_split, do_not_specialize=["rows"])
 
 
 def fits(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> bool:
@@ -86,17 +91,22 @@ def turn_keys_(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> Non
     heads, rows, d = k.shape[1], k.shape[2], k.shape[3]
     bf16 = k.dtype == torch.bfloat16
     target = k.view(torch.int16) if bf16 else k  # bf16 as its bits: see ragkv.gpu._triton_turn
-    kernel = _turn_kernel(k.device.type != "cuda")
-    kernel[(heads, triton.cdiv(rows, _BLOCK))](
-        target,
-        cos_d,
-        sin_d,
-        rows,
-        k.stride(1),
-        k.stride(2),
-        cos_d.stride(1),
-        HALF=d // 2,
-        BLOCK=_BLOCK,
-        BF16=bf16,
-        enable_fp_fusion=False,  # no fused multiply-add: each product rounded, as torch's kernels do
-    )
+    interpret = k.device.type != "cuda"
+    kernel = _turn_kernel(interpret)
+    # Triton launches on the current device: the keys' (a model on cuda:1 while cuda:0 is current)
+    on_device = torch.cuda.device(k.device) if k.is_cuda else contextlib.nullcontext()
+    with on_device:
+        kernel[(heads, triton.cdiv(rows, _BLOCK))](
+            target,
+            cos_d,
+            sin_d,
+            rows,
+            k.stride(1),
+            k.stride(2),
+            cos_d.stride(1),
+            HALF=d // 2,
+            BLOCK=_BLOCK,
+            BF16=bf16,
+            INTERPRET=interpret,
+            **LAUNCH_OPTIONS,
+        )

@@ -77,9 +77,11 @@ def _capture_graphs(engine: Any) -> None:
     from ragkv.gpu.feed import kernel_turns
     from ragkv.gpu.graphs import capture_all
 
+    # ragkv's Triton re-rotation compiled and checked now, not in the first request; a wrong
+    # RAGKV_TRITON stops the start with its message (every fused request would fail on it)
+    kernel_turns(adapter)
     began = time.perf_counter()
     try:
-        kernel_turns(adapter)  # ragkv's Triton re-rotation compiled and checked now, not in the first request
         made = capture_all(adapter)
     except Exception:  # the server runs without them: each pass then captures (or runs eagerly) on first use
         logger.exception("capturing the layer graphs at start failed; requests capture them on first use")

@@ -8,6 +8,8 @@ rotation it does not compute keeps torch (the feed's check per model).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -38,11 +40,20 @@ def _tables(rows: int, d: int, device: str = "cpu") -> tuple[torch.Tensor, torch
     return cos_d.to(device), sin_d.to(device)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers: unlike ``torch.equal`` on floats, -0 differs from +0 and NaN equals NaN."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
 def _turn_both(dtype: torch.dtype, d: int, rows: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """A layer buffer ``[2, 3, rows + 40, d]`` turned at slots 11..11+rows of its second layer, by the
-    kernel and by torch (as the feed turns them on CUDA: the keys as stored)."""
+    kernel and by torch (as the feed turns them on CUDA: the keys as stored). Some keys are +0 and
+    -0 (a product with a negative table entry is then -0 in torch)."""
     gen = torch.Generator().manual_seed(rows * 7 + d)
-    buf = (torch.randn((2, 3, rows + 40, d), generator=gen) * 6).to(dtype).to(device)
+    buf = torch.randn((2, 3, rows + 40, d), generator=gen) * 6
+    buf[:, :, ::5, ::3] = 0.0
+    buf[:, :, 2::5, 1::3] = -0.0
+    buf = buf.to(dtype).to(device)
     cos_d, sin_d = _tables(rows, d, device)
     want = buf.clone()
     view = want[1:2, :, 11 : 11 + rows]
@@ -59,12 +70,19 @@ def _turn_both(dtype: torch.dtype, d: int, rows: int, device: str = "cpu") -> tu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_the_kernel_turns_keys_in_place_bit_for_bit_as_torch_does(dtype, d, rows):
     got, want = _turn_both(dtype, d, rows)
-    assert torch.equal(got, want)  # the turned slots, and every other slot left as it was
+    assert torch.equal(_bits(got), _bits(want))  # the turned slots, and every other slot left as it was
 
 
 def test_the_comparison_sees_the_rounding_the_kernel_must_match():
     """Controls: the data above tells torch's rounding apart from truncation (what Triton's interpreter
-    does converting floats to bf16) and from one fused multiply-add (what a GPU compiler contracts to)."""
+    does converting floats to bf16), from one fused multiply-add (what a GPU compiler contracts to;
+    the interpreter never contracts, so the PTX test below checks the launch's options), and +0 from
+    -0 (compared as bits). Compiled, Triton's ``-x`` is ``0 - x``, which loses a -0; the interpreter
+    negates exactly, so only the CUDA test can catch that form, which the kernel does not use."""
+    rows, d = 40, 128
+    got, want = _turn_both(torch.bfloat16, d, rows)
+    assert (_bits(want) == -32768).any()  # some -0 in torch's result: a sign test, not only values'
+
     rows, d = 130, 128
     gen = torch.Generator().manual_seed(1)
     k = (torch.randn((1, 3, rows, d), generator=gen) * 6).to(torch.bfloat16)
@@ -94,7 +112,39 @@ def test_fits_says_which_calls_the_kernel_takes():
         kernels.turn_keys_(k[..., :96], cos_d[..., :96].contiguous(), sin_d[..., :96].contiguous())
 
 
+def _ptx(bf16: bool, options: dict[str, object]) -> str:
+    """The kernel compiled for an H100/H200 (sm_90) on this machine, as a launch from fusion specializes
+    it (16-byte aligned pointers, strides multiples of 16, any row count): its PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {"k_ptr": "*i16" if bf16 else "*fp16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rows": "i32"}
+    sig |= {name: "i32" for name in ("head_stride", "row_stride", "table_stride")}
+    sig |= {name: "constexpr" for name in ("HALF", "BLOCK", "BF16", "INTERPRET")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 4, 5, 6)}
+    consts = {"HALF": 64, "BLOCK": kernels._BLOCK, "BF16": bf16, "INTERPRET": False}
+    src = ASTSource(fn=kernels._turn_kernel(False), signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
+def test_compiled_for_a_gpu_the_kernel_rounds_every_product_and_vectorizes(bf16):
+    """The interpreter never fuses a multiply and an add; a GPU compiler does unless told not to. The
+    launch's options (``LAUNCH_OPTIONS``) must leave no ``fma`` in the PTX (the control, with fusion
+    on, has them), bf16 is rounded by the hardware's conversion to nearest even, and the loads and
+    stores are vectorized (they were not while the strides were left unspecialized)."""
+    assert kernels._turn_kernel(False).do_not_specialize == ["rows"]  # the launch specializes the strides
+    ptx = _ptx(bf16, kernels.LAUNCH_OPTIONS)
+    assert "fma." not in ptx and "mul.rn.f32" in ptx and "sub.rn.f32" in ptx
+    assert "fma.rn.f32" in _ptx(bf16, {**kernels.LAUNCH_OPTIONS, "enable_fp_fusion": True})
+    assert re.search(r"ld\.global(\.\w+)*\.v[24]", ptx) and re.search(r"st\.global(\.\w+)*\.v[24]", ptx)
+    if bf16:
+        assert "cvt.rn.bf16" in ptx
+
+
 def test_ragkv_triton_switches_the_kernels_off_and_a_wrong_value_says_so(monkeypatch):
+    monkeypatch.delenv("RAGKV_TRITON", raising=False)
     assert kernels.enabled()
     monkeypatch.setenv("RAGKV_TRITON", "0")
     assert not kernels.enabled()
@@ -174,8 +224,10 @@ def test_a_kernel_refused_in_a_request_turns_that_run_through_torch_and_later_fe
     feed = LayerFeed(a, inp.prefix, inp.chunks, extra=2)
     assert feed._kernel  # the check passed
 
+    from triton.runtime.errors import PTXASError  # Triton's errors are not RuntimeErrors
+
     def refused(*args: object) -> None:
-        raise RuntimeError("PassManager::run failed")
+        raise PTXASError("ptxas fatal: Unresolved extern function")
 
     monkeypatch.setattr(kernels, "turn_keys_", refused)
     with caplog.at_level("WARNING", logger="ragkv.gpu.feed"):
@@ -201,7 +253,7 @@ def test_switched_off_the_feed_does_not_ask_for_the_kernel(llama_adapter, monkey
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_on_cuda_the_kernel_turns_keys_bit_for_bit_as_torch_does(dtype, rows):
     got, want = _turn_both(dtype, 128, rows, "cuda")
-    assert torch.equal(got, want)
+    assert torch.equal(_bits(got), _bits(want))
 
 
 @pytest.mark.gpu
@@ -218,4 +270,5 @@ def test_on_cuda_the_feed_turns_a_llama_models_keys_with_the_kernel_as_torch_doe
     with_torch = LayerFeed(a, inp.prefix, inp.chunks, extra=3)
     assert not with_torch._kernel
     with_torch.all_ready()
-    assert torch.equal(with_kernel.keys, with_torch.keys) and torch.equal(with_kernel.values, with_torch.values)
+    assert torch.equal(_bits(with_kernel.keys), _bits(with_torch.keys))
+    assert torch.equal(_bits(with_kernel.values), _bits(with_torch.values))
