@@ -21,6 +21,8 @@ _CACHES = (
     ("RAGKV_KERNEL_CACHE", "kernels"),  # ragkv.model.native's compiled int8 kernel
     ("VLLM_CACHE_ROOT", "vllm-cache"),  # vLLM's venv (tools/vllm_env.sh): its caches default to ~/.cache/vllm
     ("VLLM_CONFIG_ROOT", "vllm-config"),  # ... and its usage record to ~/.config/vllm
+    ("TRITON_HOME", "triton"),  # Triton's compile cache (tests/gpu/test_kernels.py), ~/.triton by default
+    ("TRITON_CACHE_DIR", "triton/cache"),
 )
 for _var, _sub in _CACHES:
     os.environ[_var] = os.path.join(_SESSION_CACHES, _sub)
