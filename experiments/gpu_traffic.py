@@ -20,7 +20,8 @@ kernels are left out: their time is FLOPs (the bench's bounds). The attention ru
 with fusion's masks, placement turns the keys as stored and the probe's products run in the
 model's dtype, as on a GPU (ragkv's CPU attention kernel is switched off); placement's moved keys
 are turned as ragkv's Triton kernel turns them on a GPU, one read of each key and its tables and
-one write (counted by hand; ``--no-kernels``: through torch, as with ``RAGKV_TRITON=0``). A product of a
+one write, and the probe's scores are scaled and masked in one pass as its kernel does (both counted
+by hand; ``--no-kernels``: through torch, as with ``RAGKV_TRITON=0``). A product of a
 half-precision and an fp32 tensor converts as it reads on a GPU; on the CPU torch makes an fp32
 temporary first, which this does not count. Whether a GPU's fused kernel shares the key heads of
 the blocked attention (``ragkv.model.attention._shares_heads``) is torch's choice there; the CPU's
@@ -196,6 +197,24 @@ def main() -> None:
                 traffic.paused = False
 
         kernels.turn_keys_ = turn  # type: ignore[assignment]
+
+        # and the probe's scores scaled and masked in one pass, as its replayed layers do on a GPU
+        def scale_mask(raw: torch.Tensor, scale: float, mask: Any) -> torch.Tensor | None:
+            if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool:
+                return None
+            out = torch.empty(raw.shape, dtype=torch.float32)
+            kind = "the attention's other passes (the probe's softmax, any K/V repeat)"
+            traffic.kernel(kind, "scale_mask", [raw, mask.float()], [out])  # the mask read once, in fp32
+            traffic.paused = True
+            try:
+                hq, q = raw.shape[1] * raw.shape[2] // mask.shape[2], mask.shape[2]
+                scores = (raw.float() * scale).view(1, hq, q, raw.shape[3]) + mask.float()
+                return out.copy_(scores.view(raw.shape))
+            finally:
+                traffic.paused = False
+
+        probe_attention = attention._probe_attention
+        attention._probe_attention = lambda *args: probe_attention(*args, scale_mask)  # type: ignore[assignment,call-arg]
     with torch.inference_mode():
         _fused(a, prefix, chunks, p, FusionConfig())  # warm-up: what runs once per process is not counted
         with traffic:

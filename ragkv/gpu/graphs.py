@@ -63,6 +63,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from ragkv.gpu import kernels
 from ragkv.model import ModelAdapter
 from ragkv.model.attention import AttentionProbe, _probe_attention
 from ragkv.model.lean import LeanLayer, _norm, _rotate, _rotated_kv, _rotation, layer_parts
@@ -282,10 +283,12 @@ def probe_attend(
     written at their ``slots`` of ``keys``/``values`` (the layer's ``[1, kv_heads, slots, D]`` of the
     fused buffer), its attention over every slot recorded in ``probe``."""
 
+    fused = kernels.probe_scale_mask(keys.device)  # the scores scaled and masked in one pass, where it runs
+
     def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         keys[:, :, slots] = key
         values[:, :, slots] = value
-        return _probe_attention(probe, layer, query, keys, values, mask, scaling)[0]
+        return _probe_attention(probe, layer, query, keys, values, mask, scaling, fused)[0]
 
     return attend
 

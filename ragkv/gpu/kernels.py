@@ -7,6 +7,11 @@
   once and writes the key once, with the same arithmetic: bit for bit what torch gives (tested with
   Triton's interpreter on the CPU, against torch on CUDA).
 
+- :func:`scale_mask`: the question probe's scores of one layer, from the products in the model's
+  half-precision dtype to fp32 ``x * scale + mask`` in one pass. Through torch that is three
+  (``float()``, the scaling, the mask's addition), each reading and writing fp32: 8.6 of the probe's
+  23 GB of such traffic at 16K. The same numbers, bit for bit.
+
 Triton is optional: where it is missing (a CPU install), or ``RAGKV_TRITON=0``, everything runs
 through torch as before. A model whose rotation is not the half-split one the kernel computes is
 found by a check on the model's own rotation function (:func:`ragkv.gpu.feed.kernel_turns`), once per model.
@@ -19,13 +24,24 @@ import functools
 import importlib.util
 import logging
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAUNCH_OPTIONS", "enabled", "fits", "triton_available", "turn_keys_"]
+__all__ = [
+    "LAUNCH_OPTIONS",
+    "enabled",
+    "fits",
+    "probe_scale_mask",
+    "scale_mask",
+    "scale_mask_fits",
+    "triton_available",
+    "turn_keys_",
+]
 
 _BLOCK = 32  # rows of keys per program
 # Compile options of every launch: no fused multiply-add, so that each product is rounded to fp32 as
@@ -61,6 +77,126 @@ def _turn_kernel(interpret: bool) -> Any:
         # middle of a request). The strides are specialized: multiples of 16 wherever fusion calls it
         # (head_dim times a count; the check's too), and known so, the loads and stores are vectorized
         return triton.jit(turn_half_split, do_not_specialize=["rows"])
+
+
+@functools.cache
+def _scale_mask_kernel(interpret: bool) -> Any:
+    """:func:`scale_mask`'s jitted kernel (as :func:`_turn_kernel`)."""
+    import triton
+    from triton import knobs
+
+    from ragkv.gpu._triton_probe import scale_mask as source
+
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = interpret
+        # the counts vary per request (the probe's rows, the context's slots): never specialized on.
+        # The strides are multiples of 16 elements where the probe calls it (masks padded to 16).
+        return triton.jit(source, do_not_specialize=["cols", "queries", "scale"])
+
+
+def scale_mask_fits(raw: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether :func:`scale_mask` computes this call: products ``raw`` ``[1, kv_heads, rows, slots]`` in
+    bf16 or fp16 with unit stride along the slots, and an fp32 additive mask ``[1, 1, q, slots]``
+    (unit stride along the slots) whose ``q`` divides the rows, on ``raw``'s device."""
+    if type(mask) is not torch.Tensor or raw.dim() != 4 or raw.shape[0] != 1 or mask.dim() != 4:
+        return False  # a tensor subclass (SDPA's CausalBias) is not a mask tensor
+    if raw.dtype not in (torch.bfloat16, torch.float16) or mask.dtype != torch.float32 or mask.device != raw.device:
+        return False
+    q, slots = mask.shape[2], mask.shape[3]
+    if mask.shape[:2] != (1, 1) or raw.shape[3] != slots or q == 0 or raw.shape[2] % q or slots == 0:
+        return False
+    return raw.stride(3) == 1 and mask.stride(3) == 1 and raw.stride(1) == raw.shape[2] * raw.stride(2)
+
+
+def scale_mask(raw: torch.Tensor, scale: float, mask: torch.Tensor) -> torch.Tensor:
+    """``raw.float() * scale + mask``: products ``[1, kv_heads, rows, slots]`` (each head's rows its
+    queries in order, repeated per query head of the group) and the mask ``[1, 1, q, slots]`` shared
+    by every head, as a new fp32 tensor of ``raw``'s shape; bit for bit torch's result. Call only
+    where :func:`scale_mask_fits` says so. On a CPU tensor it runs in Triton's interpreter (tests)."""
+    import triton
+
+    if not scale_mask_fits(raw, mask):
+        got = f"{tuple(raw.shape)} {raw.dtype} and {tuple(mask.shape)} {mask.dtype}"
+        raise ValueError(
+            f"scale_mask takes [1, kv_heads, rows, slots] half products, a [1, 1, q, slots] fp32 mask; {got}"
+        )
+    rows, slots = raw.shape[1] * raw.shape[2], raw.shape[3]
+    out = torch.empty(raw.shape, dtype=torch.float32, device=raw.device)
+    bf16 = raw.dtype == torch.bfloat16
+    interpret = raw.device.type != "cuda"
+    block = 1024
+    on_device = torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext()
+    with on_device:
+        _scale_mask_kernel(interpret)[(rows, triton.cdiv(slots, block))](
+            raw.view(torch.int16) if bf16 else raw,
+            mask,
+            out,
+            slots,
+            mask.shape[2],
+            raw.stride(2),
+            mask.stride(2),
+            out.stride(2),
+            float(scale),
+            BLOCK=block,
+            BF16=bf16,
+            **LAUNCH_OPTIONS,
+        )
+    return out
+
+
+# Devices whose question probe may scale and mask its scores with the kernel (the tests add "cpu").
+_PROBE_DEVICES: tuple[str, ...] = ("cuda",)
+_PROBE_CHECKS: dict[torch.device, bool] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def probe_scale_mask(device: torch.device) -> Callable[[torch.Tensor, float, Any], torch.Tensor | None] | None:
+    """:func:`scale_mask` as the probe's ``scale_mask`` on ``device`` (``ragkv.model.attention``), taking
+    only the calls it computes; None where it does not run there: not a GPU, Triton missing or
+    switched off (``RAGKV_TRITON=0``), or its check on the device failed (:func:`_check_scale_mask`,
+    once per device)."""
+    if device.type not in _PROBE_DEVICES or not enabled():
+        return None
+    with _PROBE_LOCK:
+        ok = _PROBE_CHECKS.get(device)
+        if ok is None:
+            ok = _PROBE_CHECKS[device] = _check_scale_mask(device)
+    if not ok:
+        return None
+
+    def fused(raw: torch.Tensor, scale: float, mask: Any) -> torch.Tensor | None:
+        return scale_mask(raw, scale, mask) if scale_mask_fits(raw, mask) else None
+
+    return fused
+
+
+def _check_scale_mask(device: torch.device) -> bool:
+    """The kernel against torch on ``device``, bf16 and fp16 products with some -0, a causal mask: True
+    where every bit agrees; False (logged) where it differs or fails to compile or run."""
+    from ragkv.model.masks import causal_mask_at
+
+    gen = torch.Generator().manual_seed(0)
+    q, slots = 3, 203
+    mask = causal_mask_at(torch.arange(slots - q, slots), slots, torch.float32, device)
+    for dtype in (torch.bfloat16, torch.float16):
+        raw = torch.randn((1, 2, 2 * q, slots), generator=gen) * 40
+        raw[..., ::9] = -0.0
+        raw = raw.to(dtype).to(device)
+        want = (raw.float() * 0.088388).view(1, 4, q, slots) + mask
+        try:
+            got = scale_mask(raw, 0.088388, mask).view(1, 4, q, slots)
+        except Exception as e:  # a Triton that cannot compile for this device, say: torch scales the scores
+            logger.warning(
+                "ragkv's Triton probe kernel failed on %s (%s): the probe scales its scores through torch", device, e
+            )
+            return False
+        if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            logger.info(
+                "ragkv's Triton probe kernel differs from torch on %s: the probe scales its scores through torch",
+                device,
+            )
+            return False
+    return True
 
 
 def fits(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> bool:

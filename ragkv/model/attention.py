@@ -67,6 +67,11 @@ class AttentionProbe:
         self.weights: dict[int, torch.Tensor] = {}  # layer -> [kv_len], summed over heads and queries
 
 
+# (products [1, kv_heads, rows, slots] in the model's dtype, scale, mask) -> the fp32 scaled and masked
+# scores, bit for bit ``products.float() * scale + mask``; None where it does not take the call
+ScaleMask = Callable[[torch.Tensor, float, Any], "torch.Tensor | None"]
+
+
 def _probe_attention(
     probe: AttentionProbe,
     layer: int,
@@ -75,6 +80,7 @@ def _probe_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None,
+    scale_mask: ScaleMask | None = None,
 ) -> tuple[torch.Tensor, None]:
     """Eager attention that also records the probabilities in ``probe`` (softmax in fp32).
 
@@ -83,7 +89,9 @@ def _probe_attention(
     copies per layer, most of the probe's time on a GPU. On a GPU with a half-precision model the
     two products run in the model's dtype, as transformers' eager attention computes them (tensor
     cores; in fp32 they were 41 of the probe's 43 ms of device time at 16K on an H100); elsewhere
-    in fp32.
+    in fp32. ``scale_mask`` (a GPU's one-pass kernel, ``ragkv.gpu.kernels.scale_mask``) turns the
+    half-precision products into the scaled, masked fp32 scores where it takes the call: the same
+    numbers as the three passes below.
     """
     # query: [1, Hq, q, D]; key/value: [1, Hkv, kv, D]; query head h reads KV head h // groups
     b, hq, q_len, d = query.shape
@@ -93,10 +101,17 @@ def _probe_attention(
     k, v = (key, value) if half else (key.float(), value.float())
     grouped = grouped if half else grouped.float()
     scale = scaling if scaling is not None else d**-0.5
-    scores = ((grouped @ k.transpose(-1, -2)).float() * scale).view(b, hq, q_len, kv_len)  # [1, Hq, q, kv]
+    products = grouped @ k.transpose(-1, -2)  # [1, Hkv, groups * q, kv]
+    fused = scale_mask(products, scale, attention_mask) if scale_mask is not None and half else None
+    if fused is not None:  # scaled and masked in one pass
+        scores = fused.view(b, hq, q_len, kv_len)
+    else:
+        scores = (products.float() * scale).view(b, hq, q_len, kv_len)  # [1, Hq, q, kv]
     if isinstance(attention_mask, CausalBias):
         attention_mask = None  # the lower-right causal bias: handled as a missing mask, below
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
+    if fused is not None:
+        pass  # the mask is in
+    elif attention_mask is not None and attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))  # True = may attend (sdpa's convention)
     elif attention_mask is not None:
         scores = scores + attention_mask.float()

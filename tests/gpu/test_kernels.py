@@ -272,3 +272,143 @@ def test_on_cuda_the_feed_turns_a_llama_models_keys_with_the_kernel_as_torch_doe
     with_torch.all_ready()
     assert torch.equal(_bits(with_kernel.keys), _bits(with_torch.keys))
     assert torch.equal(_bits(with_kernel.values), _bits(with_torch.values))
+
+
+# --- the question probe's scores scaled and masked in one pass (kernels.scale_mask) ---
+
+
+def _products_and_mask(dtype: torch.dtype, hkv: int, groups: int, q: int, slots: int, device: str = "cpu"):
+    """Half-precision products ``[1, hkv, groups * q, slots]`` (some -0, large values) and the probe's
+    causal mask ``[1, 1, q, slots]`` fp32, rows padded as ``causal_mask_at`` pads them."""
+    from ragkv.model.masks import causal_mask_at
+
+    gen = torch.Generator().manual_seed(slots + q)
+    raw = torch.randn((1, hkv, groups * q, slots), generator=gen) * 40
+    raw[..., ::7] = -0.0
+    mask = causal_mask_at(torch.arange(slots - q, slots), slots, torch.float32, torch.device(device))
+    return raw.to(dtype).to(device), mask
+
+
+@pytest.mark.parametrize(("hkv", "groups", "q", "slots"), [(2, 4, 5, 300), (1, 2, 32, 2049), (8, 4, 1, 77)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_scale_mask_gives_torchs_scaled_masked_scores_bit_for_bit(dtype, hkv, groups, q, slots):
+    raw, mask = _products_and_mask(dtype, hkv, groups, q, slots)
+    assert mask.stride(2) != slots or slots % 16 == 0  # a padded mask row where slots is not a multiple of 16
+    scale = 128**-0.5
+    want = (raw.float() * scale).view(1, hkv * groups, q, slots) + mask
+    got = kernels.scale_mask(raw, scale, mask)
+    assert got.dtype == torch.float32 and got.shape == raw.shape
+    assert torch.equal(_bits(got.view(1, hkv * groups, q, slots)), _bits(want))
+
+
+def test_scale_mask_takes_only_the_calls_it_computes():
+    from torch.nn.attention.bias import causal_lower_right
+
+    raw, mask = _products_and_mask(torch.bfloat16, 2, 2, 3, 40)
+    assert kernels.scale_mask_fits(raw, mask)
+    assert not kernels.scale_mask_fits(raw.float(), mask)  # fp32 products: the CPU's probe
+    assert not kernels.scale_mask_fits(raw, mask.bool())
+    assert not kernels.scale_mask_fits(raw, mask.half())
+    assert not kernels.scale_mask_fits(raw, None)
+    assert not kernels.scale_mask_fits(raw, causal_lower_right(3, 40))  # SDPA's bias, a tensor subclass
+    assert not kernels.scale_mask_fits(raw[..., :39], mask)
+    assert not kernels.scale_mask_fits(raw[:, :, :5], mask)  # rows not a whole number of queries
+    with pytest.raises(ValueError, match="scale_mask takes"):
+        kernels.scale_mask(raw, 0.1, mask.half())
+
+
+def test_the_probe_gets_the_kernel_only_on_its_devices_with_triton_on_and_its_check_passed(monkeypatch, caplog):
+    monkeypatch.delenv("RAGKV_TRITON", raising=False)
+    monkeypatch.setattr(kernels, "_PROBE_CHECKS", {})
+    cpu = torch.device("cpu")
+    assert kernels.probe_scale_mask(cpu) is None  # a CPU's probe multiplies in fp32 through torch
+    monkeypatch.setattr(kernels, "_PROBE_DEVICES", ("cuda", "cpu"))
+    fused = kernels.probe_scale_mask(cpu)
+    assert fused is not None and kernels._PROBE_CHECKS[cpu]
+    raw, mask = _products_and_mask(torch.bfloat16, 1, 2, 3, 20)
+    assert fused(raw.float(), 0.5, mask) is None  # a call it does not compute: the probe's torch path
+    monkeypatch.setenv("RAGKV_TRITON", "0")
+    assert kernels.probe_scale_mask(cpu) is None
+    monkeypatch.delenv("RAGKV_TRITON")
+    monkeypatch.setattr(kernels, "_PROBE_CHECKS", {})
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no compiler for this device")
+
+    monkeypatch.setattr(kernels, "scale_mask", broken)
+    with caplog.at_level("WARNING", logger="ragkv.gpu.kernels"):
+        assert kernels.probe_scale_mask(cpu) is None
+    assert "through torch" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_fusion_whose_probe_scales_with_the_kernel_equals_one_through_torch(tiny_tokenizer, monkeypatch, family):
+    """The probe's layers replayed (CPU: ``RAGKV_PROBE_GRAPHS=eager``), its products in bf16 and its mask
+    fp32 as on a GPU, its scores scaled and masked by the kernel or through torch: the same selection
+    and logits, bit for bit."""
+    from ragkv.fusion import FusionConfig, FusionInput, fuse
+    from ragkv.gpu import graphs
+    from ragkv.model import attention
+    from ragkv.model.attention import PLAIN
+
+    monkeypatch.setattr(attention, "_half_products", lambda query: query.dtype != torch.float32)
+    monkeypatch.setattr(kernels, "_PROBE_CHECKS", {})
+    monkeypatch.setenv("RAGKV_PROBE_GRAPHS", "eager")
+    monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "0")
+    a = load_model((make_model(family, len(tiny_tokenizer)), tiny_tokenizer), dtype=torch.bfloat16)
+    monkeypatch.setattr(a, "scattered", lambda pos: PLAIN)
+    # as under SDPA on CUDA: the question's lower-right causal bias, which the probe makes its fp32 mask
+    monkeypatch.setattr(a, "_lower_right_bias_is_free", lambda: True)
+    calls = []
+    real = kernels.scale_mask
+    monkeypatch.setattr(kernels, "scale_mask", lambda *args: calls.append(1) or real(*args))
+    g = torch.Generator().manual_seed(5)
+    prefix_ids = torch.randint(0, 200, (6,), generator=g).tolist()
+    chunk_ids = [torch.randint(0, 200, (30,), generator=g).tolist() for _ in range(3)]
+    question = torch.randint(0, 200, (16,), generator=g).tolist()
+    prefix = a.prefill_kv(prefix_ids)
+    chunks = [a.prefill_kv(c, past=[prefix]) for c in chunk_ids]
+    out = {}
+    try:
+        for devices in (("cuda",), ("cuda", "cpu")):
+            monkeypatch.setattr(kernels, "_PROBE_DEVICES", devices)
+            inp = FusionInput(prefix, chunks, chunk_ids, question)
+            out[devices] = fuse(a, inp, FusionConfig(ratio=0.3), prefill_suffix=True)
+    finally:
+        graphs._MODELS.clear()
+    torch_path, kernel_path = out.values()
+    assert len(calls) > a.spec.num_layers  # the check's calls, then one a layer
+    assert torch.equal(torch_path.selected, kernel_path.selected)
+    assert torch.equal(_bits(torch_path.suffix_logits), _bits(kernel_path.suffix_logits))
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp16"])
+def test_compiled_for_a_gpu_the_probe_kernel_rounds_the_product_and_the_sum_apart(bf16):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def ptx(options: dict[str, object]) -> str:
+        sig = {"s_ptr": "*i16" if bf16 else "*fp16", "m_ptr": "*fp32", "o_ptr": "*fp32", "cols": "i32"}
+        sig |= {"queries": "i32", "s_row_stride": "i32", "m_row_stride": "i32", "o_row_stride": "i32"}
+        sig |= {"scale": "fp32", "BLOCK": "constexpr", "BF16": "constexpr"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5, 6, 7)}
+        src = ASTSource(
+            fn=kernels._scale_mask_kernel(False), signature=sig, constexprs={"BLOCK": 1024, "BF16": bf16}, attrs=attrs
+        )
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    code = ptx(kernels.LAUNCH_OPTIONS)
+    assert "fma." not in code and "mul.rn.f32" in code and "add.rn.f32" in code
+    assert "fma.rn.f32" in ptx({**kernels.LAUNCH_OPTIONS, "enable_fp_fusion": True})
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_on_cuda_scale_mask_gives_torchs_scores_bit_for_bit_and_the_probe_takes_it(dtype):
+    raw, mask = _products_and_mask(dtype, 8, 4, 32, 16000, "cuda")
+    want = (raw.float() * 128**-0.5).view(1, 32, 32, 16000) + mask
+    got = kernels.scale_mask(raw, 128**-0.5, mask).view(1, 32, 32, 16000)
+    assert torch.equal(_bits(got), _bits(want))
+    assert kernels.probe_scale_mask(raw.device) is not None
