@@ -32,7 +32,8 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   host memory with the feed's slab copies on as many threads, ``RAGKV_STAGE_THREADS``),
   placement from the device tier (the moved keys turned by ragkv's Triton kernel where it runs,
   :mod:`ragkv.gpu.kernels`; and through torch, ``RAGKV_TRITON=0``), the question probe (as
-  fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``; and through
+  fusion runs it: its layers replayed as CUDA graphs, ``ragkv.gpu.graphs``, its scores scaled and
+  masked by ragkv's Triton kernel; the same with that kernel off, ``RAGKV_TRITON=0``; and through
   transformers' eager layers,
   ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
@@ -77,6 +78,7 @@ from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
 from ragkv.gpu.feed import LayerFeed, kernel_turns, pinned_pool
 from ragkv.gpu.graphs import capture_all
+from ragkv.gpu.kernels import probe_scale_mask
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
 from ragkv.retriever.decoding import decode_all, default_workers
@@ -332,7 +334,8 @@ def _capture_graphs(a: ModelAdapter) -> float:
     allocate nothing, so the peaks measured after this leave the pool out: it is this figure."""
     if a.device.type != "cuda":
         return 0.0
-    kernel_turns(a)  # placement's Triton kernel compiled and checked before timing, as ragkv serve does
+    kernel_turns(a)  # ragkv's Triton kernels compiled and checked before timing, as ragkv serve does
+    probe_scale_mask(a.device)
     _sync(a.device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(a.device)
@@ -396,6 +399,8 @@ def _row(
             "place, torch", lambda: _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
         )[0]
     probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)  # CUDA graphs where they run
+    with mock.patch.dict(os.environ, {"RAGKV_TRITON": "0"}):  # its scores scaled and masked through torch
+        probe_torch_s = _optional("probe, torch", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
     with mock.patch.dict(os.environ, {"RAGKV_PROBE_GRAPHS": "0"}):  # transformers' eager layers
         probe_eager_s = _optional("probe eager", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
         with mock.patch.dict(os.environ, {"RAGKV_RECOMPUTE_GRAPHS": "0"}):  # the whole fusion eager
@@ -439,6 +444,7 @@ def _row(
         "pinned_copy_gb_s": kv_bytes / pinned_copy_s / 1e9,
         "place_ms": place_s * 1e3,
         "place_torch_ms": place_torch_s * 1e3,
+        "probe_torch_ms": probe_torch_s * 1e3,
         "probe_ms": probe_s * 1e3,
         "probe_eager_ms": probe_eager_s * 1e3,
         "probe_bound_ms": weight_bytes / rates[0] * 1e3,
@@ -480,6 +486,7 @@ COLUMNS = (
     Column("place_ms", "place ms", "{:,.1f}"),
     Column("place_torch_ms", "place, torch ms", "{:,.1f}"),
     Column("probe_ms", "probe ms", "{:,.1f}"),
+    Column("probe_torch_ms", "probe, torch ms", "{:,.1f}"),
     Column("probe_eager_ms", "probe eager ms", "{:,.1f}"),
     Column("probe_bound_ms", "probe bound ms", "{:,.1f}"),
     Column("recompute_ms", "recompute ms", "{:,.0f}"),
