@@ -158,7 +158,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it), bf16 or fp32")
     ap.add_argument("--top", type=int, default=12, help="source lines to list")
     ap.add_argument(
-        "--no-kernels", action="store_true", help="placement through torch, not ragkv's Triton kernel (RAGKV_TRITON=0)"
+        "--no-kernels",
+        action="store_true",
+        help="placement and the probe's scores through torch, not ragkv's Triton kernels (RAGKV_TRITON=0)",
     )
     args = ap.parse_args()
     s = args.scale
@@ -200,8 +202,8 @@ def main() -> None:
 
         # and the probe's scores scaled and masked in one pass, as its replayed layers do on a GPU
         def scale_mask(raw: torch.Tensor, scale: float, mask: Any) -> torch.Tensor | None:
-            if not isinstance(mask, torch.Tensor) or mask.dtype == torch.bool:
-                return None
+            if type(mask) is not torch.Tensor or mask.dtype == torch.bool:  # as kernels.scale_mask_fits
+                return None  # (the CPU's probe mask is bf16, a GPU's fp32: counted as fp32 below)
             out = torch.empty(raw.shape, dtype=torch.float32)
             kind = "the attention's other passes (the probe's softmax, any K/V repeat)"
             traffic.kernel(kind, "scale_mask", [raw, mask.float()], [out])  # the mask read once, in fp32

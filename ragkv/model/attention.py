@@ -102,7 +102,9 @@ def _probe_attention(
     grouped = grouped if half else grouped.float()
     scale = scaling if scaling is not None else d**-0.5
     products = grouped @ k.transpose(-1, -2)  # [1, Hkv, groups * q, kv]
-    fused = scale_mask(products, scale, attention_mask) if scale_mask is not None and half else None
+    # a mask of one row or of every query's (shared by the heads): what the kernel's row mapping computes
+    whole_rows = isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-2] in (1, q_len)
+    fused = scale_mask(products, scale, attention_mask) if scale_mask is not None and half and whole_rows else None
     if fused is not None:  # scaled and masked in one pass
         scores = fused.view(b, hq, q_len, kv_len)
     else:

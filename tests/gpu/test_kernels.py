@@ -16,6 +16,7 @@ import torch
 from ragkv.gpu import feed as feed_module
 from ragkv.gpu import kernels
 from ragkv.gpu.feed import LayerFeed
+from ragkv.model import attention as attention_module
 from ragkv.model import load_model
 from ragkv.model.rotary import turn_keys, turn_tables
 from tests.conftest import make_model
@@ -285,11 +286,14 @@ def _products_and_mask(dtype: torch.dtype, hkv: int, groups: int, q: int, slots:
     gen = torch.Generator().manual_seed(slots + q)
     raw = torch.randn((1, hkv, groups * q, slots), generator=gen) * 40
     raw[..., ::7] = -0.0
+    raw[..., 3::7] = 1e-38  # bf16 keeps it; scaled it is subnormal in fp32: a kernel flushing it would differ
     mask = causal_mask_at(torch.arange(slots - q, slots), slots, torch.float32, torch.device(device))
     return raw.to(dtype).to(device), mask
 
 
-@pytest.mark.parametrize(("hkv", "groups", "q", "slots"), [(2, 4, 5, 300), (1, 2, 32, 2049), (8, 4, 1, 77)])
+@pytest.mark.parametrize(
+    ("hkv", "groups", "q", "slots"), [(2, 4, 5, 300), (1, 2, 32, 2049), (8, 4, 1, 77), (2, 2, 3, 208)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_scale_mask_gives_torchs_scaled_masked_scores_bit_for_bit(dtype, hkv, groups, q, slots):
     raw, mask = _products_and_mask(dtype, hkv, groups, q, slots)
@@ -341,6 +345,49 @@ def test_the_probe_gets_the_kernel_only_on_its_devices_with_triton_on_and_its_ch
     assert "through torch" in caplog.text
 
 
+def test_a_probe_kernel_failing_in_a_request_goes_through_torch_from_then_on(monkeypatch, caplog):
+    from triton.runtime.errors import PTXASError
+
+    monkeypatch.setattr(kernels, "_PROBE_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(kernels, "_PROBE_CHECKS", {})
+    cpu = torch.device("cpu")
+    fused = kernels.probe_scale_mask(cpu)
+    assert fused is not None  # the check passed
+
+    def refused(*args: object) -> None:
+        raise PTXASError("ptxas fatal: Unresolved extern function")
+
+    monkeypatch.setattr(kernels, "scale_mask", refused)
+    raw, mask = _products_and_mask(torch.bfloat16, 1, 2, 3, 20)
+    with caplog.at_level("WARNING", logger="ragkv.gpu.kernels"):
+        assert fused(raw, 0.5, mask) is None  # the probe then scales through torch
+    assert "from now on" in caplog.text and kernels.probe_scale_mask(cpu) is None
+
+
+def test_the_probe_asks_the_kernel_only_for_a_mask_of_one_row_or_of_every_query(monkeypatch):
+    """Row ``i`` of a head takes mask row ``i % q``: right for the question's own mask (q rows) or one
+    row; another row count would broadcast differently (torch refuses it), so the kernel is not asked."""
+    from ragkv.model.attention import AttentionProbe, _probe_attention
+
+    monkeypatch.setattr(attention_module, "_half_products", lambda query: True)
+    asked = []
+
+    def spy(raw: torch.Tensor, scale: float, mask: object) -> torch.Tensor | None:
+        asked.append(mask.shape[-2])  # type: ignore[attr-defined]
+        return None  # torch's path computes it
+
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn((1, 4, 2, 16), generator=gen).to(torch.bfloat16)
+    key, value = (torch.randn((1, 2, 10, 16), generator=gen).to(torch.bfloat16) for _ in range(2))
+    for rows in (2, 1):
+        mask = torch.zeros((1, 1, rows, 10))
+        _probe_attention(AttentionProbe(None), 0, query, key, value, mask, None, spy)
+    assert asked == [2, 1]
+    with pytest.raises(RuntimeError):  # four mask rows for two queries: torch refuses, the kernel is not asked
+        _probe_attention(AttentionProbe(None), 0, query, key, value, torch.zeros((1, 1, 4, 10)), None, spy)
+    assert asked == [2, 1]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_fusion_whose_probe_scales_with_the_kernel_equals_one_through_torch(tiny_tokenizer, monkeypatch, family):
     """The probe's layers replayed (CPU: ``RAGKV_PROBE_GRAPHS=eager``), its products in bf16 and its mask
@@ -388,11 +435,11 @@ def test_compiled_for_a_gpu_the_probe_kernel_rounds_the_product_and_the_sum_apar
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def ptx(options: dict[str, object]) -> str:
+    def ptx(options: dict[str, object], divisible: tuple[int, ...] = (0, 1, 2, 5, 6, 7)) -> str:
         sig = {"s_ptr": "*i16" if bf16 else "*fp16", "m_ptr": "*fp32", "o_ptr": "*fp32", "cols": "i32"}
         sig |= {"queries": "i32", "s_row_stride": "i32", "m_row_stride": "i32", "o_row_stride": "i32"}
         sig |= {"scale": "fp32", "BLOCK": "constexpr", "BF16": "constexpr"}
-        attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5, 6, 7)}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
         src = ASTSource(
             fn=kernels._scale_mask_kernel(False), signature=sig, constexprs={"BLOCK": 1024, "BF16": bf16}, attrs=attrs
         )
@@ -400,7 +447,12 @@ def test_compiled_for_a_gpu_the_probe_kernel_rounds_the_product_and_the_sum_apar
 
     code = ptx(kernels.LAUNCH_OPTIONS)
     assert "fma." not in code and "mul.rn.f32" in code and "add.rn.f32" in code
+    assert ".ftz" not in code  # subnormal scores kept, as torch keeps them
     assert "fma.rn.f32" in ptx({**kernels.LAUNCH_OPTIONS, "enable_fp_fusion": True})
+    # slots a multiple of 16 (a specialized kind: the count is not in do_not_specialize): vectorized
+    assert "cols" not in kernels._scale_mask_kernel(False).do_not_specialize
+    whole = ptx(kernels.LAUNCH_OPTIONS, divisible=(0, 1, 2, 3, 5, 6, 7))
+    assert re.search(r"ld\.global(\.\w+)*\.v[24]", whole) and re.search(r"st\.global(\.\w+)*\.v[24]", whole)
 
 
 @pytest.mark.gpu
