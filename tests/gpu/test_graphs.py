@@ -20,6 +20,7 @@ from ragkv.fusion import FusionConfig, FusionInput, _question_attention, _run_la
 from ragkv.gpu import graphs
 from ragkv.model import ModelAdapter, load_model
 from ragkv.model.attention import PLAIN
+from ragkv.types import ChunkKV
 from tests.conftest import make_model
 from tests.gpu.graph_safety import strict_eager
 
@@ -39,6 +40,17 @@ def _buffer(a: ModelAdapter, n_ctx: int, extra: int) -> tuple[torch.Tensor, torc
     keys[:, :, n_ctx:].zero_()
     values[:, :, n_ctx:].zero_()
     return keys, values
+
+
+def small_prompt(a: ModelAdapter) -> tuple[ChunkKV, list[ChunkKV], list[list[int]], list[int]]:
+    """A prefix of 6 tokens, three chunks of 30 (their caches computed after the prefix) and a
+    question of 16: the prefix's cache, the chunks' caches, the chunks' ids, the question's ids."""
+    g = torch.Generator().manual_seed(5)
+    prefix_ids = torch.randint(0, 200, (6,), generator=g).tolist()
+    chunk_ids = [torch.randint(0, 200, (30,), generator=g).tolist() for _ in range(3)]
+    question = torch.randint(0, 200, (16,), generator=g).tolist()
+    prefix = a.prefill_kv(prefix_ids)
+    return prefix, [a.prefill_kv(c, past=[prefix]) for c in chunk_ids], chunk_ids, question
 
 
 def _probe(a: ModelAdapter, monkeypatch, setting: str, n_ctx: int, question: list[int]):
@@ -106,12 +118,7 @@ def test_a_fusion_with_the_replayed_probe_equals_the_eager_one(tiny_tokenizer, m
     captured (the capture is thread-local: the worker's copies go on)."""
     a = _adapter("llama", len(tiny_tokenizer), tiny_tokenizer, device, torch.bfloat16)
     monkeypatch.setattr(a, "scattered", lambda pos: PLAIN)
-    g = torch.Generator().manual_seed(5)
-    prefix_ids = torch.randint(0, 200, (6,), generator=g).tolist()
-    chunk_ids = [torch.randint(0, 200, (30,), generator=g).tolist() for _ in range(3)]
-    question = torch.randint(0, 200, (16,), generator=g).tolist()
-    prefix = a.prefill_kv(prefix_ids)
-    chunks = [a.prefill_kv(c, past=[prefix]) for c in chunk_ids]
+    prefix, chunks, chunk_ids, question = small_prompt(a)
     chunks = [type(kv)(kv.keys.cpu(), kv.values.cpu(), kv.positions, kv.model_fingerprint) for kv in chunks]
     monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", "0")  # the probe's graphs alone
     fused = {}

@@ -409,12 +409,9 @@ def test_a_fusion_whose_probe_scales_with_the_kernel_equals_one_through_torch(ti
     calls = []
     real = kernels.scale_mask
     monkeypatch.setattr(kernels, "scale_mask", lambda *args: calls.append(1) or real(*args))
-    g = torch.Generator().manual_seed(5)
-    prefix_ids = torch.randint(0, 200, (6,), generator=g).tolist()
-    chunk_ids = [torch.randint(0, 200, (30,), generator=g).tolist() for _ in range(3)]
-    question = torch.randint(0, 200, (16,), generator=g).tolist()
-    prefix = a.prefill_kv(prefix_ids)
-    chunks = [a.prefill_kv(c, past=[prefix]) for c in chunk_ids]
+    from tests.gpu.test_graphs import small_prompt
+
+    prefix, chunks, chunk_ids, question = small_prompt(a)
     out = {}
     try:
         for devices in (("cuda",), ("cuda", "cpu")):
