@@ -15,6 +15,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/ragkv-gpu}
 PY=${PYTHON:-python3}
+case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # the run goes on from another folder
 RUN=${RAGKV_RUN_DIR:-/tmp/ragkv-run}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -28,6 +29,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # one wheel per Python version: pip take
     echo "gpu_check: the carried wheels (.whl/) do not fit this Python ($v): run 'bash tools/gpu_wheels.sh $v' where PyPI is reached, and carry .whl again" >&2
     exit 1
   fi
+else
+  echo "gpu_check: no wheels carried (.whl/): a lent machine lacks zstandard and four more; see tools/gpu_wheels.sh" >&2
 fi
 rm -rf "$RUN" && "$PY" tools/typecheck.py --layout "$RUN" >/dev/null || exit 1
 for d in tests experiments tools docs pyproject.toml; do cp -r "$d" "$RUN/" || exit 1; done
