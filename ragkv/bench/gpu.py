@@ -76,9 +76,8 @@ import torch
 from ragkv import codec
 from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
-from ragkv.gpu.feed import LayerFeed, kernel_turns, pinned_pool
+from ragkv.gpu.feed import LayerFeed, pinned_pool, warm_kernels
 from ragkv.gpu.graphs import capture_all
-from ragkv.gpu.kernels import probe_scale_mask
 from ragkv.model import ModelAdapter, load_model, support
 from ragkv.model.caches import cache_kwarg
 from ragkv.retriever.decoding import decode_all, default_workers
@@ -334,8 +333,7 @@ def _capture_graphs(a: ModelAdapter) -> float:
     allocate nothing, so the peaks measured after this leave the pool out: it is this figure."""
     if a.device.type != "cuda":
         return 0.0
-    kernel_turns(a)  # ragkv's Triton kernels compiled and checked before timing, as ragkv serve does
-    probe_scale_mask(a.device)
+    warm_kernels(a)  # ragkv's Triton kernels compiled and checked before timing, as ragkv serve does
     _sync(a.device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(a.device)

@@ -500,6 +500,14 @@ def kernel_turns(adapter: ModelAdapter) -> bool:
         return ok
 
 
+def warm_kernels(adapter: ModelAdapter) -> None:
+    """Compile and check ragkv's Triton kernels for ``adapter`` now (a server's start, a bench before
+    timing), not in the first request: placement's (:func:`kernel_turns`) and the probe's
+    (:func:`ragkv.gpu.kernels.probe_scale_mask`). A wrong ``RAGKV_TRITON`` raises here."""
+    kernel_turns(adapter)
+    kernels.probe_scale_mask(adapter.device)
+
+
 def _check_kernel(adapter: ModelAdapter, rows: int = 48) -> bool:
     """Turn random keys in the model's dtype from one run of positions to another with the kernel and
     through torch with the model's rotation function: True where the two agree bit for bit. A

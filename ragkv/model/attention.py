@@ -108,26 +108,29 @@ def _probe_attention(
     if fused is not None:  # scaled and masked in one pass
         scores = fused.view(b, hq, q_len, kv_len)
     else:
-        scores = (products.float() * scale).view(b, hq, q_len, kv_len)  # [1, Hq, q, kv]
-    if isinstance(attention_mask, CausalBias):
-        attention_mask = None  # the lower-right causal bias: handled as a missing mask, below
-    if fused is not None:
-        pass  # the mask is in
-    elif attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))  # True = may attend (sdpa's convention)
-    elif attention_mask is not None:
-        scores = scores + attention_mask.float()
-    elif query.shape[2] > 1:
-        # no mask: sdpa's mask builder returns None where it would use is_causal, and fusion passes
-        # a lower-right causal bias; either way the queries are the last q of the kv slots, each
-        # sees the slots up to its own
-        q_len, kv_len = query.shape[2], key.shape[2]
-        rows = torch.arange(kv_len - q_len, kv_len, device=query.device).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(kv_len, device=query.device) > rows, float("-inf"))
+        scores = _masked((products.float() * scale).view(b, hq, q_len, kv_len), attention_mask)  # [1, Hq, q, kv]
     probs = scores.softmax(dim=-1)
     probe.weights[layer] = probs.sum(dim=(0, 1, 2))
     out = (probs.view(b, hkv, -1, kv_len).to(v.dtype) @ v).view(b, hq, q_len, d)  # [1, Hq, q, D]
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _masked(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The probe's fp32 scores ``[1, Hq, q, kv]`` with ``attention_mask`` applied: a bool mask (True = may
+    attend, SDPA's convention), an additive one, or none (or SDPA's lower-right causal bias), where
+    the ``q`` queries are the last ``q`` of the ``kv`` slots, each seeing the slots up to its own:
+    SDPA's mask builder returns None where it would use is_causal, and fusion passes that bias."""
+    if isinstance(attention_mask, CausalBias):
+        attention_mask = None
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        return scores.masked_fill(~attention_mask, float("-inf"))
+    if attention_mask is not None:
+        return scores + attention_mask.float()
+    q_len, kv_len = scores.shape[2], scores.shape[3]
+    if q_len == 1:
+        return scores
+    rows = torch.arange(kv_len - q_len, kv_len, device=scores.device).unsqueeze(1)
+    return scores.masked_fill(torch.arange(kv_len, device=scores.device) > rows, float("-inf"))
 
 
 def _half_products(query: torch.Tensor) -> bool:

@@ -70,19 +70,15 @@ def create_app(engine_or_config: Any, settings: ServerSettings | None = None) ->
 def _capture_graphs(engine: Any) -> None:
     """On a GPU, the fused prefill's layer graphs for every row bucket before the first request
     (``ragkv.gpu.graphs``): otherwise the first request of each bucket pays its captures. ragkv's
-    Triton kernels are compiled and checked first (``ragkv.gpu.feed.kernel_turns``,
-    ``ragkv.gpu.kernels.probe_scale_mask``), for the same reason."""
+    Triton kernels are compiled and checked first (``ragkv.gpu.feed.warm_kernels``), for the same
+    reason."""
     adapter = getattr(engine, "adapter", None)
     if adapter is None or adapter.device.type != "cuda":
         return
-    from ragkv.gpu.feed import kernel_turns
+    from ragkv.gpu.feed import warm_kernels
     from ragkv.gpu.graphs import capture_all
-    from ragkv.gpu.kernels import probe_scale_mask
 
-    # ragkv's Triton kernels compiled and checked now, not in the first request; a wrong
-    # RAGKV_TRITON stops the start with its message (every fused request would fail on it)
-    kernel_turns(adapter)
-    probe_scale_mask(adapter.device)
+    warm_kernels(adapter)  # a wrong RAGKV_TRITON stops the start with its message (every fused request would fail)
     began = time.perf_counter()
     try:
         made = capture_all(adapter)
