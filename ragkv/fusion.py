@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 from torch.nn.attention.bias import CausalBias
 
+from ragkv.gpu.attention import attention_kernel
 from ragkv.gpu.feed import DeviceSink, LayerFeed
 from ragkv.gpu.graphs import layer_graphs, probe_attend
 from ragkv.gpu.tier import release
@@ -415,7 +416,7 @@ class _Step:
     def at(cls, adapter: ModelAdapter, pos: torch.Tensor, num_slots: int, hidden: torch.Tensor) -> _Step:
         """The step for the tokens at host positions ``pos`` ``[q]``."""
         device_pos = pos.to(adapter.device, non_blocking=True)
-        mask = adapter.position_mask(pos, num_slots, hidden.dtype, device_pos)
+        mask = adapter.position_mask(pos, num_slots, hidden.dtype, device_pos, attention_kernel(adapter))
         steer = adapter.scattered(pos)
         return cls(device_pos, pos, mask, adapter.position_embeddings(device_pos, hidden), steer)
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from ragkv.gpu import kernels
+from ragkv.gpu.attention import attention_kernel
 from ragkv.model import ModelAdapter
 from ragkv.model.rotary import RotaryFn, turn_keys, turn_tables
 from ragkv.types import ChunkKV
@@ -502,10 +503,13 @@ def kernel_turns(adapter: ModelAdapter) -> bool:
 
 def warm_kernels(adapter: ModelAdapter) -> None:
     """Compile and check ragkv's Triton kernels for ``adapter`` now (a server's start, a bench before
-    timing), not in the first request: placement's (:func:`kernel_turns`) and the probe's
-    (:func:`ragkv.gpu.kernels.probe_scale_mask`). A wrong ``RAGKV_TRITON`` raises here."""
+    timing), not in the first request: placement's (:func:`kernel_turns`), the probe's
+    (:func:`ragkv.gpu.kernels.probe_scale_mask`) and the recompute's attention
+    (:func:`ragkv.gpu.attention.attention_kernel`: checked, and timed against SDPA). A wrong
+    ``RAGKV_TRITON`` or ``RAGKV_ATTENTION_KERNEL`` raises here."""
     kernel_turns(adapter)
     kernels.probe_scale_mask(adapter.device)
+    attention_kernel(adapter)
 
 
 def _check_kernel(adapter: ModelAdapter, rows: int = 48) -> bool:

@@ -30,7 +30,7 @@ from ragkv.model.attention import (
 )
 from ragkv.model.caches import ScatterCache, cache_kwarg, concat_kv
 from ragkv.model.lean import kv_only_last_layer, layer_kv, layer_parts, lean_layers, lean_plan
-from ragkv.model.masks import PositionMask, causal_mask_at
+from ragkv.model.masks import PositionKernel, PositionMask, causal_mask_at
 from ragkv.model.native_attention import attention_available
 from ragkv.model.quant import quantized
 from ragkv.model.rotary import RotaryFn, model_rotary_fn, move_keys
@@ -398,19 +398,25 @@ class ModelAdapter:
         return causal_mask_at(query_pos, num_keys, dtype, self.device)
 
     def position_mask(
-        self, query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype, device_pos: torch.Tensor | None = None
+        self,
+        query_pos: torch.Tensor,
+        num_keys: int,
+        dtype: torch.dtype,
+        device_pos: torch.Tensor | None = None,
+        kernel: PositionKernel | None = None,
     ) -> torch.Tensor | PositionMask:
         """:meth:`causal_mask` for a pass whose attention calls ragkv's dispatcher sees (a fused pass's
         layers): the lower-right bias where it is free, else a :class:`~ragkv.model.masks.PositionMask`,
         which the dispatcher makes into a tensor only where a call needs one (not for ragkv's CPU
         kernel; a block of rows at a time where the whole mask would be large). ``query_pos``: ``[q]``
-        on the host; ``device_pos``: the same on the model's device where the caller has it. Shared
-        by every layer of the pass."""
+        on the host; ``device_pos``: the same on the model's device where the caller has it;
+        ``kernel``: an attention kernel computing the mask's plain calls from the positions (a GPU's,
+        ``ragkv.gpu.attention``). Shared by every layer of the pass."""
         if self._lower_right_bias_is_free() and _is_tail(query_pos, num_keys):
             return causal_lower_right(int(query_pos.numel()), num_keys)
         if not is_dispatched(self.model):  # the mask would reach transformers' own attention
             return causal_mask_at(query_pos if device_pos is None else device_pos, num_keys, dtype, self.device)
-        return PositionMask(query_pos, num_keys, dtype, self.device, device_pos=device_pos)
+        return PositionMask(query_pos, num_keys, dtype, self.device, device_pos=device_pos, kernel=kernel)
 
     def scattered(self, query_pos: torch.Tensor) -> Steer:
         """The steer of a prefill pass whose queries sit at slots ``query_pos`` under :meth:`causal_mask`.

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Literal, get_args
 
 import torch
@@ -46,6 +47,7 @@ __all__ = [
     "DecodeWeights",
     "Steer",
     "StepKind",
+    "fused_pass_attention",
     "install_dispatcher",
     "is_dispatched",
     "relay_steer",
@@ -269,6 +271,15 @@ def _blocks_apply(
     whole = grouped and base == "sdpa" and query.shape[2] > 1 and query.device.type in ("cpu", "cuda")
     if not (mask.blocked or whole) or base not in ("sdpa", "eager"):
         return False
+    return _plain_call(steer, mask, query, key, kwargs)
+
+
+def _plain_call(
+    steer: Steer, mask: PositionMask, query: torch.Tensor, key: torch.Tensor, kwargs: dict[str, Any]
+) -> bool:
+    """Whether a call with ``mask`` is plain attention over it: a prefill pass's (no probe, no decode rows
+    riding along), no dropout, soft-capping, window, sinks or per-query bias, for the rows and slots
+    the mask was made for. What may run by blocks of rows, or through the mask's kernel."""
     if steer.probe or steer.carry or steer.kind != "prefill":
         return False
     if kwargs.get("dropout") or kwargs.get("softcap") or kwargs.get("sliding_window") is not None:
@@ -276,6 +287,17 @@ def _blocks_apply(
     if any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k != "position_ids") or kwargs.get("s_aux"):
         return False  # a bias or sinks per query and slot: cut by blocks, it would need cutting too
     return query.shape[0] == 1 and query.shape[2] == mask.rows and key.shape[2] == mask.num_keys
+
+
+def fused_pass_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: PositionMask, scale: float | None = None
+) -> torch.Tensor:
+    """What a fused pass's plain SDPA call over ``mask`` computes through torch, ``[1, q, Hq, D]``: by blocks
+    of rows where the mask is large, else the whole mask; key and value heads shared by their query
+    heads where torch has a fused kernel for it, else repeated (:func:`_blocked_attention`). The
+    reference and the baseline of a kernel taking such calls (``ragkv.gpu.attention``)."""
+    module = SimpleNamespace(num_key_value_groups=query.shape[1] // key.shape[1])
+    return _blocked_attention("sdpa", module, query, key, value, mask, (), {"scaling": scale})[0]
 
 
 def _blocked_attention(
@@ -376,6 +398,11 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
         native = _native_takes(steer, module, query, key, value, kwargs)  # ragkv's CPU kernel, from the positions
         if isinstance(attention_mask, PositionMask):  # a fused pass's mask, made here as the call needs it
+            kernel = attention_mask.kernel  # a GPU's, from the positions: no mask at all
+            if not native and kernel is not None and _plain_call(steer, attention_mask, query, key, kwargs):
+                out = kernel(query, key, value, attention_mask.device_positions(), kwargs.get("scaling"))
+                if out is not None:
+                    return out, None
             grouped = int(getattr(module, "num_key_value_groups", 1)) > 1
             if not native and _blocks_apply(base, steer, attention_mask, query, key, kwargs, grouped):
                 return _blocked_attention(base, module, query, key, value, attention_mask, args, kwargs)

@@ -8,7 +8,8 @@ built by two cores at every change of the active rows). Fusion hands its layers 
 :class:`PositionMask` instead (the decoder layers pass their mask on to the attention function
 untouched), and ragkv's dispatcher (:mod:`ragkv.model.attention`) makes of it what the call needs:
 
-- ragkv's CPU kernel computes from the positions: no mask at all;
+- ragkv's CPU kernel computes from the positions: no mask at all; so does a GPU's Triton kernel
+  (``ragkv.gpu.attention``), which fusion hands over as the mask's :attr:`PositionMask.kernel`;
 - a mask of up to :data:`MASK_BLOCK_BYTES`: the tensor, built at the first call that needs it and
   shared by every later layer (as the mask built up front was);
 - a larger one: the attention runs a block of rows at a time (:meth:`PositionMask.blocks`), each
@@ -20,14 +21,19 @@ untouched), and ragkv's dispatcher (:mod:`ragkv.model.attention`) makes of it wh
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["MASK_ALIGN", "MASK_BLOCK_BYTES", "PositionMask", "causal_mask_at"]
+__all__ = ["MASK_ALIGN", "MASK_BLOCK_BYTES", "PositionKernel", "PositionMask", "causal_mask_at"]
 
 MASK_ALIGN = 16  # elements per mask row, rounded up to this: see causal_mask_at
 MASK_BLOCK_BYTES = 64 << 20  # a pass's mask above this is made a block of rows at a time
+
+# An attention kernel computing the mask's call from the positions: ``(query [1, Hq, q, D], key and
+# value [1, Hkv, slots, D], the queries' slots [q] int64 on the device, scale or None)`` to the output
+# ``[1, q, Hq, D]``, or None for a call it does not take (the dispatcher then uses the mask).
+PositionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor | None]
 
 
 def causal_mask_at(query_pos: torch.Tensor, num_keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -58,6 +64,9 @@ class PositionMask:
             there when the mask is first made: from pageable memory a copy waits for the device).
         block_bytes: masks above this many bytes are only made a block of rows at a time (None:
             :data:`MASK_BLOCK_BYTES`, read when the mask is made).
+        kernel: a :data:`PositionKernel` the dispatcher asks first for a plain call over exactly these
+            rows and slots (a GPU's, ``ragkv.gpu.attention``): no mask is made for the calls it takes.
+            Kept only where every position is a key slot.
     """
 
     def __init__(
@@ -69,6 +78,7 @@ class PositionMask:
         *,
         device_pos: torch.Tensor | None = None,
         block_bytes: int | None = None,
+        kernel: PositionKernel | None = None,
     ) -> None:
         if query_pos.device.type != "cpu" or query_pos.dim() != 1:
             raise ValueError("PositionMask takes the queries' slots as a 1-D host tensor")
@@ -76,6 +86,10 @@ class PositionMask:
         self.num_keys, self.dtype, self.device = num_keys, dtype, device
         self.block_bytes = MASK_BLOCK_BYTES if block_bytes is None else block_bytes
         self._device_pos = device_pos
+        # the kernel reads the positions unchecked: it is kept only where they are key slots (they are in
+        # fusion; a mask made of others gives its calls to the mask's path)
+        inside = not self.rows or 0 <= int(self.query_pos.min()) <= int(self.query_pos.max()) < num_keys
+        self.kernel = kernel if inside else None
         self._dense: torch.Tensor | None = None
         self._spans: list[tuple[int, int, int]] | None = None  # (start, end, cut) per block, made once
 
@@ -125,9 +139,15 @@ class PositionMask:
         for start, end, cut in self.spans():
             yield start, end, cut, causal_mask_at(on_device[start:end], cut, self.dtype, self.device)
 
+    def device_positions(self) -> torch.Tensor:
+        """The queries' slots ``[q]`` int64 on :attr:`device` (copied there once)."""
+        return self._on_device()
+
     def _on_device(self) -> torch.Tensor:
         if self._device_pos is None:
             self._device_pos = self.query_pos.to(self.device, non_blocking=True)
+        elif self._device_pos.dtype != torch.int64 or not self._device_pos.is_contiguous():
+            self._device_pos = self._device_pos.to(torch.int64).contiguous()
         return self._device_pos
 
     def __repr__(self) -> str:
