@@ -37,7 +37,10 @@ Timed, best of ``--repeats`` after one warm-up, the device synchronized around e
   transformers' eager layers,
   ``RAGKV_PROBE_GRAPHS=0``), and the recompute
   (device-tier TTFT minus placement and probe; its layers replayed as CUDA graphs too where the
-  recomputed rows fit a bucket); the device-tier fusion again with every layer eager
+  recomputed rows fit a bucket; its attention from the rows' positions by ragkv's Triton kernel
+  where ``ragkv.gpu.attention`` timed it faster than SDPA with the mask, "attention kernel" says
+  which); the device-tier fusion with the recompute's attention through SDPA and its masks
+  (``RAGKV_ATTENTION_KERNEL=0``) and through the kernel (``=1``); the device-tier fusion again with every layer eager
   (``RAGKV_RECOMPUTE_GRAPHS=0`` as well) and its recompute; and again with its causal masks made
   whole up front, as before :mod:`ragkv.model.masks` (time and peak: a mask above 64 MiB now runs a
   block of rows at a time);
@@ -76,6 +79,8 @@ import torch
 from ragkv import codec
 from ragkv.bench.table import Column, format_table
 from ragkv.fusion import FusedContext, FusionConfig, FusionInput, _question_attention, fuse
+from ragkv.gpu.attention import ENV as ATTENTION_ENV
+from ragkv.gpu.attention import attention_kernel
 from ragkv.gpu.feed import LayerFeed, pinned_pool, warm_kernels
 from ragkv.gpu.graphs import capture_all
 from ragkv.model import ModelAdapter, load_model, support
@@ -391,6 +396,11 @@ def _row(
         del pinned
     tier = [codec.decode(b, expect=None, device=dev, dtype=a.dtype) for b in blobs]  # the device tier's entries
     tier_s, tier_peak, ctx = _timed(lambda: _fused(a, prefix, tier, p, config), dev, repeats)
+    tier_fused = lambda: _fused(a, prefix, tier, p, config)  # noqa: E731
+    attention: dict[str, float] = {}  # the recompute's attention through SDPA with its masks, or the kernel
+    for setting, name in (("0", "SDPA attention"), ("1", "attention kernel")):
+        with mock.patch.dict(os.environ, {ATTENTION_ENV: setting}):
+            attention[setting] = _optional(f"device tier, {name}", lambda: _timed(tier_fused, dev, repeats))[0]
     place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
     with mock.patch.dict(os.environ, {"RAGKV_TRITON": "0"}):  # keys turned through torch, not ragkv's kernel
         place_torch_s = _optional(
@@ -432,6 +442,9 @@ def _row(
         "host_int8_speedup": full_s / int8_s,
         "tier_ms": tier_s * 1e3,
         "tier_speedup": full_s / tier_s,
+        "attention_kernel": "yes" if attention_kernel(a) is not None else "no",
+        "tier_sdpa_attention_ms": attention["0"] * 1e3,
+        "tier_attention_kernel_ms": attention["1"] * 1e3,
         "decode_ms": decode_s * 1e3,
         "copy_ms": copy_s * 1e3,
         "copy_gb_s": kv_bytes / copy_s / 1e9,
@@ -473,6 +486,9 @@ COLUMNS = (
     Column("host_int8_speedup", "vs full", "{:.1f}x"),
     Column("tier_ms", "fused from device tier ms", "{:,.0f}"),
     Column("tier_speedup", "vs full", "{:.1f}x"),
+    Column("attention_kernel", "attention kernel"),
+    Column("tier_sdpa_attention_ms", "device tier, SDPA attention ms", "{:,.0f}"),
+    Column("tier_attention_kernel_ms", "device tier, attention kernel ms", "{:,.0f}"),
     Column("decode_ms", "decode from host ms", "{:,.0f}"),
     Column("copy_ms", "copy+place from host ms", "{:,.0f}"),
     Column("copy_gb_s", "copy GB/s", "{:.1f}"),
