@@ -187,6 +187,9 @@ def _build_side(cfg: EngineConfig) -> RagkvSide:
 
     adapter = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype, offline=cfg.offline)
     if adapter.device.type == "cuda":
+        from ragkv.gpu.feed import warm_kernels
+
+        warm_kernels(adapter)  # ragkv's Triton kernels compiled, checked and timed here, not in a step
         _graphs_in_vllm(adapter)
     side = build_side(adapter, open_store(cfg.store_urls()), Catalog(cfg.catalog_url()), cfg)
     logger.info("ragkv vLLM connector: model %s on %s, store %s", adapter.name, adapter.device, cfg.store_urls())

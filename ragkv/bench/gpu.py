@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import math
 import os
 import sys
@@ -556,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if not logging.getLogger().handlers:  # the GPU data path's choices (kernels kept or not, timings) on stderr
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("ragkv.gpu").setLevel(logging.INFO)
     a = build_model(TINY if args.tiny else LLAMA_3_1_8B, device, dtype)
     contexts = [int(c) for c in args.contexts.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

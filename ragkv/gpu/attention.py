@@ -42,7 +42,7 @@ from ragkv.model.masks import PositionKernel, PositionMask
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "Config", "attention_kernel", "fits", "mode", "position_attention"]
+__all__ = ["ENV", "Config", "attention_kernel", "fits", "masked_reference", "mode", "position_attention"]
 
 ENV = "RAGKV_ATTENTION_KERNEL"
 Mode = Literal["auto", "on", "off"]

@@ -88,7 +88,9 @@ class PositionMask:
         self._device_pos = device_pos
         # the kernel reads the positions unchecked: it is kept only where they are key slots (they are in
         # fusion; a mask made of others gives its calls to the mask's path)
-        inside = not self.rows or 0 <= int(self.query_pos.min()) <= int(self.query_pos.max()) < num_keys
+        inside = (
+            kernel is None or not self.rows or 0 <= int(self.query_pos.min()) <= int(self.query_pos.max()) < num_keys
+        )
         self.kernel = kernel if inside else None
         self._dense: torch.Tensor | None = None
         self._spans: list[tuple[int, int, int]] | None = None  # (start, end, cut) per block, made once
