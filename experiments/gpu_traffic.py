@@ -21,7 +21,9 @@ with fusion's masks, placement turns the keys as stored and the probe's products
 model's dtype, as on a GPU (ragkv's CPU attention kernel is switched off); placement's moved keys
 are turned as ragkv's Triton kernel turns them on a GPU, one read of each key and its tables and
 one write, and the probe's scores are scaled and masked in one pass as its kernel does (both counted
-by hand; ``--no-kernels``: through torch, as with ``RAGKV_TRITON=0``). A product of a
+by hand; ``--no-kernels``: through torch, as with ``RAGKV_TRITON=0``). With the kernels the
+recompute's attention runs from the rows' positions as ``ragkv.gpu.attention``'s kernel does where
+its choice takes it, so no mask is made (without them: SDPA with fusion's masks). A product of a
 half-precision and an fp32 tensor converts as it reads on a GPU; on the CPU torch makes an fp32
 temporary first, which this does not count. Whether a GPU's fused kernel shares the key heads of
 the blocked attention (``ragkv.model.attention._shares_heads``) is torch's choice there; the CPU's
@@ -48,8 +50,10 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ragkv import fusion  # noqa: E402
 from ragkv.bench.gpu import LLAMA_3_1_8B, _fused, _prompt, build_model  # noqa: E402
 from ragkv.fusion import FusionConfig  # noqa: E402
+from ragkv.gpu import attention as gattn  # noqa: E402
 from ragkv.gpu import feed, kernels  # noqa: E402
 from ragkv.model import attention  # noqa: E402
 from ragkv.model.attention import PLAIN  # noqa: E402
@@ -215,6 +219,18 @@ def main() -> None:
             finally:
                 traffic.paused = False
 
+        # and the recompute's attention from the rows' positions, as ragkv.gpu.attention computes it on a
+        # GPU: no mask is made (its reads and writes are the attention's, timed by FLOPs, not counted)
+        def position_kernel(
+            query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, scale: float | None
+        ) -> torch.Tensor | None:
+            traffic.paused = True  # the same numbers through torch, uncounted (the interpreter is slow)
+            try:
+                return gattn.masked_reference(query, key, value, positions, scale)
+            finally:
+                traffic.paused = False
+
+        fusion.attention_kernel = lambda adapter: position_kernel  # type: ignore[assignment]
         probe_attention = attention._probe_attention
         attention._probe_attention = lambda *args: probe_attention(*args, scale_mask)  # type: ignore[assignment,call-arg]
     with torch.inference_mode():

@@ -7,6 +7,7 @@ No ``from __future__ import annotations`` here: Triton's interpreter finds the `
 parameters by their annotations' objects, and would take string annotations for runtime values.
 """
 
+import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
 
@@ -14,6 +15,13 @@ from triton.language.standard import _elementwise_max, _sum_combine
 # inputs here are fp32 or int64, which those two pass on as they are): ``tl.max`` and ``tl.sum`` are
 # jitted functions of their own, which Triton's interpreter calls only in a process started with
 # ``TRITON_INTERPRET=1``, while ``tl.reduce`` with these is computed by it directly (the tests).
+
+
+@triton.constexpr_function
+def _host_int(x):  # type: ignore[no-untyped-def]
+    """A scalar of Triton's interpreter as a Python int (its tensors hold numpy arrays). A constexpr
+    function only so that a compile accepts the reference; it is called in the interpreter alone."""
+    return int(x.handle.data.reshape(-1)[0])
 
 
 def position_attention(
@@ -35,7 +43,7 @@ def position_attention(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ALL_SLOTS: tl.constexpr,
+    INTERPRET: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
     """Flash attention of queries at scattered slots: query row ``i`` sees the key slots up to
@@ -49,27 +57,27 @@ def position_attention(
     for the second product: what flash kernels do, so the output is within rounding of SDPA's.
     Positions are in ``[0, slots)`` (checked by the caller), so every row sees slot 0: the running
     maximum is finite after the first tile and no row divides by zero. Rows past ``rows`` read
-    position 0 and are not stored. In Triton's interpreter (tests on a CPU) every tile walks all
-    ``ALL_SLOTS`` slots (0 on a GPU, so that one kernel serves every call): the tiles past its rows'
-    positions are masked whole there, which changes no sum. ``WIDEN`` (the interpreter with bf16,
+    position 0 and are not stored. ``WIDEN`` (the interpreter with bf16,
     whose products it computes wrong) runs the products on fp32 copies of the same bf16 values.
     """
     tile = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m64 = m.to(tl.int64)  # row offsets past 2**31 elements at long contexts
     d = tl.arange(0, D)
     live = m < rows
     pos = tl.load(pos_ptr + m, mask=live, other=0)
-    q = tl.load(q_ptr + head * q_head_stride + m[:, None] * q_row_stride + d[None, :], mask=live[:, None], other=0.0)
+    q = tl.load(q_ptr + head * q_head_stride + m64[:, None] * q_row_stride + d[None, :], mask=live[:, None], other=0.0)
     k_base = k_ptr + kv_head * k_head_stride
     v_base = v_ptr + kv_head * v_head_stride
     hi = tl.reduce(pos, None, _elementwise_max) + 1  # slots from here on are seen by none of the tile's rows
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, D], 0.0, tl.float32)
-    # Triton's interpreter takes no tensor as a loop bound (with numpy 2), nor a name assigned one
-    for start in range(0, ALL_SLOTS if ALL_SLOTS else hi, BLOCK_N):
+    # Triton's interpreter takes no tensor as a loop bound (with numpy 2): there the bound is read as a
+    # Python int (the branch is never compiled: INTERPRET is a constexpr)
+    for start in range(0, _host_int(hi) if INTERPRET else hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         seen = n < hi
         k = tl.load(k_base + n[None, :].to(tl.int64) * k_row_stride + d[:, None], mask=seen[None, :], other=0.0)
@@ -87,5 +95,5 @@ def position_attention(
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(
-        o_ptr + m[:, None] * o_row_stride + head * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=live[:, None]
+        o_ptr + m64[:, None] * o_row_stride + head * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=live[:, None]
     )

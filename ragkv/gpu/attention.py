@@ -91,8 +91,10 @@ def _kernel(interpret: bool) -> object:
 
     with knobs.runtime.scope():
         knobs.runtime.interpret = interpret
-        # rows and the scale change with every call: not specialized (a kind of their own would compile
-        # in the middle of a request). Strides are: multiples of 16 wherever fusion calls it.
+        # rows and the scale change with every call: not specialized (a row count of 1, or one divisible
+        # by 16, would be a kind of its own, compiled in the middle of a request). The strides are
+        # specialized (their divisibility by 16 lets the loads vectorize): for one model they are the
+        # same in every call (head_dim and the buffer's slots times it), compiled once.
         return triton.jit(source, do_not_specialize=["rows", "scale"])
 
 
@@ -166,7 +168,7 @@ def position_attention(
             D=d,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
-            ALL_SLOTS=key.shape[2] if interpret else 0,
+            INTERPRET=interpret,
             WIDEN=interpret and query.dtype == torch.bfloat16,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -188,15 +190,20 @@ def masked_reference(
 _DEVICES: tuple[str, ...] = ("cuda",)
 _Key = tuple[torch.device, torch.dtype, int, int, int, str]
 _CHOICES: dict[_Key, Config | None] = {}
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # guards _CHOICES and _KEY_LOCKS; a key's choice is made under its own lock
+_KEY_LOCKS: dict[_Key, threading.Lock] = {}
+_OOM_UNTIL: dict[_Key, float] = {}  # a choice that ran out of device memory is tried again after this
+_OOM_RETRY_S = 30.0
 
 
 def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     """The kernel as fusion's :class:`~ragkv.model.masks.PositionMask` kernel for ``adapter``'s model, or
     None where fusion's attention goes through torch: not a GPU, Triton missing, ``RAGKV_TRITON=0`` or
     ``RAGKV_ATTENTION_KERNEL=0``, its check failed on this device, or (``auto``) SDPA was faster.
-    Decided once per device, dtype and head layout (:func:`_choose`). A launch that fails in a
-    request sends that call and later ones through torch (logged). Wrong settings raise ValueError."""
+    Decided once per device, dtype and head layout (:func:`_choose`); a choice that runs out of
+    device memory keeps torch and is tried again 30 s later, any other failure keeps torch (logged).
+    The kernel then takes calls of that head layout only. A launch that fails in a request sends
+    that call and later ones through torch (logged). Wrong settings raise ValueError."""
     if adapter.device.type not in _DEVICES or not kernels.enabled():
         return None
     how = mode()
@@ -204,17 +211,17 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     if how == "off" or adapter.dtype not in (torch.bfloat16, torch.float16) or s.head_dim not in _HEAD_DIMS:
         return None
     key: _Key = (adapter.device, adapter.dtype, s.num_heads, s.num_kv_heads, s.head_dim, how)
-    with _LOCK:
-        if key not in _CHOICES:
-            _CHOICES[key] = _choose(adapter.device, adapter.dtype, s.num_heads, s.num_kv_heads, s.head_dim, how)
-        cfg = _CHOICES[key]
+    cfg = _choice(key)
     if cfg is None:
         return None
+    layout = (s.num_heads, s.num_kv_heads, s.head_dim)
 
     def run(
         query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float | None
     ) -> torch.Tensor | None:
-        if _CHOICES.get(key) is None or not fits(query, k, v, positions):
+        if _CHOICES.get(key) is None or (query.shape[1], k.shape[1], query.shape[3]) != layout:
+            return None  # another head layout would compile, unchecked, in the middle of a request
+        if not fits(query, k, v, positions):
             return None
         try:
             return position_attention(query, k, v, positions, scale, cfg)
@@ -227,40 +234,79 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     return run
 
 
+def _choice(key: _Key) -> Config | None:
+    """The choice for ``key``, made once (under the key's own lock: other layouts and devices go on)."""
+    with _LOCK:
+        if key in _CHOICES:
+            return _CHOICES[key]
+        if time.monotonic() < _OOM_UNTIL.get(key, 0.0):
+            return None
+        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        with _LOCK:
+            if key in _CHOICES:  # made by another thread while this one waited
+                return _CHOICES[key]
+        device, dtype, heads, kv_heads, d, how = key
+        try:
+            cfg = _choose(device, dtype, heads, kv_heads, d, how)  # type: ignore[arg-type]
+        except torch.OutOfMemoryError as e:
+            logger.warning(
+                "ragkv's attention kernel: out of device memory while checking it on %s (%s); fusion's attention "
+                "goes through torch, and the kernel is tried again in %.0f s",
+                device,
+                e,
+                _OOM_RETRY_S,
+            )
+            with _LOCK:
+                _OOM_UNTIL[key] = time.monotonic() + _OOM_RETRY_S
+            return None
+        except Exception as e:  # noqa: BLE001 - a choice that cannot be made keeps torch; the request goes on
+            logger.warning("ragkv's attention kernel could not be checked on %s (%s): fusion keeps torch", device, e)
+            cfg = None
+        with _LOCK:
+            _CHOICES[key] = cfg
+        return cfg
+
+
 def _choose(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, d: int, how: Mode) -> Config | None:
     """The tiles to launch the kernel with on ``device`` for this head layout, or None to keep torch.
 
     Each candidate tiling must pass :func:`_check`; ``on`` takes the first that does. ``auto`` times
-    those that do on a recompute-like call (:func:`_timing_inputs`: a fifth of 8,192 slots'
-    rows spread over the context, as a recompute's first layers run them) against what fusion runs
-    without the kernel for it (``ragkv.model.attention.fused_pass_attention``: SDPA with the mask, the
-    key and value heads shared where torch has a fused kernel for that), and keeps the kernel only
-    where it is faster."""
+    those that do on two recompute-like calls (:data:`_TIMING_SHAPES`: a fifth of 8,192 and of
+    32,768 slots' rows spread over them, as a recompute's first layers run them; the second's mask
+    is made by blocks of rows, as at long contexts) against what fusion runs for them without the
+    kernel (``ragkv.model.attention.fused_pass_attention``: SDPA with the mask, the key and value
+    heads shared where torch has a fused kernel for that; a model whose attention is the modeling
+    file's eager one would be slower still), and keeps the tiling with the least time over both,
+    where that is less than SDPA's."""
     configs = _CUDA_CONFIGS if device.type == "cuda" else (_INTERPRETED,)
     passed = [c for c in configs if _check(device, dtype, heads, kv_heads, d, c)]
     if not passed:
         return None
     if how == "on":
         return passed[0]
-    q, k, v, pos = _timing_inputs(device, dtype, heads, kv_heads, d)
-    mask = PositionMask(pos.cpu(), k.shape[2], dtype, device, device_pos=pos)  # made once, as fusion's layers share it
-    sdpa_s = _seconds(lambda: fused_pass_attention(q, k, v, mask), device)
-    timed = {c: _seconds(functools.partial(position_attention, q, k, v, pos, None, c), device) for c in passed}
+    sdpa_s = 0.0
+    timed = dict.fromkeys(passed, 0.0)
+    for rows, slots in _TIMING_SHAPES:
+        q, k, v, pos = _timing_inputs(device, dtype, heads, kv_heads, d, rows, slots)
+        mask = PositionMask(pos.cpu(), slots, dtype, device, device_pos=pos)  # made once: fusion's layers share it
+        sdpa_s += _seconds(functools.partial(fused_pass_attention, q, k, v, mask), device)
+        for c in passed:
+            timed[c] += _seconds(functools.partial(position_attention, q, k, v, pos, None, c), device)
     best = min(timed, key=lambda c: timed[c])
     what = ", ".join(
-        f"{c.block_m}x{c.block_n}/{c.num_warps}w/{c.num_stages}s {t * 1e3:.2f} ms" for c, t in timed.items()
+        f"{c.block_m}x{c.block_n}/{c.num_warps}w/{c.num_stages}s {s * 1e3:.2f} ms" for c, s in timed.items()
     )
     take = timed[best] < sdpa_s
     logger.info(
-        "ragkv's attention kernel on %s (%s, %d/%d heads, D %d), %d rows over %d slots: %s; SDPA with the mask "
-        "%.2f ms: fusion's attention %s",
+        "ragkv's attention kernel on %s (%s, %d/%d heads, D %d), summed over %s (rows x slots): %s; SDPA with "
+        "the mask %.2f ms: fusion's attention %s",
         device,
         dtype,
         heads,
         kv_heads,
         d,
-        q.shape[2],
-        k.shape[2],
+        " and ".join(f"{r} x {n}" for r, n in _TIMING_SHAPES),
         what,
         sdpa_s * 1e3,
         "uses the kernel" if take else "stays with torch",
@@ -268,18 +314,16 @@ def _choose(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
     return best if take else None
 
 
-# A recompute-like timing call: its rows a fifth of the slots, spread over them (the choice's shape).
-_TIMING_SLOTS = 8192
-_TIMING_SHARE = 5
+# Recompute-like timing calls, (rows, slots): rows a fifth of the slots, spread over them.
+_TIMING_SHAPES = ((1638, 8192), (6553, 32768))
 
 
 def _timing_inputs(
-    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, d: int
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, d: int, rows: int, slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    slots = _TIMING_SLOTS
     gen = torch.Generator().manual_seed(0)
-    pos = torch.sort(torch.randperm(slots, generator=gen)[: slots // _TIMING_SHARE]).values
-    q = torch.randn((1, pos.numel(), heads, d), generator=gen).to(dtype).to(device).transpose(1, 2)
+    pos = torch.sort(torch.randperm(slots, generator=gen)[:rows]).values
+    q = torch.randn((1, rows, heads, d), generator=gen).to(dtype).to(device).transpose(1, 2)
     k = torch.randn((1, kv_heads, slots, d), generator=gen).to(dtype).to(device)
     v = torch.randn((1, kv_heads, slots, d), generator=gen).to(dtype).to(device)
     return q, k, v, pos.to(device)
@@ -304,34 +348,56 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5) -
     return statistics.median(times)
 
 
+def rounding_excess(
+    got: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor
+) -> float:
+    """How far ``got`` (the kernel's output for the call) is from an fp32 reference, row by row, in units of
+    what rounding allows that row: its error over twice SDPA's own error on the same half-precision
+    inputs plus one ulp of the row's largest output. At most 1 is within rounding; NaN for a NaN.
+    Row by row, so that a long row's error is not hidden by a short row's larger outputs."""
+    want = masked_reference(query.float(), key.float(), value.float(), positions)  # [1, q, Hq, D]
+    sdpa = masked_reference(query, key, value, positions).float()
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.abs().amax(dim=(0, 2, 3))
+
+    allowed = 2 * per_row(sdpa - want) + torch.finfo(query.dtype).eps * per_row(want)
+    return float((per_row(got.float() - want) / allowed).max())
+
+
+def _check_positions(rows: int, slots: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Two sets of query slots: in no order with the first and last slot among them, and as a recompute
+    has them, distinct and sorted (its first tiles end after a step or two over the keys)."""
+    scattered = torch.cat([torch.tensor([slots - 1, 0]), torch.randint(0, slots, (rows - 2,), generator=gen)])
+    recompute = torch.sort(torch.randperm(slots, generator=gen)[:rows]).values
+    return [scattered, recompute]
+
+
 def _check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, d: int, config: Config) -> bool:
-    """The kernel with ``config`` against an fp32 reference on ``device``: True where its largest error is
-    within twice SDPA's own on the same half-precision inputs (plus one ulp of the output's scale).
-    Rows in no order, the first and last slot among them, more rows than one tile and fewer than two,
-    keys in a buffer longer than the slots. False (logged) where it differs or fails to compile or run."""
+    """The kernel with ``config`` against an fp32 reference on ``device``: True where every row is within
+    rounding (:func:`rounding_excess` at most 1). More rows than one tile and fewer than two, keys in a
+    buffer longer than the slots, the slots of :func:`_check_positions`. False (logged) where it
+    differs or fails to compile or run."""
     gen = torch.Generator().manual_seed(0)
-    slots, rows = 203, config.block_m + 5
-    pos = torch.cat([torch.tensor([slots - 1, 0]), torch.randint(0, slots, (rows - 2,), generator=gen)])
+    rows = config.block_m + 5
+    slots = 2 * rows + 7
     q = torch.randn((1, rows, heads, d), generator=gen).to(dtype).to(device).transpose(1, 2)
     buf = torch.randn((2, 1, kv_heads, slots + 29, d), generator=gen).to(dtype).to(device)
     k, v = buf[0, :, :, :slots], buf[1, :, :, :slots]
-    dev_pos = pos.to(device)
-    want = masked_reference(q.float(), k.float(), v.float(), dev_pos, None)
-    sdpa_err = (masked_reference(q, k, v, dev_pos, None).float() - want).abs().max().item()
-    try:
-        got = position_attention(q, k, v, dev_pos, None, config)
-    except Exception as e:  # a Triton that cannot compile these tiles for this device, say
-        logger.warning("ragkv's Triton attention kernel (%s) failed on %s: %s", config, device, e)
-        return False
-    err = (got.float() - want).abs().max().item()
-    bound = 2 * sdpa_err + torch.finfo(dtype).eps * want.abs().max().item()
-    if not err <= bound:  # NaN fails too
-        logger.info(
-            "ragkv's Triton attention kernel (%s) is off by %.3g on %s (SDPA by %.3g): not used",
-            config,
-            err,
-            device,
-            sdpa_err,
-        )
-        return False
+    for pos in _check_positions(rows, slots, gen):
+        dev_pos = pos.to(device)
+        try:
+            got = position_attention(q, k, v, dev_pos, None, config)
+        except Exception as e:  # a Triton that cannot compile these tiles for this device, say
+            logger.warning("ragkv's Triton attention kernel (%s) failed on %s: %s", config, device, e)
+            return False
+        excess = rounding_excess(got, q, k, v, dev_pos)
+        if not excess <= 1:  # NaN fails too
+            logger.info(
+                "ragkv's Triton attention kernel (%s) is off by %.3g times rounding on %s: not used",
+                config,
+                excess,
+                device,
+            )
+            return False
     return True

@@ -398,8 +398,8 @@ def _dispatcher(base: str) -> Callable[..., Any]:
         steer: Steer = kwargs.pop(STEER_KWARG, None) or _RELAYED.get() or PLAIN
         native = _native_takes(steer, module, query, key, value, kwargs)  # ragkv's CPU kernel, from the positions
         if isinstance(attention_mask, PositionMask):  # a fused pass's mask, made here as the call needs it
-            kernel = attention_mask.kernel  # a GPU's, from the positions: no mask at all
-            if not native and kernel is not None and _plain_call(steer, attention_mask, query, key, kwargs):
+            kernel = None if native or args else attention_mask.kernel  # a GPU's, from the positions: no mask
+            if kernel is not None and _plain_call(steer, attention_mask, query, key, kwargs):
                 out = kernel(query, key, value, attention_mask.device_positions(), kwargs.get("scaling"))
                 if out is not None:
                     return out, None
