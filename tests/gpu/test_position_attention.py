@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from ragkv.fusion import FusedContext
 from ragkv.gpu import attention as gattn
 from ragkv.model import attention as attention_module
 from ragkv.model import load_model
@@ -293,36 +295,44 @@ def test_the_dispatcher_asks_the_kernel_only_for_a_plain_pass_and_falls_back_whe
     assert asked == [6, 6]
 
 
+def _two_fusions(a, monkeypatch, use: Callable[[int], None]) -> tuple[FusedContext, FusedContext, int]:
+    """``small_prompt``'s fusion after ``use(0)`` (the kernel off) and after ``use(1)`` (on), and how many
+    calls the kernel got."""
+    from ragkv.fusion import FusionConfig, FusionInput, fuse
+    from ragkv.gpu import graphs
+    from tests.gpu.test_graphs import small_prompt
+
+    calls = []
+    real = gattn.position_attention
+    monkeypatch.setattr(gattn, "position_attention", lambda *args: calls.append(1) or real(*args))
+    prefix, chunks, chunk_ids, question = small_prompt(a)
+    out = []
+    try:
+        for on in (0, 1):
+            use(on)
+            out.append(
+                fuse(a, FusionInput(prefix, chunks, chunk_ids, question), FusionConfig(ratio=0.3), prefill_suffix=True)
+            )
+    finally:
+        graphs._MODELS.clear()
+    return out[0], out[1], len(calls)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("graphs_setting", ["0", "eager"], ids=["layers", "replayed"])
 def test_a_fusion_through_the_kernel_selects_as_one_through_torch(tiny_tokenizer, monkeypatch, family, graphs_setting):
     """The recompute's attention by the kernel or by SDPA with the mask (fp16, head dim 64; through the
     model's layers or its replayed parts): the same tokens selected, the logits within rounding."""
-    from ragkv.fusion import FusionConfig, FusionInput, fuse
-    from ragkv.gpu import graphs
-    from tests.gpu.test_graphs import small_prompt
-
     monkeypatch.setattr(gattn, "_CHOICES", {})
     monkeypatch.setenv(gattn.ENV, "1")
     monkeypatch.delenv("RAGKV_TRITON", raising=False)
     monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", graphs_setting)
     a = _adapter(tiny_tokenizer, family, torch.float16)
     monkeypatch.setattr(a, "scattered", lambda pos: PLAIN)  # the GPU's path: no native CPU kernel
-    calls = []
-    real = gattn.position_attention
-    monkeypatch.setattr(gattn, "position_attention", lambda *args: calls.append(1) or real(*args))
-    prefix, chunks, chunk_ids, question = small_prompt(a)
-    out = {}
-    try:
-        for devices in (("cuda",), ("cuda", "cpu")):
-            monkeypatch.setattr(gattn, "_DEVICES", devices)
-            out[devices] = fuse(
-                a, FusionInput(prefix, chunks, chunk_ids, question), FusionConfig(ratio=0.3), prefill_suffix=True
-            )
-    finally:
-        graphs._MODELS.clear()
-    torch_path, kernel_path = out.values()
-    assert len(calls) > a.spec.num_layers  # the check's call, then the recompute's layers
+    torch_path, kernel_path, calls = _two_fusions(
+        a, monkeypatch, lambda on: monkeypatch.setattr(gattn, "_DEVICES", ("cuda", "cpu") if on else ("cuda",))
+    )
+    assert calls > a.spec.num_layers  # the check's call, then the recompute's layers
     assert torch.equal(torch_path.selected, kernel_path.selected)
     torch.testing.assert_close(kernel_path.suffix_logits, torch_path.suffix_logits, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(kernel_path.cache.layers[1].keys, torch_path.cache.layers[1].keys, atol=2e-2, rtol=2e-2)
@@ -378,29 +388,13 @@ def test_on_cuda_the_kernel_is_within_rounding_of_sdpa(dtype, config):
 @cuda
 @pytest.mark.gpu
 def test_on_cuda_a_fusion_through_the_kernel_selects_as_one_through_torch(tiny_tokenizer, monkeypatch):
-    from ragkv.fusion import FusionConfig, FusionInput, fuse
-    from ragkv.gpu import graphs
-    from tests.gpu.test_graphs import small_prompt
-
     monkeypatch.setattr(gattn, "_CHOICES", {})
     monkeypatch.delenv("RAGKV_TRITON", raising=False)
     model = make_model("llama", len(tiny_tokenizer), head_dim=64)
     a = load_model((model, tiny_tokenizer), dtype=torch.bfloat16, device="cuda")
     monkeypatch.setenv(gattn.ENV, "1")
     assert gattn.attention_kernel(a) is not None  # its check passed on this device
-    calls = []
-    real = gattn.position_attention
-    monkeypatch.setattr(gattn, "position_attention", lambda *args: calls.append(1) or real(*args))
-    prefix, chunks, chunk_ids, question = small_prompt(a)
-    out = {}
-    try:
-        for setting in ("0", "1"):
-            monkeypatch.setenv(gattn.ENV, setting)
-            out[setting] = fuse(
-                a, FusionInput(prefix, chunks, chunk_ids, question), FusionConfig(ratio=0.3), prefill_suffix=True
-            )
-    finally:
-        graphs._MODELS.clear()
-    assert len(calls) >= a.spec.num_layers  # the recompute's layers went through the kernel
-    assert torch.equal(out["0"].selected, out["1"].selected)
-    torch.testing.assert_close(out["1"].suffix_logits, out["0"].suffix_logits, atol=5e-2, rtol=5e-2)
+    torch_path, kernel_path, calls = _two_fusions(a, monkeypatch, lambda on: monkeypatch.setenv(gattn.ENV, str(on)))
+    assert calls >= a.spec.num_layers  # the recompute's layers went through the kernel
+    assert torch.equal(torch_path.selected, kernel_path.selected)
+    torch.testing.assert_close(kernel_path.suffix_logits, torch_path.suffix_logits, atol=5e-2, rtol=5e-2)
