@@ -5,16 +5,20 @@
 Prints the largest allocations made during one fused request from the device tier (with the
 Python frames that made them; the layers replayed as CUDA graphs allocate nothing there: their
 pool is ``ragkv bench gpu``'s "graphs GiB"), the operators that synchronize the host with the device (``item``,
-``nonzero``, device-to-host copies) in the question probe and in a whole fused request, and the
-probe's operators by host time. Needs a CUDA device.
+``nonzero``, device-to-host copies) in the question probe and in a whole fused request, the
+probe's operators by host time, and a whole fused request's device time by kernel and by where in
+the code it was launched (ragkv's line and the innermost Python line: a norm, the MLP, the
+attention, the selection's bookkeeping). Needs a CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 from pathlib import Path
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from ragkv.bench import gpu as g
@@ -27,6 +31,50 @@ _SYNCING = ("aten::item", "aten::_local_scalar_dense", "aten::nonzero", "cudaStr
 def _frames(event: dict) -> str:
     frames = [f for f in event.get("frames", []) if str(f.get("filename", "")).endswith(".py")]
     return " <- ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:7])
+
+
+def by_source(events: list, attr: str = "self_device_time_total") -> collections.Counter[tuple[str, str]]:
+    """Each operator's own ``attr`` time (us) summed by where it was called: the innermost frame in ragkv's
+    code and the innermost Python frame (a modeling file's norm, MLP or attention, say). Operators on
+    the host only (each kernel's device time counts with the operator that launched it); needs a
+    profile recorded with Python stacks (``with_stack=True`` and a verbose experimental config)."""
+    from torch.autograd import DeviceType
+
+    totals: collections.Counter[tuple[str, str]] = collections.Counter()
+    for ev in events:
+        t = getattr(ev, attr, 0) or 0
+        if t <= 0 or ev.device_type != DeviceType.CPU:
+            continue
+        frames = [_short(f) for f in ev.stack if ".py(" in f]
+        ours = next((f for f in frames if f.startswith("ragkv/")), "-")
+        inner = next((f for f in frames if not f.startswith("torch/")), "-")  # past torch's own modules
+        totals[(ours, inner)] += t
+    return totals
+
+
+def _short(frame: str) -> str:
+    """A frame from its package on: ``/x/site-packages/transformers/...`` as ``transformers/...``."""
+    frame = frame.replace("\\", "/")
+    for root in ("ragkv/", "transformers/", "torch/"):
+        if frame.startswith(root):
+            return frame
+        at = frame.rfind("/" + root)
+        if at >= 0:
+            return frame[at + 1 :]
+    return frame
+
+
+def _print_by_source(prof: profile, top: int = 22) -> None:
+    totals = by_source(prof.events())
+    whole = sum(totals.values())
+    print(f"--- fused: device time by where it was launched (ms; {whole / 1e3:.1f} in all)")
+    files: collections.Counter[str] = collections.Counter()
+    for (ours, _), t in totals.items():
+        files[ours.split("(")[0]] += t
+    for name, t in files.most_common(12):
+        print(f"  {t / 1e3:8.2f}  {name}")
+    for (ours, inner), t in totals.most_common(top):
+        print(f"  {t / 1e3:8.2f}  {ours}  <-  {inner}")
 
 
 def main() -> None:
@@ -56,7 +104,10 @@ def main() -> None:
         print(f"{e['size'] / 2**20:10.1f} MiB  {_frames(e)}")
     feed = g._feed(a, prefix, chunks, len(p.question))
     for name, fn in (("probe", lambda: g._probe(a, feed, p)), ("fused", lambda: g._fused(a, prefix, chunks, p, cfg))):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stacks = name == "fused"  # where its device time was launched: Python stacks (verbose, or none are kept)
+        config = _ExperimentalConfig(verbose=True) if stacks else None
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities, with_stack=stacks, experimental_config=config) as prof:
             fn()
             torch.cuda.synchronize()
         rows = prof.key_averages()
@@ -74,6 +125,7 @@ def main() -> None:
                 print(rows.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=48))
             except (KeyError, AttributeError, ValueError):
                 print(rows.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=48))
+            _print_by_source(prof)
         if name == "probe":
             prof.export_chrome_trace(str(args.out / f"{name}.json"))
 
