@@ -53,21 +53,25 @@ def by_source(events: list, attr: str = "self_device_time_total") -> collections
 
 
 def _short(frame: str) -> str:
-    """A frame from its package on: ``/x/site-packages/transformers/...`` as ``transformers/...``."""
+    """A frame from its package on: ``/x/site-packages/transformers/...`` as ``transformers/...`` (the
+    root found last in the path: a checkout named ragkv with a venv inside stays torch's)."""
     frame = frame.replace("\\", "/")
-    for root in ("ragkv/", "transformers/", "torch/"):
-        if frame.startswith(root):
-            return frame
-        at = frame.rfind("/" + root)
-        if at >= 0:
-            return frame[at + 1 :]
-    return frame
+    if frame.startswith(("ragkv/", "transformers/", "torch/")):
+        return frame
+    at = max(frame.rfind("/" + root) for root in ("ragkv/", "transformers/", "torch/"))
+    return frame[at + 1 :] if at >= 0 else frame
 
 
 def _print_by_source(prof: profile, top: int = 22) -> None:
+    from torch.autograd import DeviceType
+
     totals = by_source(prof.events())
     whole = sum(totals.values())
-    print(f"--- fused: device time by where it was launched (ms; {whole / 1e3:.1f} in all)")
+    kernels = sum(ev.device_time_total for ev in prof.events() if ev.device_type == DeviceType.CUDA)
+    print(
+        f"--- fused: device time by where it was launched (ms; {whole / 1e3:.1f} attributed, {kernels / 1e3:.1f} "
+        "in the device's kernels: the rest ran outside an operator, as CUDA graph replays do)"
+    )
     files: collections.Counter[str] = collections.Counter()
     for (ours, _), t in totals.items():
         files[ours.split("(")[0]] += t

@@ -6,18 +6,20 @@ block of rows at a time at long contexts, and SDPA with an arbitrary mask comput
 block covers: at 16K tokens of Llama-3.1-8B's shape the recompute's attention took 84 ms on an
 H100, the largest part of the recompute (docs/benchmarks.md, "GPU"), and its masks move 7.4 GB.
 :func:`position_attention` is a flash kernel that reads each row's position instead: no mask, and
-each tile of rows walks the key slots only up to its last row's position, so a recompute whose
-rows are spread over the context does about half the work of a mask over every slot (what the
-CPU's native kernel, ``ragkv.model.native_attention``, does there).
+each tile of rows walks the key slots only up to its last row's position (what the CPU's native
+kernel, ``ragkv.model.native_attention``, does there). At Llama-3.1-8B's shape a default fusion's
+recompute attention then does 0.66 of the work of SDPA with fusion's masks at 16K tokens and 0.91
+at 32K, where the masks' blocks of rows already cut most of it; within 7% of the causal minimum
+(``experiments/attention_work.py``).
 
 It is within rounding of SDPA's output, not bit for bit (a flash kernel orders its sums by tile,
 as SDPA's own kernels do, differently): checked on each device against an fp32 reference, with
 an error bound set by what SDPA itself makes on the same inputs (:func:`_check`).
 
 Whether fusion uses it (:func:`attention_kernel`), per device, dtype and head layout:
-``RAGKV_ATTENTION_KERNEL`` ``auto`` (the default) times it against SDPA with the mask on a
-recompute-like call and keeps the faster (:func:`_choose`, once; logged); ``1`` uses it wherever
-it passes the check; ``0`` never. ``RAGKV_TRITON=0`` switches it off with ragkv's other kernels.
+``RAGKV_ATTENTION_KERNEL`` ``auto`` (the default) times it against SDPA with the mask on two
+recompute-like calls and keeps it where faster (:func:`_choose`, once; logged); ``1`` uses it
+wherever it passes the check; ``0`` never. ``RAGKV_TRITON=0`` switches it off with ragkv's other kernels.
 """
 
 from __future__ import annotations
@@ -42,9 +44,19 @@ from ragkv.model.masks import PositionKernel, PositionMask
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV", "Config", "attention_kernel", "fits", "masked_reference", "mode", "position_attention"]
+__all__ = [
+    "ENV",
+    "PROFILED_NAME",
+    "Config",
+    "attention_kernel",
+    "fits",
+    "masked_reference",
+    "mode",
+    "position_attention",
+]
 
 ENV = "RAGKV_ATTENTION_KERNEL"
+PROFILED_NAME = "ragkv::position_attention"  # the kernel's launches, as torch's profiler lists them
 Mode = Literal["auto", "on", "off"]
 _LOG2E = 1.4426950408889634
 _HEAD_DIMS = (64, 128)  # a power of two the kernel's tiles take, and shared memory holds on an H100
@@ -148,7 +160,9 @@ def position_attention(
     cfg = config or (_INTERPRETED if interpret else _CUDA_CONFIGS[0])
     sm_scale = float(scale) if scale is not None else d**-0.5
     on_device = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
-    with on_device:  # Triton launches on the current device: the tensors' one
+    # Triton launches on the current device (the tensors' one), outside any ATen operator: named for a
+    # profiler (experiments/gpu_profile.py counts device time by the operator that launched it)
+    with on_device, torch.profiler.record_function(PROFILED_NAME):
         _kernel(interpret)[(-(-rows // cfg.block_m), hq)](  # type: ignore[index]
             query,
             key,
@@ -215,17 +229,23 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     if cfg is None:
         return None
     layout = (s.num_heads, s.num_kv_heads, s.head_dim)
+    device_index = adapter.device.index if adapter.device.index is not None else _current_index(adapter.device)
 
     def run(
         query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float | None
     ) -> torch.Tensor | None:
         if _CHOICES.get(key) is None or (query.shape[1], k.shape[1], query.shape[3]) != layout:
             return None  # another head layout would compile, unchecked, in the middle of a request
-        if not fits(query, k, v, positions):
+        if query.dtype != adapter.dtype or query.device != positions.device or not fits(query, k, v, positions):
             return None
+        if query.device.type == "cuda" and query.device.index not in (None, device_index):
+            return None  # a model split over GPUs: the others were not checked
         try:
             return position_attention(query, k, v, positions, scale, cfg)
         except Exception as e:  # Triton's own errors included: this call and later ones go through torch
+            if _is_oom(e):  # this call only: torch's path for it may still fit
+                logger.warning("ragkv's Triton attention kernel ran out of device memory: this call goes through torch")
+                return None
             logger.warning("ragkv's Triton attention kernel failed (%s): fusion's attention goes through torch", e)
             with _LOCK:
                 _CHOICES[key] = None
@@ -234,38 +254,64 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     return run
 
 
+def _current_index(device: torch.device) -> int | None:
+    """The index a device named without one stands for (CUDA's current device), None elsewhere."""
+    return torch.cuda.current_device() if device.type == "cuda" else None
+
+
 def _choice(key: _Key) -> Config | None:
-    """The choice for ``key``, made once (under the key's own lock: other layouts and devices go on)."""
+    """The choice for ``key``, made once by the first thread to ask; a thread that asks while another is
+    making it goes through torch meanwhile (a choice compiles and times for a second or two). After
+    running out of device memory it is tried again 30 s later, and only with room for its timing calls
+    (:data:`_CHOICE_ROOM` free on the device): its temporaries are not taken beside a full device."""
     with _LOCK:
         if key in _CHOICES:
             return _CHOICES[key]
-        if time.monotonic() < _OOM_UNTIL.get(key, 0.0):
+        retry = key in _OOM_UNTIL
+        if retry and time.monotonic() < _OOM_UNTIL[key]:
             return None
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
-    with lock:
+    device, dtype, heads, kv_heads, d, how = key
+    if retry and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < _CHOICE_ROOM:
         with _LOCK:
-            if key in _CHOICES:  # made by another thread while this one waited
+            _OOM_UNTIL[key] = time.monotonic() + _OOM_RETRY_S
+        return None
+    if not lock.acquire(blocking=False):
+        return None
+    try:
+        with _LOCK:
+            if key in _CHOICES:  # made by another thread meanwhile
                 return _CHOICES[key]
-        device, dtype, heads, kv_heads, d, how = key
         try:
             cfg = _choose(device, dtype, heads, kv_heads, d, how)  # type: ignore[arg-type]
-        except torch.OutOfMemoryError as e:
-            logger.warning(
-                "ragkv's attention kernel: out of device memory while checking it on %s (%s); fusion's attention "
-                "goes through torch, and the kernel is tried again in %.0f s",
-                device,
-                e,
-                _OOM_RETRY_S,
-            )
-            with _LOCK:
-                _OOM_UNTIL[key] = time.monotonic() + _OOM_RETRY_S
-            return None
         except Exception as e:  # noqa: BLE001 - a choice that cannot be made keeps torch; the request goes on
+            if _is_oom(e):
+                logger.warning(
+                    "ragkv's attention kernel: out of device memory while checking it on %s (%s); fusion's "
+                    "attention goes through torch, and the kernel is tried again in %.0f s",
+                    device,
+                    e,
+                    _OOM_RETRY_S,
+                )
+                with _LOCK:
+                    _OOM_UNTIL[key] = time.monotonic() + _OOM_RETRY_S
+                return None
             logger.warning("ragkv's attention kernel could not be checked on %s (%s): fusion keeps torch", device, e)
             cfg = None
         with _LOCK:
             _CHOICES[key] = cfg
         return cfg
+    finally:
+        lock.release()
+
+
+_CHOICE_ROOM = 2 << 30  # bytes free on the device for a retried choice's timing calls (they take up to ~1 GB)
+
+
+def _is_oom(e: BaseException) -> bool:
+    """Whether ``e`` says the device ran out of memory: torch's error, or Triton's, cuBLAS' or cuDNN's
+    (plain RuntimeErrors naming it)."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def _choose(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, d: int, how: Mode) -> Config | None:
@@ -277,38 +323,40 @@ def _choose(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int,
     is made by blocks of rows, as at long contexts) against what fusion runs for them without the
     kernel (``ragkv.model.attention.fused_pass_attention``: SDPA with the mask, the key and value
     heads shared where torch has a fused kernel for that; a model whose attention is the modeling
-    file's eager one would be slower still), and keeps the tiling with the least time over both,
-    where that is less than SDPA's."""
+    file's eager one would be slower still), and keeps the tiling whose time over SDPA's has the
+    least geometric mean over the two shapes (each counts alike: the longer call's time would
+    decide a sum), where that mean is under 1."""
     configs = _CUDA_CONFIGS if device.type == "cuda" else (_INTERPRETED,)
+    if how == "on":  # the first tiling that passes: no other is compiled
+        return next((c for c in configs if _check(device, dtype, heads, kv_heads, d, c)), None)
     passed = [c for c in configs if _check(device, dtype, heads, kv_heads, d, c)]
     if not passed:
         return None
-    if how == "on":
-        return passed[0]
-    sdpa_s = 0.0
-    timed = dict.fromkeys(passed, 0.0)
+    ratios: dict[Config, list[float]] = {c: [] for c in passed}  # the kernel's time over SDPA's, per shape
+    shown = []
     for rows, slots in _TIMING_SHAPES:
         q, k, v, pos = _timing_inputs(device, dtype, heads, kv_heads, d, rows, slots)
         mask = PositionMask(pos.cpu(), slots, dtype, device, device_pos=pos)  # made once: fusion's layers share it
-        sdpa_s += _seconds(functools.partial(fused_pass_attention, q, k, v, mask), device)
+        sdpa_s = _seconds(functools.partial(fused_pass_attention, q, k, v, mask), device)
+        times = []
         for c in passed:
-            timed[c] += _seconds(functools.partial(position_attention, q, k, v, pos, None, c), device)
-    best = min(timed, key=lambda c: timed[c])
-    what = ", ".join(
-        f"{c.block_m}x{c.block_n}/{c.num_warps}w/{c.num_stages}s {s * 1e3:.2f} ms" for c, s in timed.items()
-    )
-    take = timed[best] < sdpa_s
+            t = _seconds(functools.partial(position_attention, q, k, v, pos, None, c), device)
+            ratios[c].append(t / sdpa_s)
+            times.append(f"{c.block_m}x{c.block_n}/{c.num_warps}w/{c.num_stages}s {t * 1e3:.2f}")
+        shown.append(f"{rows} rows over {slots} slots: SDPA with the mask {sdpa_s * 1e3:.2f} ms, {', '.join(times)}")
+    score = {c: statistics.geometric_mean(r) for c, r in ratios.items()}  # each shape counts alike
+    best = min(score, key=lambda c: score[c])
+    take = score[best] < 1
     logger.info(
-        "ragkv's attention kernel on %s (%s, %d/%d heads, D %d), summed over %s (rows x slots): %s; SDPA with "
-        "the mask %.2f ms: fusion's attention %s",
+        "ragkv's attention kernel on %s (%s, %d/%d heads, D %d): %s; the best tiling takes %.2f of SDPA's time "
+        "(geometric mean over the shapes): fusion's attention %s",
         device,
         dtype,
         heads,
         kv_heads,
         d,
-        " and ".join(f"{r} x {n}" for r, n in _TIMING_SHAPES),
-        what,
-        sdpa_s * 1e3,
+        "; ".join(shown),
+        score[best],
         "uses the kernel" if take else "stays with torch",
     )
     return best if take else None
@@ -389,6 +437,8 @@ def _check(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, 
         try:
             got = position_attention(q, k, v, dev_pos, None, config)
         except Exception as e:  # a Triton that cannot compile these tiles for this device, say
+            if _is_oom(e):
+                raise  # no verdict on the kernel: the choice is tried again later
             logger.warning("ragkv's Triton attention kernel (%s) failed on %s: %s", config, device, e)
             return False
         excess = rounding_excess(got, q, k, v, dev_pos)

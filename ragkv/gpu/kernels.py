@@ -127,7 +127,7 @@ def scale_mask(raw: torch.Tensor, scale: float, mask: torch.Tensor) -> torch.Ten
     interpret = raw.device.type != "cuda"
     block = 1024
     on_device = torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext()
-    with on_device:
+    with on_device, torch.profiler.record_function("ragkv::scale_mask"):  # named for a profiler
         _scale_mask_kernel(interpret)[(rows, triton.cdiv(slots, block))](
             raw.view(torch.int16) if bf16 else raw,
             mask,
@@ -244,7 +244,7 @@ def turn_keys_(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> Non
     kernel = _turn_kernel(interpret)
     # Triton launches on the current device: the keys' (a model on cuda:1 while cuda:0 is current)
     on_device = torch.cuda.device(k.device) if k.is_cuda else contextlib.nullcontext()
-    with on_device:
+    with on_device, torch.profiler.record_function("ragkv::turn_keys_"):  # named for a profiler
         kernel[(heads, triton.cdiv(rows, _BLOCK))](
             target,
             cos_d,

@@ -196,33 +196,76 @@ def test_a_kernel_failing_its_check_keeps_torch(tiny_tokenizer, monkeypatch, fre
     assert "ptxas fatal" in caplog.text
 
 
-def test_a_choice_out_of_device_memory_keeps_torch_and_is_tried_again_later(
-    tiny_tokenizer, monkeypatch, fresh_choices, caplog
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB"),
+        RuntimeError("Triton Error [CUDA]: out of memory"),  # Triton's (and cuBLAS') are RuntimeErrors
+    ],
+    ids=["torch", "triton"],
+)
+def test_a_choice_out_of_device_memory_keeps_torch_and_is_tried_again_30_s_later(
+    tiny_tokenizer, monkeypatch, fresh_choices, caplog, error
 ):
     a = _adapter(tiny_tokenizer)
     monkeypatch.setattr(gattn, "_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(gattn, "_OOM_UNTIL", {})
     monkeypatch.setenv(gattn.ENV, "1")
+    now = [1000.0]
+    monkeypatch.setattr(gattn.time, "monotonic", lambda: now[0])
     tries = []
 
     def out_of_memory(*args):
         tries.append(1)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 MiB")
+        raise error
 
     monkeypatch.setattr(gattn, "_choose", out_of_memory)
     assert gattn.attention_kernel(a) is None and gattn.attention_kernel(a) is None
     assert len(tries) == 1 and "tried again in 30 s" in caplog.text  # not at every step
-    monkeypatch.setattr(gattn, "_OOM_RETRY_S", 0.0)
-    monkeypatch.setattr(gattn, "_OOM_UNTIL", {})
+    now[0] += 29.0
+    assert gattn.attention_kernel(a) is None and len(tries) == 1
+    now[0] += 2.0
     monkeypatch.setattr(gattn, "_choose", lambda *args: gattn._INTERPRETED)
-    assert gattn.attention_kernel(a) is not None  # memory back: checked again
-    monkeypatch.setattr(gattn, "_CHOICES", {})
+    assert gattn.attention_kernel(a) is not None  # 30 s on: checked again
+
+
+def test_a_choice_that_fails_otherwise_keeps_torch_for_good(tiny_tokenizer, monkeypatch, fresh_choices, caplog):
+    a = _adapter(tiny_tokenizer)
+    monkeypatch.setattr(gattn, "_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv(gattn.ENV, "1")
+    tries = []
 
     def fails(*args):
+        tries.append(1)
         raise RuntimeError("CUDA error: misaligned address")
 
     monkeypatch.setattr(gattn, "_choose", fails)
-    assert gattn.attention_kernel(a) is None and "could not be checked" in caplog.text
+    assert gattn.attention_kernel(a) is None and gattn.attention_kernel(a) is None
+    assert len(tries) == 1 and "could not be checked" in caplog.text
+
+
+def test_while_one_thread_makes_the_choice_others_go_through_torch(tiny_tokenizer, monkeypatch, fresh_choices):
+    import threading
+
+    a = _adapter(tiny_tokenizer)
+    monkeypatch.setattr(gattn, "_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv(gattn.ENV, "1")
+    started, release = threading.Event(), threading.Event()
+
+    def slow(*args):
+        started.set()
+        release.wait(30)
+        return gattn._INTERPRETED
+
+    monkeypatch.setattr(gattn, "_choose", slow)
+    got = []
+    chooser = threading.Thread(target=lambda: got.append(gattn.attention_kernel(a)))
+    chooser.start()
+    assert started.wait(30)
+    assert gattn.attention_kernel(a) is None  # not waiting for it
+    release.set()
+    chooser.join(30)
+    assert got and got[0] is not None and gattn.attention_kernel(a) is not None
 
 
 def test_the_kernel_takes_only_the_head_layout_it_was_checked_for(tiny_tokenizer, monkeypatch, fresh_choices):
@@ -266,7 +309,7 @@ def test_the_mask_keeps_a_kernel_only_for_positions_inside_the_slots():
 
 def test_the_dispatcher_asks_the_kernel_only_for_a_plain_pass_and_falls_back_when_it_declines():
     """The kernel gets a prefill pass's call over exactly the mask's rows and slots; a probe, decode rows
-    riding along, a window, dropout or another row count do not get it. A kernel that
+    riding along, a window, dropout, positional arguments or another row count do not get it. A kernel that
     returns None leaves the call to the mask's path, whose output is what SDPA with the mask gives."""
     q, k, v, pos = _inputs(torch.bfloat16, 4, 2, 64, 6, 30)
     asked: list[int] = []
@@ -291,6 +334,7 @@ def test_the_dispatcher_asks_the_kernel_only_for_a_plain_pass_and_falls_back_whe
     for kwargs in ({"sliding_window": 8}, {"dropout": 0.1}):  # (SDPA itself refuses soft-capping)
         fn(module, q, k, v, mask, ragkv_steer=steer, scaling=None, **kwargs)
     assert not attention_module._plain_call(steer, mask, q[:, :, :5], k, {})  # rows the mask was not made for
+    fn(module, q, k, v, mask, 0.0, ragkv_steer=steer)  # a positional argument (dropout) it would drop
     fn(module, q, k, v, mask, ragkv_steer=Steer(kind="decode"), scaling=None)
     assert asked == [6, 6]
 
@@ -329,10 +373,12 @@ def test_a_fusion_through_the_kernel_selects_as_one_through_torch(tiny_tokenizer
     monkeypatch.setenv("RAGKV_RECOMPUTE_GRAPHS", graphs_setting)
     a = _adapter(tiny_tokenizer, family, torch.float16)
     monkeypatch.setattr(a, "scattered", lambda pos: PLAIN)  # the GPU's path: no native CPU kernel
+    monkeypatch.setattr(gattn, "_DEVICES", ("cuda", "cpu"))
+    assert gattn.attention_kernel(a) is not None  # checked before the calls are counted
     torch_path, kernel_path, calls = _two_fusions(
         a, monkeypatch, lambda on: monkeypatch.setattr(gattn, "_DEVICES", ("cuda", "cpu") if on else ("cuda",))
     )
-    assert calls > a.spec.num_layers  # the check's call, then the recompute's layers
+    assert calls >= a.spec.num_layers  # every recompute layer's attention
     assert torch.equal(torch_path.selected, kernel_path.selected)
     torch.testing.assert_close(kernel_path.suffix_logits, torch_path.suffix_logits, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(kernel_path.cache.layers[1].keys, torch_path.cache.layers[1].keys, atol=2e-2, rtol=2e-2)
