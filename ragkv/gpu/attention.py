@@ -160,9 +160,7 @@ def position_attention(
     cfg = config or (_INTERPRETED if interpret else _CUDA_CONFIGS[0])
     sm_scale = float(scale) if scale is not None else d**-0.5
     on_device = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
-    # Triton launches on the current device (the tensors' one), outside any ATen operator: named for a
-    # profiler (experiments/gpu_profile.py counts device time by the operator that launched it)
-    with on_device, torch.profiler.record_function(PROFILED_NAME):
+    with on_device, kernels.profiled(PROFILED_NAME):  # Triton launches on the current device: the tensors' one
         _kernel(interpret)[(-(-rows // cfg.block_m), hq)](  # type: ignore[index]
             query,
             key,

@@ -36,6 +36,7 @@ __all__ = [
     "LAUNCH_OPTIONS",
     "enabled",
     "fits",
+    "profiled",
     "probe_scale_mask",
     "scale_mask",
     "scale_mask_fits",
@@ -47,6 +48,15 @@ _BLOCK = 32  # rows of keys per program
 # Compile options of every launch: no fused multiply-add, so that each product is rounded to fp32 as
 # torch's separate kernels round it (a GPU compiler contracts ``a * b + c`` by default).
 LAUNCH_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[object]:
+    """A Triton launch named ``name`` for torch's profiler, while one records: launches run outside any
+    ATen operator, and ``experiments/gpu_profile.py`` counts device time by the operator that launched
+    it. Nothing otherwise (``record_function`` costs about 12 us a call even with no profiler)."""
+    if torch.autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 @functools.cache
@@ -127,7 +137,7 @@ def scale_mask(raw: torch.Tensor, scale: float, mask: torch.Tensor) -> torch.Ten
     interpret = raw.device.type != "cuda"
     block = 1024
     on_device = torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext()
-    with on_device, torch.profiler.record_function("ragkv::scale_mask"):  # named for a profiler
+    with on_device, profiled("ragkv::scale_mask"):
         _scale_mask_kernel(interpret)[(rows, triton.cdiv(slots, block))](
             raw.view(torch.int16) if bf16 else raw,
             mask,
@@ -244,7 +254,7 @@ def turn_keys_(k: torch.Tensor, cos_d: torch.Tensor, sin_d: torch.Tensor) -> Non
     kernel = _turn_kernel(interpret)
     # Triton launches on the current device: the keys' (a model on cuda:1 while cuda:0 is current)
     on_device = torch.cuda.device(k.device) if k.is_cuda else contextlib.nullcontext()
-    with on_device, torch.profiler.record_function("ragkv::turn_keys_"):  # named for a profiler
+    with on_device, profiled("ragkv::turn_keys_"):
         kernel[(heads, triton.cdiv(rows, _BLOCK))](
             target,
             cos_d,

@@ -461,3 +461,17 @@ def test_on_cuda_scale_mask_gives_torchs_scores_bit_for_bit_and_the_probe_takes_
     got = kernels.scale_mask(raw, 128**-0.5, mask).view(1, 32, 32, 16000)
     assert torch.equal(_bits(got), _bits(want))
     assert kernels.probe_scale_mask(raw.device) is not None
+
+
+def test_launches_are_named_for_a_profiler_only_while_one_records():
+    """Triton launches run outside any ATen operator: named (``record_function``) while torch's profiler
+    records, so that ``experiments/gpu_profile.py`` can tell where their device time went; nothing
+    otherwise (``record_function`` costs about 12 us a call even then)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    assert isinstance(kernels.profiled("ragkv::turn_keys_"), contextlib.nullcontext)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, kernels.profiled("ragkv::turn_keys_"):
+        torch.ones(3).add_(1)
+    assert any(ev.name == "ragkv::turn_keys_" for ev in prof.events())
