@@ -266,13 +266,13 @@ def _choice(key: _Key) -> Config | None:
         if key in _CHOICES:
             return _CHOICES[key]
         retry = key in _OOM_UNTIL
-        if retry and time.monotonic() < _OOM_UNTIL[key]:
+        if retry and _now() < _OOM_UNTIL[key]:
             return None
         lock = _KEY_LOCKS.setdefault(key, threading.Lock())
     device, dtype, heads, kv_heads, d, how = key
     if retry and device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < _CHOICE_ROOM:
         with _LOCK:
-            _OOM_UNTIL[key] = time.monotonic() + _OOM_RETRY_S
+            _OOM_UNTIL[key] = _now() + _OOM_RETRY_S
         return None
     if not lock.acquire(blocking=False):
         return None
@@ -292,7 +292,7 @@ def _choice(key: _Key) -> Config | None:
                     _OOM_RETRY_S,
                 )
                 with _LOCK:
-                    _OOM_UNTIL[key] = time.monotonic() + _OOM_RETRY_S
+                    _OOM_UNTIL[key] = _now() + _OOM_RETRY_S
                 return None
             logger.warning("ragkv's attention kernel could not be checked on %s (%s): fusion keeps torch", device, e)
             cfg = None
@@ -301,6 +301,11 @@ def _choice(key: _Key) -> Config | None:
         return cfg
     finally:
         lock.release()
+
+
+def _now() -> float:
+    """The clock the retries after running out of memory are timed by (monotonic seconds)."""
+    return time.monotonic()
 
 
 _CHOICE_ROOM = 2 << 30  # bytes free on the device for a retried choice's timing calls (they take up to ~1 GB)

@@ -212,7 +212,7 @@ def test_a_choice_out_of_device_memory_keeps_torch_and_is_tried_again_30_s_later
     monkeypatch.setattr(gattn, "_OOM_UNTIL", {})
     monkeypatch.setenv(gattn.ENV, "1")
     now = [1000.0]
-    monkeypatch.setattr(gattn.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(gattn, "_now", lambda: now[0])
     tries = []
 
     def out_of_memory(*args):
