@@ -72,7 +72,7 @@ class Config:
     num_stages: int
 
 
-# Tried on a GPU by the timed choice, the first that compiles taken where the choice is not timed.
+# Tried on a GPU by the timed choice; where it is not timed (``1``), the first that passes its check.
 # The FlashAttention-2 tiles Triton's fused-attention tutorial tunes among for an H100 (head dim 128).
 _CUDA_CONFIGS = (Config(128, 64, 8, 3), Config(64, 64, 4, 3), Config(128, 128, 8, 2))
 _INTERPRETED = Config(16, 16, 1, 1)  # Triton's interpreter (a CPU's tensors: tests): small tiles are fast there
@@ -104,9 +104,9 @@ def _kernel(interpret: bool) -> object:
     with knobs.runtime.scope():
         knobs.runtime.interpret = interpret
         # rows and the scale change with every call: not specialized (a row count of 1, or one divisible
-        # by 16, would be a kind of its own, compiled in the middle of a request). The strides are
-        # specialized (their divisibility by 16 lets the loads vectorize): for one model they are the
-        # same in every call (head_dim and the buffer's slots times it), compiled once.
+        # by 16, would be a kind of its own, compiled in the middle of a request). The strides are: what
+        # Triton specializes on is their divisibility by 16 (it lets the loads vectorize), which every
+        # call has (multiples of head_dim), so one compiled kernel serves them all.
         return triton.jit(source, do_not_specialize=["rows", "scale"])
 
 
@@ -214,8 +214,9 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     ``RAGKV_ATTENTION_KERNEL=0``, its check failed on this device, or (``auto``) SDPA was faster.
     Decided once per device, dtype and head layout (:func:`_choose`); a choice that runs out of
     device memory keeps torch and is tried again 30 s later, any other failure keeps torch (logged).
-    The kernel then takes calls of that head layout only. A launch that fails in a request sends
-    that call and later ones through torch (logged). Wrong settings raise ValueError."""
+    The kernel then takes calls of that dtype, head layout and device only. A launch that fails in a
+    request sends that call and later ones through torch (out of memory: that call only; logged).
+    Wrong settings raise ValueError."""
     if adapter.device.type not in _DEVICES or not kernels.enabled():
         return None
     how = mode()
@@ -226,7 +227,7 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     cfg = _choice(key)
     if cfg is None:
         return None
-    layout = (s.num_heads, s.num_kv_heads, s.head_dim)
+    layout, dtype = (s.num_heads, s.num_kv_heads, s.head_dim), adapter.dtype
     device_index = adapter.device.index if adapter.device.index is not None else _current_index(adapter.device)
 
     def run(
@@ -234,7 +235,7 @@ def attention_kernel(adapter: ModelAdapter) -> PositionKernel | None:
     ) -> torch.Tensor | None:
         if _CHOICES.get(key) is None or (query.shape[1], k.shape[1], query.shape[3]) != layout:
             return None  # another head layout would compile, unchecked, in the middle of a request
-        if query.dtype != adapter.dtype or query.device != positions.device or not fits(query, k, v, positions):
+        if query.dtype != dtype or query.device != positions.device or not fits(query, k, v, positions):
             return None
         if query.device.type == "cuda" and query.device.index not in (None, device_index):
             return None  # a model split over GPUs: the others were not checked
