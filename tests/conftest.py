@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def make_model(family: str, vocab_size: int, seed: int = 0, **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    kw = dict(
+    kw: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -348,7 +349,12 @@ def _two_fusions(a, monkeypatch, use: Callable[[int], None]) -> tuple[FusedConte
 
     calls = []
     real = gattn.position_attention
-    monkeypatch.setattr(gattn, "position_attention", lambda *args: calls.append(1) or real(*args))
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(gattn, "position_attention", counted)
     prefix, chunks, chunk_ids, question = small_prompt(a)
     out = []
     try:
