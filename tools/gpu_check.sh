@@ -39,7 +39,12 @@ export PYTHONPATH=$RUN:$SITE PYTHONNOUSERSITE=1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-timeout "${BENCH_TIMEOUT:-280}" "$PY" -m ragkv.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/bench.log"
+# 16K first: the headline row is measured even if the time limit stops the run at 32K
+# (rows print as they are measured; a --contexts among the arguments wins; --tiny keeps its own)
+order=(--contexts 16384,4096,32768)
+case " $* " in *" --tiny "*) order=() ;; esac
+timeout "${BENCH_TIMEOUT:-280}" "$PY" -m ragkv.bench.gpu --json "$OUT/gpu.json" "${order[@]}" "$@" 2>&1 |
+  tee "$OUT/bench.log"
 timeout "${TEST_TIMEOUT:-180}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/model/test_lean.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
 timeout "${DECODE_TIMEOUT:-45}" "$PY" experiments/decode_threads.py --workers 1,8 --repeats 3 2>&1 | tee "$OUT/decode_threads.txt"

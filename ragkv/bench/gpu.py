@@ -54,8 +54,10 @@ the device tier, the tier's chunks). The layer graphs of every row bucket are ca
 timing, as ``ragkv serve`` does at its start; replays allocate nothing, so their memory (static
 buffers and the pool of their temporaries: the reserved memory the captures added) is a column
 of its own, "graphs GiB", not in the peaks. KL is the first answer token's distribution, fused against
-full prefill (a random model: a check that fusion ran, not a quality figure). Without CUDA the
-command refuses, unless ``--tiny``.
+full prefill (a random model: a check that fusion ran, not a quality figure). Each row's JSON
+(printed as it is measured) also gives ``elapsed_s``, the seconds since the measurements began,
+and stderr the setup's (chunks stored, kernels checked, graphs captured), to size a lent device's
+run. Without CUDA the command refuses, unless ``--tiny``.
 """
 
 from __future__ import annotations
@@ -305,6 +307,7 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One table row per context length (see the module docstring); ``measured`` hears the rows so
     far after each one."""
+    start = time.perf_counter()
     spec = CodecSpec(*_codec_spec(args.codec))
     longest = _prompt(a.spec.vocab_size, max(contexts), args.chunk)
     prefix = a.prefill_kv(longest.prefix)
@@ -320,6 +323,8 @@ def measure(
         del kv
     rates = device_rates(a.device)
     graphs_gib = _capture_graphs(a)
+    setup_s = time.perf_counter() - start  # said on stderr: it sizes a lent device's run
+    print(f"ragkv bench gpu: chunks stored, kernels checked, graphs captured after {setup_s:.0f} s", file=sys.stderr)
     rows = []
     for context in contexts:
         n = len(_prompt(a.spec.vocab_size, context, args.chunk).chunks)
@@ -327,7 +332,7 @@ def measure(
         config = FusionConfig(method=args.method, ratio=args.ratio)
         int8 = None if compact is None else compact[:n]
         row = _row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates, int8)
-        rows.append({**row, "graphs_gib": graphs_gib})
+        rows.append({**row, "graphs_gib": graphs_gib, "elapsed_s": time.perf_counter() - start})
         if measured is not None:
             measured(rows)
     return rows
@@ -576,13 +581,17 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     )
     print(head, flush=True)
 
-    def measured(rows: list[dict[str, Any]]) -> None:
-        # each row as soon as it is measured: a run stopped by its time limit keeps what it measured
-        print("row: " + json.dumps(rows[-1]), flush=True)
+    def save(rows: list[dict[str, Any]]) -> None:
         if args.json is not None:
             args.json.write_text(json.dumps({"device": name, "setup": head, "rows": rows}, indent=1) + "\n")
 
-    rows = measure(a, contexts, args, measured)
+    def measured(rows: list[dict[str, Any]]) -> None:
+        # each row as soon as it is measured: a run stopped by its time limit keeps what it measured
+        print("row: " + json.dumps(rows[-1]), flush=True)
+        save(rows)
+
+    rows = sorted(measure(a, contexts, args, measured), key=lambda r: r["tokens"])  # the table by length
+    save(rows)
     print(format_table(rows, COLUMNS))
     return rows
 
