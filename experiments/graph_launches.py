@@ -13,7 +13,7 @@ on a tiny random model of the family (the count does not depend on the widths):
   each replay counted as one launch, as a graph launch is one).
 
 The attention runs torch's SDPA here, as on a GPU (ragkv's CPU attention kernel is switched off).
-No timing: the counts are exact and the same on any machine. docs/benchmarks.md ("GPU") quotes them.
+No timing: the counts are exact and the same on any machine. docs/gpu.md ("The question probe") quotes them.
 """
 
 from __future__ import annotations

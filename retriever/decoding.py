@@ -46,7 +46,7 @@ DEFAULT_WORKERS = max(1, min(8, _cores() // 2))
 def default_workers(device_type: str) -> int:
     """The decode threads a request gets by default for a model on ``device_type`` ("cuda", "cpu",
     ...): :data:`DEFAULT_WORKERS` on a GPU; 1 elsewhere, where decodes would compete with torch's
-    own threads for no measured gain (docs/benchmarks.md, "GPU")."""
+    own threads for no measured gain (docs/gpu.md, "Decode threads")."""
     return DEFAULT_WORKERS if device_type == "cuda" else 1
 
 

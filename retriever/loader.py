@@ -81,7 +81,7 @@ class ChunkLoader:
         decode_workers: threads that decode a request's chunks side by side (1: on the query
             thread, one after another). None: half the cores, 1 to 8, for a model on a GPU; 1 for a
             model on the CPU, whose decodes would compete with torch's own threads for no measured
-            gain (``ragkv.retriever.decoding``, docs/benchmarks.md "GPU").
+            gain (``ragkv.retriever.decoding``, docs/gpu.md "Decode threads").
     """
 
     def __init__(
