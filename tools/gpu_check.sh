@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # (rows print as they are measured; a --contexts among the arguments wins; --tiny keeps its own)
 order=(--contexts 16384,4096,32768)
 case " $* " in *" --tiny "*) order=() ;; esac
-timeout "${BENCH_TIMEOUT:-280}" "$PY" -m ragkv.bench.gpu --json "$OUT/gpu.json" "${order[@]}" "$@" 2>&1 |
+timeout "${BENCH_TIMEOUT:-280}" "$PY" -m ragkv.bench.gpu --json "$OUT/gpu.json" ${order[@]+"${order[@]}"} "$@" 2>&1 |
   tee "$OUT/bench.log"
 timeout "${TEST_TIMEOUT:-180}" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
   tests/gpu tests/model/test_gpu.py tests/model/test_lean.py tests/codec/test_roundtrip.py 2>&1 | tee "$OUT/tests.log" | tail -40
