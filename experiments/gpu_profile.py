@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._C._profiler import _ExperimentalConfig
@@ -81,6 +83,18 @@ def _print_by_source(prof: profile, top: int = 22) -> None:
         print(f"  {t / 1e3:8.2f}  {ours}  <-  {inner}")
 
 
+def _recorded(fn: Callable[[], object], stacks: bool) -> tuple[profile, Any]:
+    """``fn`` profiled on the host and the device (with Python stacks if ``stacks``), and its
+    operators' averages (reading the events back is where a profile can fail)."""
+    config = _ExperimentalConfig(verbose=True) if stacks else None  # verbose, or no stacks are kept
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks, experimental_config=config
+    ) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof, prof.key_averages()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=16384)
@@ -109,12 +123,12 @@ def main() -> None:
     feed = g._feed(a, prefix, chunks, len(p.question))
     for name, fn in (("probe", lambda: g._probe(a, feed, p)), ("fused", lambda: g._fused(a, prefix, chunks, p, cfg))):
         stacks = name == "fused"  # where its device time was launched: Python stacks (verbose, or none are kept)
-        config = _ExperimentalConfig(verbose=True) if stacks else None
-        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        with profile(activities=activities, with_stack=stacks, experimental_config=config) as prof:
-            fn()
-            torch.cuda.synchronize()
-        rows = prof.key_averages()
+        try:
+            prof, rows = _recorded(fn, stacks)
+        except UnicodeDecodeError as e:  # torch's profiler once named an event in bytes that are not UTF-8
+            print(f"--- {name}: the profile with Python stacks could not be read back ({e}); again without them")
+            prof, rows = _recorded(fn, stacks=False)
+            stacks = False
         print(f"--- {name}: syncing operators (count, host ms)")
         for r in rows:
             if r.key in _SYNCING:
@@ -129,7 +143,8 @@ def main() -> None:
                 print(rows.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=48))
             except (KeyError, AttributeError, ValueError):
                 print(rows.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=48))
-            _print_by_source(prof)
+            if stacks:
+                _print_by_source(prof)
         if name == "probe":
             prof.export_chrome_trace(str(args.out / f"{name}.json"))
 
