@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,12 +88,21 @@ def _recorded(fn: Callable[[], object], stacks: bool) -> tuple[profile, Any]:
     """``fn`` profiled on the host and the device (with Python stacks if ``stacks``), and its
     operators' averages (reading the events back is where a profile can fail)."""
     config = _ExperimentalConfig(verbose=True) if stacks else None  # verbose, or no stacks are kept
-    with profile(
-        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks, experimental_config=config
-    ) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return prof, prof.key_averages()
+    # The Python tracer keeps pointers into code objects' names and reads them only when the events
+    # are read back: a code object freed in between (a garbage collection of an older function's)
+    # leaves a name of freed bytes (pytorch/pytorch#64345, ROCm/aiter#4623). No collection runs
+    # until the events are read; ``main`` warms up first, so no code is generated in the profile.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks, experimental_config=config
+        ) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return prof, prof.key_averages()
+    finally:
+        gc.enable()
 
 
 def main() -> None:
@@ -125,7 +135,7 @@ def main() -> None:
         stacks = name == "fused"  # where its device time was launched: Python stacks (verbose, or none are kept)
         try:
             prof, rows = _recorded(fn, stacks)
-        except UnicodeDecodeError as e:  # torch's profiler once named an event in bytes that are not UTF-8
+        except UnicodeDecodeError as e:  # an event named by freed bytes all the same (see _recorded)
             print(f"--- {name}: the profile with Python stacks could not be read back ({e}); again without them")
             prof, rows = _recorded(fn, stacks=False)
             stacks = False

@@ -82,7 +82,7 @@ def test_a_comparison_that_fails_leaves_its_column_nan_and_the_table_whole(bench
 
 
 _PROFILE_SCRIPT = """
-import importlib.util, json, sys
+import gc, importlib.util, json, sys
 import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.autograd import DeviceType
@@ -98,9 +98,13 @@ p = bench._prompt(a.spec.vocab_size, 200, 32)
 prefix = a.prefill_kv(p.prefix)
 chunks = [a.prefill_kv(c, past=[prefix]) for c in p.chunks]
 config = _ExperimentalConfig(verbose=True)
+bench._fused(a, prefix, chunks, p, FusionConfig())  # warmed up: no code generated (and freed) in the profile
+gc.collect()
+gc.disable()  # nor a code object collected before the events are read back (as gpu_profile.py does)
 with profile(activities=[ProfilerActivity.CPU], with_stack=True, experimental_config=config) as prof:
     bench._fused(a, prefix, chunks, p, FusionConfig())
 totals = module.by_source(prof.events(), "self_cpu_time_total")
+gc.enable()
 own = sum(t for t in (ev.self_cpu_time_total for ev in prof.events() if ev.device_type == DeviceType.CPU) if t > 0)
 print(json.dumps({"where": [list(k) for k in totals], "total": sum(totals.values()), "own": own}))
 """
@@ -112,8 +116,11 @@ def test_the_profile_groups_a_fusions_time_by_where_it_was_launched(tmp_path) ->
     innermost Python line.
 
     In a process of its own, as the device run profiles: once in a full suite's long-lived process
-    torch's profiler gave an event a name that was not UTF-8 and failed to read its own events back
-    (``UnicodeDecodeError`` in ``_parse_kineto_results``), a fault of torch's, not of the grouping."""
+    torch's profiler failed to read its own events back (``UnicodeDecodeError`` in
+    ``_parse_kineto_results``): its Python tracer keeps pointers into code objects' names, so a
+    code object freed during the profile (most likely an earlier test's, by a garbage collection)
+    leaves a name of freed bytes. A fault of torch's, not of the
+    grouping; the profile here runs warmed up, with no collection until its events are read."""
     import subprocess
     import sys
     from pathlib import Path
