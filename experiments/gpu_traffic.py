@@ -1,6 +1,6 @@
 """Memory traffic of one default fusion at Llama-3.1-8B's shape, by kind of work, counted on the CPU.
 
-    python experiments/gpu_traffic.py [--context 16384] [--scale 8] [--hbm-gbs 2960]
+    python experiments/gpu_traffic.py [--context 16384] [--scale 4] [--hbm-gbs 2960] [--no-kernels | --no-attention-kernel]
 
 On a GPU the recompute took 2.3x the time its FLOPs need (docs/benchmarks.md, "GPU"): besides the
 matrix products and the attention, an eager decoder layer runs a dozen elementwise passes
@@ -23,7 +23,8 @@ are turned as ragkv's Triton kernel turns them on a GPU, one read of each key an
 one write, and the probe's scores are scaled and masked in one pass as its kernel does (both counted
 by hand; ``--no-kernels``: through torch, as with ``RAGKV_TRITON=0``). With the kernels the
 recompute's attention runs from the rows' positions as ``ragkv.gpu.attention``'s kernel does where
-its choice takes it, so no mask is made (without them: SDPA with fusion's masks). A product of a
+its choice takes it, so no mask is made (without them, or with ``--no-attention-kernel`` alone:
+SDPA with fusion's masks). A product of a
 half-precision and an fp32 tensor converts as it reads on a GPU; on the CPU torch makes an fp32
 temporary first, which this does not count. Whether a GPU's fused kernel shares the key heads of
 the blocked attention (``ragkv.model.attention._shares_heads``) is torch's choice there; the CPU's
@@ -166,6 +167,12 @@ def main() -> None:
         action="store_true",
         help="placement and the probe's scores through torch, not ragkv's Triton kernels (RAGKV_TRITON=0)",
     )
+    ap.add_argument(
+        "--no-attention-kernel",
+        action="store_true",
+        help="the recompute's attention through SDPA with fusion's masks (RAGKV_ATTENTION_KERNEL=0), the "
+        "other kernels kept",
+    )
     args = ap.parse_args()
     s = args.scale
     if s not in (1, 2, 4):
@@ -230,7 +237,8 @@ def main() -> None:
             finally:
                 traffic.paused = False
 
-        fusion.attention_kernel = lambda adapter: position_kernel  # type: ignore[assignment]
+        if not args.no_attention_kernel:
+            fusion.attention_kernel = lambda adapter: position_kernel  # type: ignore[assignment]
         probe_attention = attention._probe_attention
         attention._probe_attention = lambda *args: probe_attention(*args, scale_mask)  # type: ignore[assignment,call-arg]
     with torch.inference_mode():
