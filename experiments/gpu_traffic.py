@@ -1,6 +1,7 @@
 """Memory traffic of one default fusion at Llama-3.1-8B's shape, by kind of work, counted on the CPU.
 
-    python experiments/gpu_traffic.py [--context 16384] [--scale 4] [--hbm-gbs 2960] [--no-kernels | --no-attention-kernel]
+    python experiments/gpu_traffic.py [--context 16384] [--scale 4] [--hbm-gbs 2960]
+                                       [--no-kernels | --no-attention-kernel]
 
 On a GPU the recompute took 2.3x the time its FLOPs need (docs/benchmarks.md, "GPU"): besides the
 matrix products and the attention, an eager decoder layer runs a dozen elementwise passes
