@@ -57,7 +57,8 @@ of its own, "graphs GiB", not in the peaks. KL is the first answer token's distr
 full prefill (a random model: a check that fusion ran, not a quality figure). Each row's JSON
 (printed as it is measured) also gives ``elapsed_s``, the seconds since the measurements began,
 and stderr the setup's (chunks stored, kernels checked, graphs captured), to size a lent device's
-run. Without CUDA the command refuses, unless ``--tiny``.
+run; past ``--budget-s`` seconds the comparison columns are skipped (NaN), so that a run with a time
+limit still measures every row's main ones. Without CUDA the command refuses, unless ``--tiny``.
 """
 
 from __future__ import annotations
@@ -171,9 +172,15 @@ def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> tuple[f
     return best, peak, out
 
 
-def _optional(name: str, measure: Callable[[], tuple[float, float, Any]]) -> tuple[float, float, Any]:
+def _optional(
+    name: str, measure: Callable[[], tuple[float, float, Any]], deadline: float | None = None
+) -> tuple[float, float, Any]:
     """A measurement beside the table's main ones: NaN where it fails (said on stderr), so that one
-    comparison column cannot cost a lent device's run its whole table."""
+    comparison column cannot cost a lent device's run its whole table; NaN too, not run, once the
+    ``time.perf_counter()`` ``deadline`` (``--budget-s``) has passed."""
+    if deadline is not None and time.perf_counter() > deadline:
+        print(f"ragkv bench gpu: {name} skipped (past --budget-s); its column is nan", file=sys.stderr)
+        return math.nan, math.nan, None
     try:
         return measure()
     except Exception as e:  # noqa: BLE001 - any failure: the column is NaN, the run goes on
@@ -308,6 +315,7 @@ def measure(
     """One table row per context length (see the module docstring); ``measured`` hears the rows so
     far after each one."""
     start = time.perf_counter()
+    deadline = None if args.budget_s is None else start + args.budget_s  # for the comparison columns
     spec = CodecSpec(*_codec_spec(args.codec))
     longest = _prompt(a.spec.vocab_size, max(contexts), args.chunk)
     prefix = a.prefill_kv(longest.prefix)
@@ -331,7 +339,7 @@ def measure(
         p = _Prompt(longest.prefix, longest.chunks[:n], longest.question)
         config = FusionConfig(method=args.method, ratio=args.ratio)
         int8 = None if compact is None else compact[:n]
-        row = _row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates, int8)
+        row = _row(a, prefix, p, blobs[:n], spec, config, args.repeats, rates, int8, deadline)
         rows.append({**row, "graphs_gib": graphs_gib, "elapsed_s": time.perf_counter() - start})
         if measured is not None:
             measured(rows)
@@ -363,10 +371,16 @@ def _row(
     repeats: int,
     rates: tuple[float, float],
     int8_blobs: Sequence[bytes] | None = None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """The measurements of one prompt whose chunks are stored as ``blobs`` (and, for the int8
-    column, as ``int8_blobs``)."""
+    column, as ``int8_blobs``). Past ``deadline`` the comparison columns are NaN, not run (the
+    main ones, the pinned host's and the attention's always run)."""
     dev = a.device
+
+    def extra(name: str, measure: Callable[[], tuple[float, float, Any]]) -> tuple[float, float, Any]:
+        return _optional(name, measure, deadline)
+
     full_s, full_peak, full = _timed(lambda: _full_prefill(a, p), dev, repeats)
     host_s, host_peak, fused = _timed(lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config), dev, repeats)
     fused_logits = fused.suffix_logits[-1]
@@ -374,20 +388,19 @@ def _row(
     int8_s = math.nan  # fused from host memory, the chunks stored in int8
     if int8_blobs is not None:
         fn = lambda: _fused(a, prefix, _decode_all(int8_blobs, a, _INT8), p, config)  # noqa: E731
-        int8_s = _optional("from host, int8", lambda: _timed(fn, dev, repeats))[0]
+        int8_s = extra("from host, int8", lambda: _timed(fn, dev, repeats))[0]
     decode_s, _, decoded = _timed(lambda: _decode_all(blobs, a, spec), dev, repeats)
     # [0]: a result held past its timing (a feed is the whole context) would count in the next peak
     copy_s = _timed(lambda: _feed(a, prefix, decoded, len(p.question)), dev, repeats)[0]
     slab_s = _timed(lambda: _slab_copy(decoded), dev, repeats)[0]  # its host half: is staging bound by the host?
     threads = _split_threads(dev)
-    slab_threads_s = _optional(
-        "host slab on threads", lambda: _timed(lambda: _slab_copy(decoded, threads), dev, repeats)
-    )[0]
+    split_slab = lambda: _slab_copy(decoded, threads)  # noqa: E731
+    slab_threads_s = extra("host slab on threads", lambda: _timed(split_slab, dev, repeats))[0]
     host_threads_s = math.nan  # fused from host memory with the slab copies on that many threads
     if _stored_bytes(decoded):
         with mock.patch.dict(os.environ, {"RAGKV_STAGE_THREADS": str(threads)}):
             fn = lambda: _fused(a, prefix, _decode_all(blobs, a, spec), p, config)  # noqa: E731
-            host_threads_s = _optional("staging on threads", lambda: _timed(fn, dev, repeats))[0]
+            host_threads_s = extra("staging on threads", lambda: _timed(fn, dev, repeats))[0]
     # what a host tier of decoded chunks in page-locked memory would cost (no decode, no slab copy)
     pinned_s = pinned_copy_s = math.nan
     if dev.type == "cuda" and all(kv.keys.device.type == "cpu" for kv in decoded):
@@ -412,22 +425,22 @@ def _row(
             attention[setting] = _optional(f"device tier, {name}", lambda: _timed(tier_fused, dev, repeats))[0]
     place_s, _, feed = _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
     with mock.patch.dict(os.environ, {"RAGKV_TRITON": "0"}):  # keys turned through torch, not ragkv's kernel
-        place_torch_s = _optional(
+        place_torch_s = extra(
             "place, torch", lambda: _timed(lambda: _feed(a, prefix, tier, len(p.question)), dev, repeats)
         )[0]
     probe_s, _, _ = _timed(lambda: _probe(a, feed, p), dev, repeats)  # CUDA graphs where they run
     with mock.patch.dict(os.environ, {"RAGKV_TRITON": "0"}):  # its scores scaled and masked through torch
-        probe_torch_s = _optional("probe, torch", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
+        probe_torch_s = extra("probe, torch", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
     with mock.patch.dict(os.environ, {"RAGKV_PROBE_GRAPHS": "0"}):  # transformers' eager layers
-        probe_eager_s = _optional("probe eager", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
+        probe_eager_s = extra("probe eager", lambda: _timed(lambda: _probe(a, feed, p), dev, repeats))[0]
         with mock.patch.dict(os.environ, {"RAGKV_RECOMPUTE_GRAPHS": "0"}):  # the whole fusion eager
             fn = lambda: _fused(a, prefix, tier, p, config)  # noqa: E731
-            tier_eager_s = _optional("device tier eager", lambda: _timed(fn, dev, repeats))[0]
+            tier_eager_s = extra("device tier eager", lambda: _timed(fn, dev, repeats))[0]
 
     # the masks made whole up front, as before ragkv.model.masks: time and peak against the blocks
     with mock.patch.object(ModelAdapter, "position_mask", whole_mask):
         fn = lambda: _fused(a, prefix, tier, p, config)  # noqa: E731
-        whole_s, whole_peak, _ = _optional("whole masks", lambda: _timed(fn, dev, repeats))
+        whole_s, whole_peak, _ = extra("whole masks", lambda: _timed(fn, dev, repeats))
     kv_bytes = sum(kv.keys.numel() + kv.values.numel() for kv in tier) * tier[0].keys.element_size()
     tokens = len(p.prefix) + sum(len(c) for c in p.chunks) + len(p.question)
     recomputed = config.ratio * sum(len(c) for c in p.chunks) + len(p.question)
@@ -549,7 +562,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best is kept)")
     ap.add_argument("--tiny", action="store_true", help="a tiny config, on the CPU when there is no GPU")
     ap.add_argument("--json", type=Path, default=None, help="write the rows (and the device) here")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds after which the comparison columns (int8, staging on threads, the torch, eager and "
+        "whole-mask variants) are skipped, NaN, so that a time-limited run still measures every row's main "
+        "columns (default: no limit)",
+    )
     args = ap.parse_args(argv)
+    if args.budget_s is not None and not args.budget_s >= 0:
+        ap.error(f"--budget-s must be >= 0 seconds; got {args.budget_s}")
     args.contexts = args.contexts or ("512,1024" if args.tiny else "4096,16384,32768")
     args.chunk = args.chunk or (64 if args.tiny else 512)
     return args

@@ -81,6 +81,27 @@ def test_a_comparison_that_fails_leaves_its_column_nan_and_the_table_whole(bench
     assert "host slab on threads failed (RuntimeError: no thread for you)" in capsys.readouterr().err
 
 
+def test_past_its_budget_the_bench_skips_the_comparison_columns_only(bench, capsys) -> None:
+    """``--budget-s``: a time-limited device run still measures every row's main columns."""
+    extras = ("host_int8_ms", "slab_threads_gb_s", "host_threads_ms", "place_torch_ms", "probe_torch_ms")
+    extras += ("probe_eager_ms", "tier_eager_ms", "tier_whole_mask_ms", "tier_whole_mask_peak_gib")
+    main = ("full_ms", "host_ms", "tier_ms", "decode_ms", "copy_ms", "slab_gb_s", "place_ms", "probe_ms")
+    main += ("recompute_ms", "tier_sdpa_attention_ms")  # the attention's columns always run
+    (row,) = bench.main(["--tiny", "--contexts", "200", "--chunk", "32", "--repeats", "1", "--budget-s", "0"])
+    assert all(math.isnan(row[k]) for k in extras), {k: row[k] for k in extras}
+    assert all(math.isfinite(row[k]) for k in main), {k: row[k] for k in main}
+    err = capsys.readouterr().err
+    assert "whole masks skipped (past --budget-s)" in err and "probe eager skipped" in err
+    # a budget that has not run out skips nothing
+    (row,) = bench.main(["--tiny", "--contexts", "200", "--chunk", "32", "--repeats", "1", "--budget-s", "3600"])
+    assert all(math.isfinite(row[k]) for k in extras) and "skipped" not in capsys.readouterr().err
+
+
+def test_a_negative_budget_is_refused(bench) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tiny", "--budget-s", "-1"])
+
+
 _PROFILE_SCRIPT = """
 import gc, importlib.util, json, sys
 import torch
